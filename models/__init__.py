@@ -1,0 +1,32 @@
+"""Awareness models: Qwen3 decoders reading an encoder memory through gated cross-attention.
+
+Imports torch and transformers only (no ray, deepspeed or mlflow), so it runs anywhere.
+"""
+
+from models.awareness import AwarenessConfig, AwarenessModel, AwarenessOutput
+from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, gca_parameter_count
+from models.memory import MemoryEncoder
+from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
+from models.placement import resolve_gca_layers
+from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
+
+__all__ = [
+    "PAIRS",
+    "AwarenessConfig",
+    "AwarenessModel",
+    "AwarenessOutput",
+    "GCAMemory",
+    "GatedCrossAttention",
+    "LoraPlan",
+    "LoraSettings",
+    "MemoryEncoder",
+    "MemoryKV",
+    "PairSpec",
+    "apply_lora",
+    "build_pair",
+    "gca_parameter_count",
+    "get_pair",
+    "resolve_gca_layers",
+    "set_trainable",
+    "write_random_checkpoints",
+]

@@ -1,0 +1,351 @@
+"""AwarenessModel: a pretrained Qwen3 / Qwen3-MoE decoder that reads an encoder memory through GCA blocks."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.modeling_outputs import ModelOutput
+
+from models.gca import GatedCrossAttention, GCAMemory, MemoryReadingLayer
+from models.loading import load_decoder, load_encoder
+from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
+from models.placement import resolve_gca_layers
+from models.trainable import LoraPlan, apply_lora, is_added_parameter, merged_base_state_dict, set_trainable
+
+CONFIG_NAME = "awareness_config.json"
+WEIGHTS_NAME = "awareness.safetensors"
+
+
+@dataclass
+class AwarenessConfig:
+    """What `save_pretrained` records: the base checkpoints and how the model was built on top of them."""
+
+    decoder: str  # base decoder checkpoint directory (relative paths are relative to the saved directory)
+    encoder: str  # base encoder checkpoint directory
+    gca_layers: list[int]
+    encoder_attention: str = "causal"
+    gca_mlp: bool = False
+    lora: dict[str, Any] | None = None  # a LoraPlan as a dict, when adapters were injected
+    trainable: dict[str, str] = field(default_factory=lambda: {"decoder": "frozen", "encoder": "frozen", "gca": "full"})
+    format_version: int = 1
+
+    def save(self, directory: Path) -> None:
+        (directory / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> "AwarenessConfig":
+        path = directory / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{str(directory)!r} holds no {CONFIG_NAME}: pass a directory written by AwarenessModel.save_pretrained"
+            )
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class AwarenessOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: Any = None
+    gca_memory: GCAMemory | None = None
+    aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when the decoder reports it
+
+
+class AwarenessModel(nn.Module):
+    """Decoder + memory encoder + GCA blocks in `gca_layers` + a projection shared by all blocks.
+
+    Built from modules (see `from_pretrained_pair` and `models.pairs.build_pair` for the builders). At
+    construction the gates are 0, so the model computes exactly what the pretrained decoder computes, and only
+    the GCA blocks and the projection are trainable (`models.trainable.set_trainable` changes that).
+    """
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        memory_encoder: MemoryEncoder,
+        gca_layers: str | list[int] = "upper_third",
+        *,
+        gca_mlp: bool = False,
+        config: AwarenessConfig | None = None,
+    ):
+        super().__init__()
+        dcfg = decoder.config
+        self.decoder = decoder
+        self.memory_encoder = memory_encoder
+        self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers)
+        self.config = config or AwarenessConfig(
+            decoder=str(getattr(dcfg, "_name_or_path", "")),
+            encoder=str(getattr(memory_encoder.encoder.config, "_name_or_path", "")),
+            gca_layers=self.gca_layers,
+            encoder_attention=memory_encoder.attention,
+            gca_mlp=gca_mlp,
+        )
+        self.config.gca_layers = self.gca_layers
+        weight = decoder.get_input_embeddings().weight
+        with torch.device(weight.device):
+            self.memory_projection = (
+                nn.Linear(memory_encoder.hidden_size, dcfg.hidden_size, bias=False)
+                if memory_encoder.hidden_size != dcfg.hidden_size
+                else nn.Identity()
+            )
+            blocks = {i: _build_gca(dcfg, gca_mlp) for i in self.gca_layers}
+        self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02))
+        self.memory_projection.to(weight.dtype)
+        layers = decoder.model.layers
+        for i, block in blocks.items():
+            layers[i] = MemoryReadingLayer(layers[i], block.to(weight.dtype), i)
+        set_trainable(self, **self.config.trainable)
+
+    # ----------------------------------------------------------------------------------------------- building
+    @classmethod
+    def from_pretrained_pair(
+        cls,
+        decoder: str | Path,
+        encoder: str | Path,
+        *,
+        gca_layers: str | list[int] = "upper_third",
+        encoder_attention: EncoderAttention = "causal",
+        gca_mlp: bool = False,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> "AwarenessModel":
+        """Loads both base checkpoints through transformers' own classes and adds GCA blocks at 0."""
+        memory_encoder = MemoryEncoder(load_encoder(encoder, dtype=dtype, device=device), attention=encoder_attention)
+        base = load_decoder(decoder, dtype=dtype, device=device)
+        config = AwarenessConfig(
+            decoder=str(Path(decoder).expanduser().resolve()),
+            encoder=str(Path(encoder).expanduser().resolve()),
+            gca_layers=resolve_gca_layers(gca_layers, base.config.num_hidden_layers),
+            encoder_attention=encoder_attention,
+            gca_mlp=gca_mlp,
+        )
+        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, config=config)
+
+    @staticmethod
+    def _init_added(blocks: list[GatedCrossAttention], std: float) -> None:
+        for module in blocks:
+            for sub in module.modules():
+                if isinstance(sub, nn.Linear) and sub.weight.device.type != "meta":
+                    nn.init.normal_(sub.weight, std=std)
+                    if sub.bias is not None:
+                        nn.init.zeros_(sub.bias)
+
+    # -------------------------------------------------------------------------------------------- inspection
+    def gca_blocks(self) -> dict[int, GatedCrossAttention]:
+        return {i: self.decoder.model.layers[i].cross_attention for i in self.gca_layers}
+
+    def gate_values(self) -> dict[int, float]:
+        """|tanh(gate)| of each GCA layer's attention: how much each layer reads the memory."""
+        return {i: float(block.gate.detach().float().tanh().abs()) for i, block in self.gca_blocks().items()}
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.get_input_embeddings().weight.device
+
+    # ----------------------------------------------------------------------------------------------- memory
+    def encode_memory(self, memory_input_ids: torch.Tensor, memory_attention_mask: torch.Tensor | None = None):
+        """Encoder states (B, C*L, H_enc) and mask (B, C*L): what a memory store keeps and passes back as
+        `memory_states` (before the trained projection, so a frozen encoder's store stays valid while GCA trains)."""
+        return self.memory_encoder(memory_input_ids, memory_attention_mask)
+
+    def prepare_memory(
+        self,
+        memory_input_ids: torch.Tensor | None = None,
+        memory_attention_mask: torch.Tensor | None = None,
+        memory_states: torch.Tensor | None = None,
+        memory_states_mask: torch.Tensor | None = None,
+    ) -> GCAMemory | None:
+        """Encodes (or takes) the memory, projects it once, and computes every GCA layer's keys and values once."""
+        if memory_input_ids is not None and memory_states is not None:
+            raise ValueError("pass either memory_input_ids or memory_states, not both")
+        if memory_input_ids is None and memory_states is None:
+            return None
+        if memory_input_ids is not None:
+            states, mask = self.memory_encoder(memory_input_ids, memory_attention_mask)
+        else:
+            states, mask = self._check_memory_states(memory_states, memory_states_mask)
+        projected = self.memory_projection(states.to(self.memory_projection_dtype))  # (B, M, H_dec)
+        layers = {i: block.project_memory(projected, mask) for i, block in self.gca_blocks().items()}
+        return GCAMemory(layers=layers, states=projected, mask=mask)
+
+    @property
+    def memory_projection_dtype(self) -> torch.dtype:
+        return self.decoder.get_input_embeddings().weight.dtype
+
+    def _check_memory_states(self, states: torch.Tensor, mask: torch.Tensor | None):
+        if states.dim() != 3 or states.shape[-1] != self.memory_encoder.hidden_size:
+            raise ValueError(
+                f"memory_states must be (batch, memory_len, {self.memory_encoder.hidden_size}) encoder states as "
+                f"returned by encode_memory, got shape {tuple(states.shape)}"
+            )
+        if mask is None:
+            mask = torch.ones(states.shape[:2], dtype=torch.bool, device=states.device)
+        mask = mask.bool()
+        return states.masked_fill(~mask[..., None], 0.0), mask
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        memory_input_ids: torch.Tensor | None = None,
+        memory_attention_mask: torch.Tensor | None = None,
+        memory_states: torch.Tensor | None = None,
+        memory_states_mask: torch.Tensor | None = None,
+        gca_memory: GCAMemory | None = None,
+        labels: torch.Tensor | None = None,
+        **decoder_kwargs: Any,
+    ) -> AwarenessOutput:
+        """Like Qwen3ForCausalLM.forward, plus the memory; `gca_memory` reuses memory prepared earlier."""
+        if input_ids is not None:
+            _check_vocabulary(input_ids, self.decoder.config.vocab_size, "input_ids", "decoder")
+        if gca_memory is None:
+            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask)
+        out = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
+        )
+        return AwarenessOutput(
+            loss=out.loss,
+            logits=out.logits,
+            past_key_values=out.past_key_values,
+            gca_memory=gca_memory,
+            aux_loss=getattr(out, "aux_loss", None),
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        memory_input_ids: torch.Tensor | None = None,
+        memory_attention_mask: torch.Tensor | None = None,
+        memory_states: torch.Tensor | None = None,
+        memory_states_mask: torch.Tensor | None = None,
+        gca_memory: GCAMemory | None = None,
+        **generate_kwargs: Any,
+    ) -> torch.Tensor:
+        """transformers' generate (greedy, sampling, beam search) on the decoder, with the memory's keys/values
+        computed once here; expanded rows (beams, num_return_sequences) read their own row's memory."""
+        _check_vocabulary(input_ids, self.decoder.config.vocab_size, "input_ids", "decoder")
+        if gca_memory is None:
+            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask)
+        if gca_memory is not None and gca_memory.batch_size != input_ids.shape[0]:
+            raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
+        with _memory_keyword_accepted(self.decoder):
+            return self.decoder.generate(
+                input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs
+            )
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Checkpoints every decoder layer, GCA block and encoder layer (non-reentrant: the memory is a keyword)."""
+        kwargs = {"use_reentrant": False}
+        self.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.memory_encoder.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+    # ------------------------------------------------------------------------------------------- save / load
+    def save_pretrained(self, directory: str | Path, *, merged: bool = False) -> Path:
+        """Writes what training changed (GCA blocks, projection, LoRA adapters, and any base weight trained in
+        full) as safetensors, plus a config naming the base checkpoints. `merged=True` instead writes a standalone
+        directory: the decoder and encoder with LoRA merged in, as plain transformers checkpoints, beside the GCA
+        weights."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = AwarenessConfig(**asdict(self.config))
+        if merged:
+            self.decoder.save_pretrained(directory / "decoder", state_dict=merged_base_state_dict(self.decoder))
+            encoder = self.memory_encoder.encoder
+            encoder.save_pretrained(directory / "encoder", state_dict=merged_base_state_dict(encoder))
+            config.decoder, config.encoder, config.lora = "decoder", "encoder", None
+            config.trainable = {"decoder": "frozen", "encoder": "frozen", "gca": "full"}
+            state = {n: p for n, p in self.named_parameters() if is_added_parameter(n) and "lora_" not in n}
+        else:
+            state = {n: p for n, p in self.named_parameters() if is_added_parameter(n) or p.requires_grad}
+        save_file({n: p.detach().contiguous().cpu() for n, p in state.items()}, str(directory / WEIGHTS_NAME))
+        config.save(directory)
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        decoder: str | Path | None = None,
+        encoder: str | Path | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> "AwarenessModel":
+        """Rebuilds the model from its base checkpoints (override their paths with `decoder=`/`encoder=` when they
+        moved) and loads the saved weights over them."""
+        directory = Path(directory)
+        config = AwarenessConfig.load(directory)
+        model = cls.from_pretrained_pair(
+            decoder or _relative_to(directory, config.decoder),
+            encoder or _relative_to(directory, config.encoder),
+            gca_layers=config.gca_layers,
+            encoder_attention=config.encoder_attention,  # type: ignore[arg-type]
+            gca_mlp=config.gca_mlp,
+            dtype=dtype,
+            device=device,
+        )
+        if config.lora:
+            apply_lora(model, LoraPlan.from_dict(config.lora))
+        set_trainable(model, **config.trainable)
+        model.config.decoder, model.config.encoder = config.decoder, config.encoder
+        model.load_added_weights(directory / WEIGHTS_NAME)
+        return model
+
+    def load_added_weights(self, path: str | Path) -> None:
+        """Loads a saved awareness.safetensors; every GCA/projection/LoRA weight must be in it."""
+        state = load_file(str(path), device=str(self.device))
+        expected = {n for n, _ in self.named_parameters() if is_added_parameter(n)}
+        missing = sorted(expected - state.keys())
+        result = self.load_state_dict(state, strict=False)
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"{path} does not fit this model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]} "
+                f"(was it saved with other gca_layers, gca_mlp or LoRA settings?)"
+            )
+
+
+@contextmanager
+def _memory_keyword_accepted(decoder: nn.Module):
+    """transformers' generate() rejects model kwargs that forward() does not name (a typo check), but `gca_memory`
+    reaches the layers through forward's **kwargs; for the duration of one generate() call the check skips it."""
+    validate = decoder._validate_model_kwargs
+
+    def validate_without_memory(model_kwargs):
+        model_kwargs.pop("gca_memory", None)
+        return validate(model_kwargs)
+
+    decoder._validate_model_kwargs = validate_without_memory
+    try:
+        yield
+    finally:
+        del decoder._validate_model_kwargs
+
+
+def _build_gca(dcfg, gca_mlp: bool) -> GatedCrossAttention:
+    return GatedCrossAttention(
+        hidden_size=dcfg.hidden_size,
+        num_heads=dcfg.num_attention_heads,
+        num_kv_heads=dcfg.num_key_value_heads,
+        head_dim=getattr(dcfg, "head_dim", None) or dcfg.hidden_size // dcfg.num_attention_heads,
+        rms_norm_eps=dcfg.rms_norm_eps,
+        attention_bias=getattr(dcfg, "attention_bias", False),
+        mlp_intermediate_size=dcfg.intermediate_size if gca_mlp else None,
+        hidden_act=dcfg.hidden_act,
+    )
+
+
+def _relative_to(directory: Path, path: str) -> Path:
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else directory / candidate

@@ -1,0 +1,175 @@
+"""Named decoder/encoder pairs: presets are data (architecture, checkpoint names, published sizes)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from models.awareness import AwarenessModel
+from models.memory import MemoryEncoder
+
+CHECKPOINT_ROOT_ENV = "AWARENESS_CHECKPOINT_ROOT"
+
+_QWEN3 = dict(
+    model_type="qwen3", head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu",
+    attention_bias=False, max_position_embeddings=40960, initializer_range=0.02,
+)
+
+
+def _qwen3(**overrides: Any) -> dict[str, Any]:
+    return {**_QWEN3, "vocab_size": 151936, **overrides}
+
+
+def _embedding(**overrides: Any) -> dict[str, Any]:
+    return {**_QWEN3, "max_position_embeddings": 32768, "tie_word_embeddings": True, **overrides}
+
+
+# Architecture hyper-parameters of the published checkpoints' config.json files.
+QWEN3_0_6B = _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                    num_key_value_heads=8, tie_word_embeddings=True)
+QWEN3_1_7B = _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                    num_key_value_heads=8, tie_word_embeddings=True)
+QWEN3_4B = _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, tie_word_embeddings=True)
+QWEN3_8B = _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                  num_key_value_heads=8, tie_word_embeddings=False)
+QWEN3_30B_A3B = _qwen3(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                       num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                       num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[],
+                       tie_word_embeddings=False)
+QWEN3_EMBEDDING_0_6B = _embedding(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                  num_attention_heads=16, num_key_value_heads=8)
+QWEN3_EMBEDDING_4B = _embedding(vocab_size=151665, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                num_attention_heads=32, num_key_value_heads=8)
+QWEN3_EMBEDDING_8B = _embedding(vocab_size=151665, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                num_attention_heads=32, num_key_value_heads=8)
+
+# Random-weight pairs for tests and the embedded default. Like the real pairs, the encoder's vocabulary and width
+# differ from the decoder's, so id validation and the projection are always exercised.
+TINY_DECODER = _qwen3(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+TINY_MOE_DECODER = _qwen3(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                          norm_topk_prob=True, mlp_only_layers=[], max_position_embeddings=1024,
+                          tie_word_embeddings=False)
+TINY_ENCODER = _embedding(vocab_size=496, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """A decoder/encoder pair: the checkpoint directory names under a checkpoint root, and their architectures."""
+
+    name: str
+    decoder: str
+    encoder: str
+    decoder_config: dict[str, Any] = field(repr=False)
+    encoder_config: dict[str, Any] = field(repr=False)
+    published_params: tuple[float, float] | None = None  # (decoder, encoder) as the model cards state them
+    encoder_attention: str = "causal"  # Qwen3-Embedding was trained causally with last-token pooling
+    random_weights: bool = False  # tiny pairs: checkpoints are written from a seed, never downloaded
+
+
+PAIRS: dict[str, PairSpec] = {
+    spec.name: spec
+    for spec in (
+        PairSpec("tiny", "tiny-qwen3", "tiny-qwen3-encoder", TINY_DECODER, TINY_ENCODER, random_weights=True),
+        PairSpec("tiny-moe", "tiny-qwen3-moe", "tiny-qwen3-encoder", TINY_MOE_DECODER, TINY_ENCODER,
+                 random_weights=True),
+        PairSpec("proto1", "Qwen3-0.6B", "Qwen3-Embedding-0.6B", QWEN3_0_6B, QWEN3_EMBEDDING_0_6B, (0.6e9, 0.6e9)),
+        PairSpec("proto2", "Qwen3-1.7B", "Qwen3-Embedding-0.6B", QWEN3_1_7B, QWEN3_EMBEDDING_0_6B, (1.7e9, 0.6e9)),
+        PairSpec("dev", "Qwen3-4B", "Qwen3-Embedding-4B", QWEN3_4B, QWEN3_EMBEDDING_4B, (4.0e9, 4e9)),
+        PairSpec("scale", "Qwen3-8B", "Qwen3-Embedding-8B", QWEN3_8B, QWEN3_EMBEDDING_8B, (8.2e9, 8e9)),
+        PairSpec("prod", "Qwen3-30B-A3B", "Qwen3-Embedding-8B", QWEN3_30B_A3B, QWEN3_EMBEDDING_8B, (30.5e9, 8e9)),
+    )
+}
+
+
+def get_pair(name: str) -> PairSpec:
+    if name not in PAIRS:
+        raise ValueError(f"unknown pair {name!r}; known pairs: {', '.join(PAIRS)}")
+    return PAIRS[name]
+
+
+def decoder_config(spec: PairSpec) -> Qwen3Config | Qwen3MoeConfig:
+    fields = dict(spec.decoder_config)
+    cls = Qwen3MoeConfig if fields.pop("model_type") == "qwen3_moe" else Qwen3Config
+    return cls(**fields)
+
+
+def encoder_config(spec: PairSpec) -> Qwen3Config:
+    fields = dict(spec.encoder_config)
+    fields.pop("model_type")
+    return Qwen3Config(**fields)
+
+
+def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
+    """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints."""
+    root = Path(root)
+    decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
+    torch.manual_seed(seed)
+    dcfg = decoder_config(spec)
+    decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
+    if not (decoder_dir / "config.json").is_file():
+        decoder_cls(dcfg).save_pretrained(decoder_dir)
+    if not (encoder_dir / "config.json").is_file():
+        Qwen3Model(encoder_config(spec)).save_pretrained(encoder_dir)
+    return decoder_dir, encoder_dir
+
+
+def default_tiny_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "awareness" / "tiny-checkpoints-v1"
+
+
+def build_pair(
+    name: str,
+    *,
+    device: str | torch.device = "cpu",
+    checkpoint_root: str | Path | None = None,
+    gca_layers: str | list[int] = "upper_third",
+    encoder_attention: str | None = None,
+    gca_mlp: bool = False,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> AwarenessModel:
+    """Builds a named pair.
+
+    - device="meta": the real architecture without memory or weights (parameter counts, memory plans).
+    - otherwise the pair's checkpoints are loaded from `checkpoint_root` (or $AWARENESS_CHECKPOINT_ROOT), where
+      they live as `<root>/Qwen3-8B`, `<root>/Qwen3-Embedding-8B`, ...; tiny pairs write random checkpoints
+      there first (default root: ~/.cache/awareness), so they go through the same loading code as real ones.
+    """
+    spec = get_pair(name)
+    attention = encoder_attention or spec.encoder_attention
+    if torch.device(device).type == "meta":
+        return _build_on_meta(spec, gca_layers=gca_layers, encoder_attention=attention, gca_mlp=gca_mlp, dtype=dtype)
+    root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
+    if spec.random_weights:
+        decoder_dir, encoder_dir = write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
+    elif root is None:
+        raise ValueError(
+            f"pair {name!r} loads real weights: set {CHECKPOINT_ROOT_ENV} (or pass checkpoint_root=) to a directory "
+            f"holding {spec.decoder}/ and {spec.encoder}/; device='meta' builds the architecture without weights"
+        )
+    else:
+        decoder_dir, encoder_dir = Path(root) / spec.decoder, Path(root) / spec.encoder
+    return AwarenessModel.from_pretrained_pair(
+        decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
+        gca_mlp=gca_mlp, dtype=dtype, device=device,
+    )
+
+
+def _build_on_meta(spec: PairSpec, *, gca_layers, encoder_attention, gca_mlp, dtype) -> AwarenessModel:
+    dcfg = decoder_config(spec)
+    with torch.device("meta"):
+        decoder = (Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM)(dcfg)
+        encoder = Qwen3Model(encoder_config(spec))
+    if dtype is not None:
+        decoder, encoder = decoder.to(dtype), encoder.to(dtype)
+    return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp)
