@@ -17,7 +17,7 @@ from models.gca import GatedCrossAttention, GCAMemory, MemoryReadingLayer
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.placement import resolve_gca_layers
-from models.trainable import LoraPlan, apply_lora, is_added_parameter, merged_base_state_dict, set_trainable
+from models.trainable import LoraPlan, apply_lora, is_added_parameter, merged_state_dict, set_trainable
 
 CONFIG_NAME = "awareness_config.json"
 WEIGHTS_NAME = "awareness.safetensors"
@@ -261,12 +261,12 @@ class AwarenessModel(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         config = AwarenessConfig(**asdict(self.config))
         if merged:
-            self.decoder.save_pretrained(directory / "decoder", state_dict=merged_base_state_dict(self.decoder))
+            self.decoder.save_pretrained(directory / "decoder", state_dict=merged_state_dict(self.decoder, base_only=True))
             encoder = self.memory_encoder.encoder
-            encoder.save_pretrained(directory / "encoder", state_dict=merged_base_state_dict(encoder))
+            encoder.save_pretrained(directory / "encoder", state_dict=merged_state_dict(encoder, base_only=True))
             config.decoder, config.encoder, config.lora = "decoder", "encoder", None
             config.trainable = {"decoder": "frozen", "encoder": "frozen", "gca": "full"}
-            state = {n: p for n, p in self.named_parameters() if is_added_parameter(n) and "lora_" not in n}
+            state = merged_state_dict(self, base_only=False)
         else:
             state = {n: p for n, p in self.named_parameters() if is_added_parameter(n) or p.requires_grad}
         save_file({n: p.detach().contiguous().cpu() for n, p in state.items()}, str(directory / WEIGHTS_NAME))

@@ -71,7 +71,7 @@ class PairSpec:
     encoder: str
     decoder_config: dict[str, Any] = field(repr=False)
     encoder_config: dict[str, Any] = field(repr=False)
-    published_params: tuple[float, float] | None = None  # (decoder, encoder) as the model cards state them
+    published_params: tuple[str, str] | None = None  # (decoder, encoder) as the model cards state them, e.g. "8.2B"
     encoder_attention: str = "causal"  # Qwen3-Embedding was trained causally with last-token pooling
     random_weights: bool = False  # tiny pairs: checkpoints are written from a seed, never downloaded
 
@@ -82,11 +82,11 @@ PAIRS: dict[str, PairSpec] = {
         PairSpec("tiny", "tiny-qwen3", "tiny-qwen3-encoder", TINY_DECODER, TINY_ENCODER, random_weights=True),
         PairSpec("tiny-moe", "tiny-qwen3-moe", "tiny-qwen3-encoder", TINY_MOE_DECODER, TINY_ENCODER,
                  random_weights=True),
-        PairSpec("proto1", "Qwen3-0.6B", "Qwen3-Embedding-0.6B", QWEN3_0_6B, QWEN3_EMBEDDING_0_6B, (0.6e9, 0.6e9)),
-        PairSpec("proto2", "Qwen3-1.7B", "Qwen3-Embedding-0.6B", QWEN3_1_7B, QWEN3_EMBEDDING_0_6B, (1.7e9, 0.6e9)),
-        PairSpec("dev", "Qwen3-4B", "Qwen3-Embedding-4B", QWEN3_4B, QWEN3_EMBEDDING_4B, (4.0e9, 4e9)),
-        PairSpec("scale", "Qwen3-8B", "Qwen3-Embedding-8B", QWEN3_8B, QWEN3_EMBEDDING_8B, (8.2e9, 8e9)),
-        PairSpec("prod", "Qwen3-30B-A3B", "Qwen3-Embedding-8B", QWEN3_30B_A3B, QWEN3_EMBEDDING_8B, (30.5e9, 8e9)),
+        PairSpec("proto1", "Qwen3-0.6B", "Qwen3-Embedding-0.6B", QWEN3_0_6B, QWEN3_EMBEDDING_0_6B, ("0.6B", "0.6B")),
+        PairSpec("proto2", "Qwen3-1.7B", "Qwen3-Embedding-0.6B", QWEN3_1_7B, QWEN3_EMBEDDING_0_6B, ("1.7B", "0.6B")),
+        PairSpec("dev", "Qwen3-4B", "Qwen3-Embedding-4B", QWEN3_4B, QWEN3_EMBEDDING_4B, ("4.0B", "4B")),
+        PairSpec("scale", "Qwen3-8B", "Qwen3-Embedding-8B", QWEN3_8B, QWEN3_EMBEDDING_8B, ("8.2B", "8B")),
+        PairSpec("prod", "Qwen3-30B-A3B", "Qwen3-Embedding-8B", QWEN3_30B_A3B, QWEN3_EMBEDDING_8B, ("30.5B", "8B")),
     )
 }
 

@@ -144,20 +144,22 @@ def set_trainable(
 
 
 @torch.no_grad()
-def merged_base_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's own state dict, as transformers names it, with LoRA deltas merged in and GCA left out."""
+def merged_state_dict(module: nn.Module, *, base_only: bool) -> dict[str, torch.Tensor]:
+    """The state dict with LoRA deltas merged into their base weights and PEFT's `.base_layer.` step removed.
+
+    base_only=True gives the base model as transformers names it (wrapped layers unwrapped, GCA left out), so a
+    decoder or encoder saves as a plain checkpoint; base_only=False keeps only what AwarenessModel adds.
+    """
     deltas = {}
     for name, sub in module.named_modules():
         if isinstance(sub, LoraLayer) and ADAPTER_NAME in sub.lora_A:
-            deltas[_base_name(f"{name}.base_layer.weight")] = sub.get_delta_weight(ADAPTER_NAME)
+            deltas[f"{name}.weight"] = sub.get_delta_weight(ADAPTER_NAME)
     state = {}
     for name, tensor in module.state_dict().items():
-        if "lora_" in name or ".cross_attention." in name:
+        if "lora_" in name or is_added_parameter(name) == base_only:
             continue
-        key = _base_name(name)
-        state[key] = tensor + deltas[key].to(tensor.dtype) if key in deltas else tensor
+        key = name.replace(".base_layer.", ".")
+        if key in deltas:
+            tensor = tensor + deltas[key].to(tensor.dtype)
+        state[key.replace(".decoder_layer.", ".") if base_only else key] = tensor
     return state
-
-
-def _base_name(name: str) -> str:
-    return name.replace(".decoder_layer.", ".").replace(".base_layer.", ".")

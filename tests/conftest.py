@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random Qwen3 / Qwen3-MoE checkpoints written with save_pretrained (never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from models import PAIRS, AwarenessModel, build_pair, write_random_checkpoints
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    write_random_checkpoints(PAIRS["tiny"], root, seed=0)
+    write_random_checkpoints(PAIRS["tiny-moe"], root, seed=1)
+    return root
+
+
+@pytest.fixture
+def tiny(checkpoint_root) -> AwarenessModel:
+    torch.manual_seed(0)
+    return build_pair("tiny", checkpoint_root=checkpoint_root).eval()
+
+
+@pytest.fixture
+def tiny_moe(checkpoint_root) -> AwarenessModel:
+    torch.manual_seed(0)
+    return build_pair("tiny-moe", checkpoint_root=checkpoint_root).eval()
+
+
+def open_gates(model: AwarenessModel, value: float = 0.7) -> AwarenessModel:
+    """Sets every GCA gate non-zero, so the memory matters."""
+    with torch.no_grad():
+        for block in model.gca_blocks().values():
+            block.gate.fill_(value)
+    return model
+
+
+def random_ids(*shape: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))

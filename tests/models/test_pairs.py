@@ -1,0 +1,78 @@
+"""The named pairs on the meta device: the real architectures, their sizes, and the GCA parameter formula."""
+
+import pytest
+import torch
+
+from models import PAIRS, build_pair, gca_parameter_count
+from models.trainable import is_added_parameter
+
+REAL_PAIRS = ["proto1", "proto2", "dev", "scale", "prod"]
+
+
+def published_tolerance(stated: str) -> tuple[float, float]:
+    """'8.2B' -> (8.2e9, allowed error): 1% or half a unit of the last stated digit, whichever is larger."""
+    number = stated.rstrip("B")
+    decimals = len(number.partition(".")[2])
+    value = float(number) * 1e9
+    return value, max(0.01 * value, 0.5 * 10 ** (-decimals) * 1e9)
+
+
+@pytest.mark.parametrize("name", REAL_PAIRS)
+def test_meta_pair_has_the_published_sizes(name):
+    model = build_pair(name, device="meta")
+    assert model.device.type == "meta"
+    decoder = sum(p.numel() for n, p in model.decoder.named_parameters() if not is_added_parameter(n))
+    encoder = sum(p.numel() for p in model.memory_encoder.parameters())
+    for count, stated in zip((decoder, encoder), PAIRS[name].published_params, strict=True):
+        value, allowed = published_tolerance(stated)
+        assert abs(count - value) <= allowed, f"{name}: {count / 1e9:.3f}B vs published {stated}"
+
+
+def test_precise_published_sizes_within_one_percent():
+    """The cards that state three digits: Qwen3-8B 8.2B, Qwen3-30B-A3B 30.5B, Qwen3-4B 4.0B."""
+    for name, published in (("scale", 8.2e9), ("prod", 30.5e9), ("dev", 4.0e9)):
+        decoder = build_pair(name, device="meta").decoder
+        count = sum(p.numel() for n, p in decoder.named_parameters() if not is_added_parameter(n))
+        assert abs(count - published) / published < 0.01
+
+
+@pytest.mark.parametrize("name", REAL_PAIRS + ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("gca_mlp", [False, True])
+def test_gca_parameter_count_equals_closed_form(name, gca_mlp):
+    model = build_pair(name, device="meta", gca_mlp=gca_mlp)
+    d, e = model.decoder.config, model.memory_encoder.encoder.config
+    added = sum(p.numel() for n, p in model.named_parameters() if is_added_parameter(n))
+    assert added == gca_parameter_count(
+        hidden_size=d.hidden_size, num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads,
+        head_dim=d.head_dim, num_gca_layers=len(model.gca_layers), encoder_hidden_size=e.hidden_size,
+        mlp_intermediate_size=d.intermediate_size if gca_mlp else None,
+    )
+
+
+@pytest.mark.parametrize(("name", "first", "last"), [("proto1", 19, 27), ("scale", 24, 35), ("prod", 32, 47)])
+def test_default_placement_is_the_upper_third(name, first, last):
+    model = build_pair(name, device="meta")
+    assert model.gca_layers == list(range(first, last + 1))
+
+
+def test_prod_pair_is_the_moe_decoder():
+    model = build_pair("prod", device="meta", dtype=torch.bfloat16)
+    assert type(model.decoder).__name__ == "Qwen3MoeForCausalLM"
+    assert model.decoder.config.num_experts == 128 and model.decoder.config.num_experts_per_tok == 8
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # Qwen3-Embedding-8B is 4096 wide, the 30B-A3B decoder 2048: the shared projection maps one to the other
+    assert tuple(model.memory_projection.weight.shape) == (2048, 4096)
+
+
+def test_real_pair_without_checkpoints_says_how_to_get_them(monkeypatch):
+    monkeypatch.delenv("AWARENESS_CHECKPOINT_ROOT", raising=False)
+    with pytest.raises(ValueError, match="AWARENESS_CHECKPOINT_ROOT.*Qwen3-8B/ and Qwen3-Embedding-8B/"):
+        build_pair("scale")
+    with pytest.raises(ValueError, match="unknown pair 'huge'; known pairs: tiny"):
+        build_pair("huge")
+
+
+def test_checkpoint_root_loads_the_pair_by_name(checkpoint_root, monkeypatch):
+    monkeypatch.setenv("AWARENESS_CHECKPOINT_ROOT", str(checkpoint_root))
+    model = build_pair("tiny-moe")
+    assert model.config.decoder == str((checkpoint_root / "tiny-qwen3-moe").resolve())
