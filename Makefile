@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine with Python 3.11: `make demo` (main job) and `make test`.
+# Both create .venv at the repository root and install into it once (re-run when pyproject.toml changes).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU installs pin the local CPU wheel; a GPU machine overrides it: `make install TORCH="torch>=2.8"`.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-slow bench
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) jobs/generate.py
+
+test: install
+	$(PY) -m pytest -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -m slow
+
+bench: install
+	$(PY) benchmarks/gca_overhead.py
