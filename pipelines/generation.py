@@ -17,11 +17,13 @@ class GenerationReport:
     without_memory: list[int]
     seconds: float
     new_tokens: int
+    logit_change: float  # max |next-token logits with a memory - without|: exactly 0 while the gates are closed
 
     def summary(self) -> dict[str, Any]:
         return {
             "memory_changes_output": len({tuple(c) for c in self.with_memory}) > 1,
             "matches_no_memory": all(c == self.without_memory for c in self.with_memory),
+            "max_logit_change": self.logit_change,
             "tokens_per_s": round(self.new_tokens / self.seconds, 1),
         }
 
@@ -47,8 +49,12 @@ def generate_with_memories(
                          memory_attention_mask=None if memory_mask is None else memory_mask.to(model.device), **settings)
     bare = model.generate(prompts[:1], **settings)
     seconds = time.perf_counter() - start
+    with_logits = model(input_ids=prompts, memory_input_ids=memories.to(model.device),
+                        memory_attention_mask=None if memory_mask is None else memory_mask.to(model.device)).logits
+    bare_logits = model(input_ids=prompts[:1]).logits
     t = prompt.shape[-1]
     return GenerationReport(
         with_memory=out[:, t:].tolist(), without_memory=bare[0, t:].tolist(), seconds=seconds,
         new_tokens=(n + 1) * max_new_tokens,
+        logit_change=float((with_logits[:, -1] - bare_logits[:, -1]).abs().max()),
     )

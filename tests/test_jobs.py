@@ -19,6 +19,8 @@ def run_job(*args: str, cwd: Path, env_root: Path) -> dict:
 def test_generate_job_closed_then_open_gates(checkpoint_root, tmp_path):
     closed = run_job("--max-new-tokens", "6", cwd=tmp_path, env_root=checkpoint_root)
     assert closed["gates"] == [0.0] and closed["matches_no_memory"] and not closed["memory_changes_output"]
-    opened = run_job("--gate", "1.5", "--max-new-tokens", "6", "--num-beams", "2", cwd=tmp_path,
-                     env_root=checkpoint_root)
-    assert opened["memory_changes_output"] and opened["gates"][0] > 0.9
+    assert closed["max_logit_change"] == 0.0
+    opened = run_job("--gate", "1.5", "--memories", "4", "--max-new-tokens", "12", "--num-beams", "2",
+                     cwd=tmp_path, env_root=checkpoint_root)
+    assert opened["gates"][0] > 0.9 and opened["max_logit_change"] > 1e-3
+    assert opened["memory_changes_output"]  # 4 random memories: at least two continuations differ

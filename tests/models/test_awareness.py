@@ -229,3 +229,15 @@ def test_awareness_model_is_importable_as_documented():
 
     assert models.AwarenessModel is AwarenessModel
     assert {"tiny", "proto1", "proto2", "dev", "scale", "prod"} <= set(models.PAIRS)
+
+
+def test_moe_router_loss_passes_through(tiny_moe, checkpoint_root):
+    reference = Qwen3MoeForCausalLM.from_pretrained(checkpoint_root / "tiny-qwen3-moe").eval()
+    ids = random_ids(2, 12, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=ids, output_router_logits=True)
+        out = tiny_moe(input_ids=ids, labels=ids, memory_input_ids=mem, output_router_logits=True)
+    assert expected.aux_loss is not None and expected.aux_loss > 0
+    torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)  # includes the router loss
