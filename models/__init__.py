@@ -4,7 +4,7 @@ Imports torch and transformers only (no ray, deepspeed or mlflow), so it runs an
 """
 
 from models.awareness import AwarenessConfig, AwarenessModel, AwarenessOutput
-from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, gca_parameter_count
+from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, gca_parameter_count
 from models.memory import MemoryEncoder
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
 from models.placement import resolve_gca_layers
@@ -21,6 +21,7 @@ __all__ = [
     "LoraSettings",
     "MemoryEncoder",
     "MemoryKV",
+    "MemoryPadding",
     "PairSpec",
     "apply_lora",
     "build_pair",

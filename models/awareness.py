@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
-from models.gca import GatedCrossAttention, GCAMemory, MemoryReadingLayer
+from models.gca import GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.placement import resolve_gca_layers
@@ -172,7 +172,8 @@ class AwarenessModel(nn.Module):
         else:
             states, mask = self._check_memory_states(memory_states, memory_states_mask)
         projected = self.memory_projection(states.to(self.memory_projection_dtype))  # (B, M, H_dec)
-        layers = {i: block.project_memory(projected, mask) for i, block in self.gca_blocks().items()}
+        padding = MemoryPadding.from_mask(mask)
+        layers = {i: block.project_memory(projected, padding) for i, block in self.gca_blocks().items()}
         return GCAMemory(layers=layers, states=projected, mask=mask)
 
     @property

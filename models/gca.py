@@ -31,7 +31,25 @@ class MemoryKV:
 
     key: torch.Tensor  # (B_mem, n_kv_heads, M, head_dim)
     value: torch.Tensor  # (B_mem, n_kv_heads, M, head_dim)
-    mask: torch.Tensor  # (B_mem, M) bool, True where a memory token is real
+    padding: "MemoryPadding"
+
+
+@dataclass
+class MemoryPadding:
+    """The memory's padding in the form attention needs it, derived once and shared by every GCA layer."""
+
+    attn_mask: torch.Tensor | None  # (B_mem, 1, 1, M) bool, True = attend; None when nothing is padded (fastest SDPA)
+    has_memory: torch.Tensor | None  # (B_mem, 1, 1, 1) 0/1; None when every row has at least one real token
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> "MemoryPadding":
+        """mask (B_mem, M) bool. A row whose memory is all padding attends to its (zeroed) states and then has its
+        output dropped, instead of producing NaN from an empty softmax."""
+        if bool(mask.all()):
+            return cls(attn_mask=None, has_memory=None)
+        has_memory = mask.any(dim=-1)  # (B_mem,)
+        attn_mask = (mask | ~has_memory[:, None])[:, None, None, :]
+        return cls(attn_mask=attn_mask, has_memory=None if bool(has_memory.all()) else has_memory[:, None, None, None])
 
 
 class GatedCrossAttention(GradientCheckpointingLayer):
@@ -71,13 +89,16 @@ class GatedCrossAttention(GradientCheckpointingLayer):
             self.mlp = Qwen3MLP(mlp_config)
             self.mlp_gate = nn.Parameter(torch.zeros(1))
 
-    def project_memory(self, memory_states: torch.Tensor, memory_mask: torch.Tensor) -> MemoryKV:
-        """memory_states (B, M, hidden) in the decoder's width -> this layer's keys and values."""
+    def project_memory(self, memory_states: torch.Tensor, padding: "MemoryPadding | torch.Tensor") -> MemoryKV:
+        """memory_states (B, M, hidden) in the decoder's width -> this layer's keys and values.
+        `padding` is a MemoryPadding, or the (B, M) bool mask to derive it from."""
+        if isinstance(padding, torch.Tensor):
+            padding = MemoryPadding.from_mask(padding.bool())
         b, m, _ = memory_states.shape
         kv_shape = (b, m, self.num_kv_heads, self.head_dim)
         key = self.k_norm(self.k_proj(memory_states).view(kv_shape)).transpose(1, 2)  # (B, n_kv, M, hd)
         value = self.v_proj(memory_states).view(kv_shape).transpose(1, 2)  # (B, n_kv, M, hd)
-        return MemoryKV(key=key, value=value, mask=memory_mask)
+        return MemoryKV(key=key, value=value, padding=padding)
 
     def forward(self, hidden_states: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
         """hidden_states (B, T, hidden); B may be r * B_mem (beams, several questions per memory): row i reads
@@ -96,13 +117,12 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         r = b // b_mem
         query = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
         query = query.view(b_mem, r * t, self.num_heads, self.head_dim).transpose(1, 2)  # (B_mem, H, r*T, hd)
-        # A row whose memory is all padding attends to nothing: let SDPA see its (zero) states, then drop the output.
-        has_memory = memory.mask.any(dim=-1)  # (B_mem,)
-        attend = (memory.mask | ~has_memory[:, None])[:, None, None, :]  # (B_mem, 1, 1, M)
+        padding = memory.padding
         out = F.scaled_dot_product_attention(
-            query, memory.key, memory.value, attn_mask=attend, enable_gqa=self.num_heads != self.num_kv_heads
+            query, memory.key, memory.value, attn_mask=padding.attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )  # (B_mem, H, r*T, hd)
-        out = out * has_memory[:, None, None, None].to(out.dtype)
+        if padding.has_memory is not None:
+            out = out * padding.has_memory.to(out.dtype)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, H*hd)
         return self.o_proj(out)
 
