@@ -22,27 +22,39 @@ DECODER = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hid
 ENCODER = dict(DECODER, num_hidden_layers=4, max_position_embeddings=4096)
 
 
-def build(gca: bool) -> tuple[Qwen3ForCausalLM, AwarenessModel | None]:
+def forward_flops(seq: int, memory: int, gca_layers: int) -> float:
+    """Matmul FLOPs of one forward pass (training costs ~3x for decoder and GCA alike, so ratios carry over)."""
+    d, hd, h, kv, ff, v, n = 512, 64, 8, 4, 1536, 8192, 8
+    projections = 2 * seq * d * (2 * h * hd + 2 * kv * hd) + 2 * seq * 3 * d * ff
+    decoder_layer = projections + 2 * 2 * seq * seq * h * hd
+    gca_layer = 2 * seq * d * 2 * h * hd + 2 * memory * d * 2 * kv * hd + 2 * 2 * seq * memory * h * hd
+    return n * decoder_layer + 2 * seq * d * v + gca_layers * gca_layer
+
+
+def build(gca: bool, placement: str = "upper_third") -> tuple[Qwen3ForCausalLM, AwarenessModel | None]:
     torch.manual_seed(0)
     decoder = Qwen3ForCausalLM(Qwen3Config(**DECODER, attn_implementation="sdpa"))
     if not gca:
         return decoder, None
     encoder = Qwen3Model(Qwen3Config(**ENCODER, attn_implementation="sdpa"))
-    model = AwarenessModel(decoder, MemoryEncoder(encoder), "upper_third")
+    model = AwarenessModel(decoder, MemoryEncoder(encoder), placement)
     with torch.no_grad():
         for block in model.gca_blocks().values():
             block.gate.fill_(0.5)  # an open gate, so the block's backward is not short-circuited
     return decoder, model
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def timed_side_by_side(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each function, run in turns (a, b, c, a, b, c, ...) so that background load hits all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def training_step(seq: int, memory: int, chunk: int, repeats: int) -> list[tuple[str, float]]:
@@ -56,25 +68,34 @@ def training_step(seq: int, memory: int, chunk: int, repeats: int) -> list[tuple
         base.zero_grad(set_to_none=True)
         base(input_ids=ids, labels=ids).loss.backward()
 
-    _, model = build(gca=True)
-    set_trainable(model, decoder="full", gca="full")
-    model.train()
-    with torch.no_grad():
-        states, mask = model.encode_memory(mem)
+    def gca_model(placement: str) -> AwarenessModel:
+        _, model = build(gca=True, placement=placement)
+        set_trainable(model, decoder="full", gca="full")
+        return model.train()
 
-    def gca_step():  # memory states from a store: only the GCA blocks' extra work
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids, memory_states=states, memory_states_mask=mask).loss.backward()
+    upper, single = gca_model("upper_third"), gca_model("last:1")
+    with torch.no_grad():
+        states, mask = upper.encode_memory(mem)
+
+    def gca_step(model: AwarenessModel):  # memory states from a store: only the GCA blocks' extra work
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids, memory_states=states, memory_states_mask=mask).loss.backward()
+        return step
 
     def gca_step_with_encoder():  # the frozen encoder runs in the step too
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids, memory_input_ids=mem).loss.backward()
+        upper.zero_grad(set_to_none=True)
+        upper(input_ids=ids, labels=ids, memory_input_ids=mem).loss.backward()
 
-    t_base = timed(base_step, repeats)
+    times = timed_side_by_side([base_step, gca_step(upper), gca_step(single), gca_step_with_encoder], repeats)
+    n_upper = len(upper.gca_layers)
+    flops = [forward_flops(seq, memory, g) / forward_flops(seq, memory, 0) for g in (0, n_upper, 1)]
     return [
-        ("base decoder", t_base),
-        (f"+ GCA (layers {model.gca_layers[0]}-{model.gca_layers[-1]}), memory states given", timed(gca_step, repeats)),
-        ("+ GCA, memory encoded in the step (frozen encoder)", timed(gca_step_with_encoder, repeats)),
+        ("base decoder", times[0], flops[0]),
+        (f"+ GCA upper third (layers {upper.gca_layers[0]}-{upper.gca_layers[-1]}), memory states given", times[1],
+         flops[1]),
+        ("+ GCA in the last layer only, memory states given", times[2], flops[2]),
+        ("+ GCA upper third, memory encoded in the step (frozen encoder)", times[3], None),
     ]
 
 
@@ -110,16 +131,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="shorter sequences and fewer repeats (a smoke run)")
     args = parser.parse_args()
-    seq, memory, repeats = (128, 512, 2) if args.quick else (512, 2048, 5)
+    seq, memory, repeats = (128, 512, 2) if args.quick else (512, 2048, 9)
     memories = (1024,) if args.quick else (1024, 4096, 16384)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU" if not torch.cuda.is_available()
           else f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"\nTraining step (forward + backward), 8 layers, width 512, sequence {seq}, memory {memory} tokens")
     rows = training_step(seq, memory, chunk=min(512, memory), repeats=repeats)
     base = rows[0][1]
-    print(f"| {'variant':<58} | {'step (s)':>8} | {'ratio':>6} |\n|{'-' * 60}|{'-' * 10}|{'-' * 8}|")
-    for name, t in rows:
-        print(f"| {name:<58} | {t:8.3f} | {t / base:6.2f} |")
+    print(f"| {'variant':<66} | {'step (s)':>8} | {'ratio':>6} | {'FLOP ratio':>10} |")
+    print(f"|{'-' * 68}|{'-' * 10}|{'-' * 8}|{'-' * 12}|")
+    for name, t, flop_ratio in rows:
+        flop = f"{flop_ratio:10.2f}" if flop_ratio else f"{'-':>10}"
+        print(f"| {name:<66} | {t:8.3f} | {t / base:6.2f} | {flop} |")
     print(f"\nDecoding per token after prefill (prompt 32), memory cached vs the memory in the prompt")
     print(f"| {'memory tokens':>13} | {'GCA (ms)':>9} | {'long context (ms)':>17} | {'GCA / long':>10} |")
     print(f"|{'-' * 15}|{'-' * 11}|{'-' * 19}|{'-' * 12}|")

@@ -82,6 +82,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.q_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.gate = nn.Parameter(torch.zeros(1))
+        self.probe_entropy = False  # when set, forward also records the attention entropy over the memory
+        self.last_entropy: torch.Tensor | None = None
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -123,8 +125,21 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         )  # (B_mem, H, r*T, hd)
         if padding.has_memory is not None:
             out = out * padding.has_memory.to(out.dtype)
+        if self.probe_entropy:
+            self.last_entropy = self._entropy(query.detach(), memory)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, H*hd)
         return self.o_proj(out)
+
+
+    def _entropy(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+        """Mean entropy (nats) of the attention over memory tokens: it should fall as the blocks learn to look up.
+        Materialises the probabilities, so it runs only when probed (at logging steps)."""
+        key = memory.key.detach().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B_mem, H, M, hd)
+        scores = (query @ key.transpose(-1, -2)).float() * self.head_dim**-0.5  # (B_mem, H, r*T, M)
+        if memory.padding.attn_mask is not None:
+            scores = scores.masked_fill(~memory.padding.attn_mask, float("-inf"))
+        probs = scores.softmax(-1)
+        return -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
 
 
 @dataclass

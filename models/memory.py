@@ -21,12 +21,13 @@ class MemoryEncoder(nn.Module):
     encoder expects). Each chunk is encoded on its own: memory grows with chunks, not quadratically.
     """
 
-    def __init__(self, encoder: Qwen3Model, attention: EncoderAttention = "causal"):
+    def __init__(self, encoder: Qwen3Model, attention: EncoderAttention = "causal", grad_scale: float = 1.0):
         super().__init__()
         if attention not in ENCODER_ATTENTIONS:
             raise ValueError(f"encoder_attention must be one of {ENCODER_ATTENTIONS}, got {attention!r}")
         self.encoder = encoder
         self.attention = attention
+        self.grad_scale = grad_scale  # the plan's remedy for weak encoder gradients: scale what flows back into it
 
     @property
     def hidden_size(self) -> int:
@@ -64,6 +65,8 @@ class MemoryEncoder(nn.Module):
         mask = memory_attention_mask.reshape(b * c, length).bool()  # (B*C, L)
         states = self._encode(ids, mask)  # (B*C, L, H_enc)
         states = states.masked_fill(~mask[..., None], 0.0)  # padding must never reach the keys, not even as NaN
+        if self.grad_scale != 1.0 and states.requires_grad:
+            states = _ScaleGradient.apply(states, self.grad_scale)
         return states.reshape(b, c * length, -1), mask.reshape(b, c * length)
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -79,6 +82,19 @@ class MemoryEncoder(nn.Module):
                 inputs_embeds=embeds, attention_mask={"full_attention": full}, position_ids=position_ids, is_causal=False
             )
         return out.last_hidden_state
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def _check_vocabulary(ids: torch.Tensor, vocab_size: int, name: str, side: str) -> None:

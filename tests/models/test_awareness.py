@@ -241,3 +241,20 @@ def test_moe_router_loss_passes_through(tiny_moe, checkpoint_root):
     assert expected.aux_loss is not None and expected.aux_loss > 0
     torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)  # includes the router loss
+
+
+def test_encoder_gradient_scale(checkpoint_root):
+    def encoder_grad(scale):
+        model = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root))
+        from models import set_trainable
+
+        set_trainable(model, encoder="full")
+        model.memory_encoder.grad_scale = scale
+        ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
+        mem, mask = memory_batch()
+        model(input_ids=ids, labels=ids, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+        return model.memory_encoder.encoder.norm.weight.grad, model.memory_projection.weight.grad
+
+    (enc1, proj1), (enc10, proj10) = encoder_grad(1.0), encoder_grad(10.0)
+    torch.testing.assert_close(enc10, 10 * enc1, rtol=1e-4, atol=1e-8)
+    torch.testing.assert_close(proj10, proj1)  # only the encoder's own gradient is scaled

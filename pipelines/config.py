@@ -1,0 +1,271 @@
+"""Typed configs for the stage jobs: one dataclass per concern, a config file plus command-line overrides, and a
+validation that collects every problem into one message. Converted to a dict only at the Ray Train boundary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models import PAIRS
+from models.placement import resolve_gca_layers
+from models.trainable import ATTENTION, MLP, TRAIN_MODES
+from pipelines.needle import NeedleSpec
+
+
+@dataclass
+class ModelConfig:
+    pair: str = "tiny"  # a name from models.PAIRS
+    checkpoint_root: str | None = None  # where real pairs' checkpoints live; None: $AWARENESS_CHECKPOINT_ROOT
+    gca_layers: str = "upper_third"  # placement spec (see models.placement)
+    encoder_attention: str | None = None  # causal | bidirectional; None: the pair's default
+    gca_mlp: bool = False  # a gated MLP after each cross-attention
+    decoder: str = "lora"  # frozen | lora | full
+    encoder: str = "frozen"  # frozen | lora | full
+    gca: str = "full"  # full | lora
+    lora_rank: int = 16  # decoder LoRA rank
+    lora_alpha: float | None = None  # None: 2 * rank
+    lora_targets: str = ",".join(ATTENTION + MLP)  # decoder projections that get LoRA
+    encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
+    gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
+    encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class NeedleConfig:
+    """Stage 0's embedded synthetic task (used when data.train_path is not set)."""
+
+    facts: int = 8
+    questions: int = 8
+    value_digits: int = 3
+    chunks: int = 4
+    chunk_len: int = 32
+    val_memories: int = 64  # held-out memories for needle accuracy
+    seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
+
+    def spec(self) -> NeedleSpec:
+        return NeedleSpec(self.facts, self.questions, self.value_digits, self.chunks, self.chunk_len)
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = None  # Parquet shards from jobs/build_corpus.py (OUT/train); None: synthetic needles
+    val_path: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    memories_per_step: int = 16  # global batch, in memories (each carries needle.questions questions)
+    grad_accum: int = 1
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    frozen_decoder_steps: int = 0  # the plan's warm-up phase: decoder updates start after this many steps
+    log_every: int = 20
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+@dataclass
+class DeepSpeedSettings:
+    zero_stage: int = 3
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
+    offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)
+
+
+@dataclass
+class ScalingSettings:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+
+
+@dataclass
+class RunSettings:
+    name: str = "awareness-stage0"  # a rerun with the same name and storage_path resumes
+    storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
+    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class TrackingSettings:
+    enabled: bool = True
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
+    experiment: str = "awareness"
+
+
+@dataclass
+class StageConfig:
+    stage: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    needle: NeedleConfig = field(default_factory=NeedleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
+        return _from_dict(cls, data, "")
+
+    def problems(self) -> list[str]:
+        """Every problem with this config, each naming the field and what would be accepted."""
+        p: list[str] = []
+        m, t = self.model, self.train
+        if m.pair not in PAIRS:
+            p.append(f"model.pair {m.pair!r} is not one of {sorted(PAIRS)}")
+        else:
+            depth = PAIRS[m.pair].decoder_config["num_hidden_layers"]
+            try:
+                resolve_gca_layers(m.gca_layers, depth)
+            except ValueError as e:
+                p.append(f"model.gca_layers: {e}")
+        for name in ("decoder", "encoder", "gca"):
+            if getattr(m, name) not in TRAIN_MODES:
+                p.append(f"model.{name} must be one of {TRAIN_MODES}, got {getattr(m, name)!r}")
+        if m.encoder_attention not in (None, "causal", "bidirectional"):
+            p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
+        unknown = set(m.lora_targets.split(",")) - set(ATTENTION + MLP)
+        if unknown:
+            p.append(f"model.lora_targets has unknown names {sorted(unknown)}; choose from {ATTENTION + MLP}")
+        for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
+            if getattr(m, name) <= 0:
+                p.append(f"model.{name} must be positive")
+        p += [f"needle: {q}" for q in self.needle.spec().problems()]
+        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
+            if getattr(t, name) <= 0:
+                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+            p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+        if self.scaling.num_workers <= 0:
+            p.append("scaling.num_workers must be positive")
+        elif t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
+            p.append(
+                f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})"
+            )
+        if self.needle.val_memories % self.scaling.num_workers:
+            p.append(f"needle.val_memories ({self.needle.val_memories}) must divide over {self.scaling.num_workers} workers")
+        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
+            p.append(f"deepspeed.zero_stage must be 0-3, got {self.deepspeed.zero_stage}")
+        if self.deepspeed.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {self.deepspeed.precision!r}")
+        if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
+            p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
+        return p
+
+    def validate(self) -> "StageConfig":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+def parse_config(argv: list[str] | None, default: StageConfig, description: str = "") -> StageConfig:
+    """default < --config FILE (YAML or JSON) < --section.field VALUE flags; then validated."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="a YAML or JSON file with any of the sections below")
+    flat = _flatten(default.to_dict())
+    for key, value in flat.items():
+        parser.add_argument(f"--{key}", default=None, metavar=type(value).__name__.upper() if value is not None else "VALUE",
+                            help=f"default: {value}")
+    args = vars(parser.parse_args(argv))
+    data = default.to_dict()
+    if args.pop("config"):
+        path = Path(args_config := parser.parse_args(argv).config)
+        if not path.is_file():
+            parser.error(f"--config {args_config}: no such file")
+        _merge(data, yaml.safe_load(path.read_text()) or {}, "")
+    for key, raw in args.items():
+        if raw is not None:
+            _set(data, key, raw)
+    return StageConfig.from_dict(data).validate()
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _merge(data: dict[str, Any], updates: dict[str, Any], prefix: str) -> None:
+    for key, value in updates.items():
+        if key not in data:
+            raise ValueError(f"unknown config key {prefix}{key!r}; known: {sorted(data)}")
+        if isinstance(data[key], dict):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {prefix}{key!r} is a section; give it a mapping")
+            _merge(data[key], value, f"{prefix}{key}.")
+        else:
+            data[key] = value
+
+
+def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
+    *sections, name = dotted.split(".")
+    target = data
+    for section in sections:
+        target = target[section]
+    target[name] = yaml.safe_load(raw) if raw.lower() not in ("none", "null") else None
+
+
+def _from_dict(cls, data: dict[str, Any], prefix: str):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(prefix + k for k in unknown)}")
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        hint, value = hints[f.name], data[f.name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[f.name] = _from_dict(hint, value or {}, f"{prefix}{f.name}.")
+        else:
+            kwargs[f.name] = _coerce(value, hint, f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ValueError(f"config key {name} cannot be empty")
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ValueError(f"config key {name} expects {hint}, got {value!r}")
+
+
+def config_json(config: StageConfig) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True)

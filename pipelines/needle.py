@@ -1,0 +1,94 @@
+"""Synthetic key -> value needles for stage 0 in token-id space, deterministic per example index.
+
+A memory holds `facts` facts `key = d1 d2 d3 ;` scattered through chunks of filler tokens; `questions` of them are
+asked as `BOS key =` with target `d1 d2 d3 EOS`. Example i is drawn from its own seeded generator, so any worker can
+produce any example and a resumed run continues with exactly the examples it had not seen. Several questions per
+memory share one encoder pass (shared/notes/needle-feasibility.md: that is what makes learning fast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
+DIGITS = range(10, 20)
+KEYS = range(100, 300)
+FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class NeedleSpec:
+    facts: int = 8  # key -> value facts per memory
+    questions: int = 8  # questions asked per memory (<= facts)
+    value_digits: int = 3
+    chunks: int = 4  # chunks per memory (facts are spread over them; the rest is filler)
+    chunk_len: int = 32
+
+    @property
+    def fact_len(self) -> int:
+        return self.value_digits + 3  # key, '=', digits, ';'
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not 1 <= self.questions <= self.facts:
+            problems.append(f"needle.questions ({self.questions}) must be between 1 and needle.facts ({self.facts})")
+        if self.facts > len(KEYS):
+            problems.append(f"needle.facts ({self.facts}) exceeds the {len(KEYS)} distinct keys")
+        per_chunk = -(-self.facts // max(self.chunks, 1))
+        if self.chunks < 1 or per_chunk * self.fact_len > self.chunk_len:
+            problems.append(
+                f"{self.facts} facts of {self.fact_len} tokens do not fit {self.chunks} chunks of {self.chunk_len} "
+                f"tokens; raise needle.chunk_len or needle.chunks"
+            )
+        return problems
+
+
+def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarray]:
+    """One memory with its questions: memory (chunks, chunk_len), input_ids/labels (questions, 3 + digits + 1),
+    depth (questions,) = where each asked fact starts, as a fraction of the memory."""
+    rng = np.random.default_rng([seed, index])
+    keys = rng.choice(np.array(KEYS), size=spec.facts, replace=False)
+    values = rng.choice(np.array(DIGITS), size=(spec.facts, spec.value_digits))
+    memory = rng.choice(np.array(FILLER), size=(spec.chunks, spec.chunk_len))
+    chunk_of = rng.permutation(np.arange(spec.facts) % spec.chunks)  # spread facts evenly over the chunks
+    starts = np.zeros(spec.facts, dtype=np.int64)
+    for chunk in range(spec.chunks):
+        facts_here = np.flatnonzero(chunk_of == chunk)
+        slots = spec.chunk_len // spec.fact_len
+        offsets = np.sort(rng.choice(slots, size=len(facts_here), replace=False)) * spec.fact_len
+        for fact, offset in zip(facts_here, offsets, strict=True):
+            memory[chunk, offset : offset + spec.fact_len] = [keys[fact], EQ, *values[fact], SEP]
+            starts[fact] = chunk * spec.chunk_len + offset
+    asked = rng.choice(spec.facts, size=spec.questions, replace=False)
+    prompts = np.stack([np.array([BOS, keys[f], EQ]) for f in asked])
+    targets = np.concatenate([values[asked], np.full((spec.questions, 1), EOS)], axis=1)
+    input_ids = np.concatenate([prompts, targets], axis=1)
+    labels = input_ids.copy()
+    labels[:, : prompts.shape[1]] = IGNORE  # loss on the answer only
+    return {
+        "memory": memory,
+        "input_ids": input_ids,
+        "labels": labels,
+        "depth": starts[asked] / (spec.chunks * spec.chunk_len),
+    }
+
+
+def make_batch(spec: NeedleSpec, seed: int, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Memories (B, chunks, chunk_len) and questions (B * questions, T), question rows grouped by memory, which is
+    how the GCA blocks fold them onto one encoder pass."""
+    examples = [make_example(spec, seed, i) for i in indices]
+    return {
+        "memory_input_ids": torch.from_numpy(np.stack([e["memory"] for e in examples])),
+        "input_ids": torch.from_numpy(np.concatenate([e["input_ids"] for e in examples])),
+        "labels": torch.from_numpy(np.concatenate([e["labels"] for e in examples])),
+        "depth": torch.from_numpy(np.concatenate([e["depth"] for e in examples])),
+    }
+
+
+def answer_span(spec: NeedleSpec) -> slice:
+    """Positions of the logits that predict the value digits (the prompt is BOS key =)."""
+    return slice(2, 2 + spec.value_digits)
