@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from models.awareness import AwarenessModel
 from models.memory import MemoryEncoder
 
 CHECKPOINT_ROOT_ENV = "AWARENESS_CHECKPOINT_ROOT"
+RANDOM_WEIGHTS_MARKER = "awareness_random_weights.json"
 
 _QWEN3 = dict(
     model_type="qwen3", head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu",
@@ -113,18 +115,24 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0)
     """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints."""
     root = Path(root)
     decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
-    torch.manual_seed(seed)
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
-    if not (decoder_dir / "config.json").is_file():
-        decoder_cls(dcfg).save_pretrained(decoder_dir)
-    if not (encoder_dir / "config.json").is_file():
-        Qwen3Model(encoder_config(spec)).save_pretrained(encoder_dir)
+    for directory, fields, build in (
+        (decoder_dir, spec.decoder_config, lambda: decoder_cls(dcfg)),
+        (encoder_dir, spec.encoder_config, lambda: Qwen3Model(encoder_config(spec))),
+    ):
+        # Rewritten whenever the architecture or seed changed, so a cache never serves stale weights.
+        stamp = json.dumps({"config": fields, "seed": seed}, sort_keys=True)
+        marker = directory / RANDOM_WEIGHTS_MARKER
+        if not (marker.is_file() and marker.read_text() == stamp):
+            torch.manual_seed(seed)
+            build().save_pretrained(directory)
+            marker.write_text(stamp)
     return decoder_dir, encoder_dir
 
 
 def default_tiny_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "awareness" / "tiny-checkpoints-v1"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "awareness" / "random-checkpoints"
 
 
 def build_pair(

@@ -46,13 +46,13 @@ class NeedleConfig:
     facts: int = 8
     questions: int = 8
     value_digits: int = 3
-    chunks: int = 4
-    chunk_len: int = 32
+    chunk_len: int = 24
+    distractors: int = 2
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
     def spec(self) -> NeedleSpec:
-        return NeedleSpec(self.facts, self.questions, self.value_digits, self.chunks, self.chunk_len)
+        return NeedleSpec(self.facts, self.questions, self.value_digits, self.chunk_len, self.distractors)
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _merge(data: dict[str, Any], updates: dict[str, Any], prefix: str) -> None:
     for key, value in updates.items():
         if key not in data:
-            raise ValueError(f"unknown config key {prefix}{key!r}; known: {sorted(data)}")
+            raise ValueError(f"unknown config key {prefix + key!r}; known: {sorted(data)}")
         if isinstance(data[key], dict):
             if not isinstance(value, dict):
                 raise ValueError(f"config key {prefix}{key!r} is a section; give it a mapping")
@@ -258,10 +258,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     for option in options:
         if option is bool and isinstance(value, bool):
             return value
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        if option is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:
+                return float(value)  # YAML reads 3e-4 as a string
+            except ValueError:
+                continue
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
+        if option is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
         if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ValueError(f"config key {name} expects {hint}, got {value!r}")

@@ -1,6 +1,7 @@
 """Synthetic key -> value needles for stage 0 in token-id space, deterministic per example index.
 
-A memory holds `facts` facts `key = d1 d2 d3 ;` scattered through chunks of filler tokens; `questions` of them are
+A memory holds `facts` facts `key = d1 d2 d3 ;`, shuffled and packed into fact chunks, plus `distractors` chunks
+of filler; the chunks come in random order, so each fact sits at a recorded depth. `questions` of the facts are
 asked as `BOS key =` with target `d1 d2 d3 EOS`. Example i is drawn from its own seeded generator, so any worker can
 produce any example and a resumed run continues with exactly the examples it had not seen. Several questions per
 memory share one encoder pass (shared/notes/needle-feasibility.md: that is what makes learning fast).
@@ -25,8 +26,20 @@ class NeedleSpec:
     facts: int = 8  # key -> value facts per memory
     questions: int = 8  # questions asked per memory (<= facts)
     value_digits: int = 3
-    chunks: int = 4  # chunks per memory (facts are spread over them; the rest is filler)
-    chunk_len: int = 32
+    chunk_len: int = 24  # tokens per chunk; facts are packed, the rest of a fact chunk is filler
+    distractors: int = 2  # chunks of filler only
+
+    @property
+    def facts_per_chunk(self) -> int:
+        return self.chunk_len // self.fact_len
+
+    @property
+    def fact_chunks(self) -> int:
+        return -(-self.facts // max(self.facts_per_chunk, 1))
+
+    @property
+    def chunks(self) -> int:
+        return self.fact_chunks + self.distractors
 
     @property
     def fact_len(self) -> int:
@@ -38,12 +51,10 @@ class NeedleSpec:
             problems.append(f"needle.questions ({self.questions}) must be between 1 and needle.facts ({self.facts})")
         if self.facts > len(KEYS):
             problems.append(f"needle.facts ({self.facts}) exceeds the {len(KEYS)} distinct keys")
-        per_chunk = -(-self.facts // max(self.chunks, 1))
-        if self.chunks < 1 or per_chunk * self.fact_len > self.chunk_len:
-            problems.append(
-                f"{self.facts} facts of {self.fact_len} tokens do not fit {self.chunks} chunks of {self.chunk_len} "
-                f"tokens; raise needle.chunk_len or needle.chunks"
-            )
+        if self.facts_per_chunk < 1:
+            problems.append(f"needle.chunk_len ({self.chunk_len}) is shorter than one fact ({self.fact_len} tokens)")
+        if self.distractors < 0:
+            problems.append("needle.distractors must be >= 0")
         return problems
 
 
@@ -54,15 +65,14 @@ def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarra
     keys = rng.choice(np.array(KEYS), size=spec.facts, replace=False)
     values = rng.choice(np.array(DIGITS), size=(spec.facts, spec.value_digits))
     memory = rng.choice(np.array(FILLER), size=(spec.chunks, spec.chunk_len))
-    chunk_of = rng.permutation(np.arange(spec.facts) % spec.chunks)  # spread facts evenly over the chunks
+    order = rng.permutation(spec.facts)  # facts shuffled, then packed chunk after chunk
+    fact_chunk_slots = np.sort(rng.choice(spec.chunks, size=spec.fact_chunks, replace=False))
     starts = np.zeros(spec.facts, dtype=np.int64)
-    for chunk in range(spec.chunks):
-        facts_here = np.flatnonzero(chunk_of == chunk)
-        slots = spec.chunk_len // spec.fact_len
-        offsets = np.sort(rng.choice(slots, size=len(facts_here), replace=False)) * spec.fact_len
-        for fact, offset in zip(facts_here, offsets, strict=True):
-            memory[chunk, offset : offset + spec.fact_len] = [keys[fact], EQ, *values[fact], SEP]
-            starts[fact] = chunk * spec.chunk_len + offset
+    for n, fact in enumerate(order):
+        chunk = fact_chunk_slots[n // spec.facts_per_chunk]
+        offset = (n % spec.facts_per_chunk) * spec.fact_len
+        memory[chunk, offset : offset + spec.fact_len] = [keys[fact], EQ, *values[fact], SEP]
+        starts[fact] = chunk * spec.chunk_len + offset
     asked = rng.choice(spec.facts, size=spec.questions, replace=False)
     prompts = np.stack([np.array([BOS, keys[f], EQ]) for f in asked])
     targets = np.concatenate([values[asked], np.full((spec.questions, 1), EOS)], axis=1)

@@ -76,3 +76,18 @@ def test_checkpoint_root_loads_the_pair_by_name(checkpoint_root, monkeypatch):
     monkeypatch.setenv("AWARENESS_CHECKPOINT_ROOT", str(checkpoint_root))
     model = build_pair("tiny-moe")
     assert model.config.decoder == str((checkpoint_root / "tiny-qwen3-moe").resolve())
+
+
+def test_random_checkpoints_are_rewritten_when_the_architecture_changes(tmp_path):
+    import dataclasses
+
+    from models import write_random_checkpoints
+
+    spec = PAIRS["tiny"]
+    decoder_dir, _ = write_random_checkpoints(spec, tmp_path)
+    first = (decoder_dir / "model.safetensors").read_bytes()
+    write_random_checkpoints(spec, tmp_path)
+    assert (decoder_dir / "model.safetensors").read_bytes() == first  # cached
+    wider = dataclasses.replace(spec, decoder_config={**spec.decoder_config, "intermediate_size": 96})
+    write_random_checkpoints(wider, tmp_path)
+    assert (decoder_dir / "model.safetensors").read_bytes() != first  # not a stale cache

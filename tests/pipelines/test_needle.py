@@ -38,7 +38,7 @@ def test_batch_groups_questions_by_memory_and_masks_prompts():
 
 @pytest.mark.parametrize(("spec", "message"), [
     (NeedleSpec(questions=9), "between 1 and needle.facts"),
-    (NeedleSpec(facts=16, chunks=2, chunk_len=32), "do not fit"),
+    (NeedleSpec(chunk_len=5), "shorter than one fact"),
 ])
 def test_bad_specs_are_explained(spec, message):
     assert any(message in p for p in spec.problems())

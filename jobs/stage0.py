@@ -1,0 +1,38 @@
+"""Stage 0, context grounding: teach the decoder to answer from its memory.
+
+    python jobs/stage0.py                                   # embedded default: tiny pair, CPU, synthetic needles
+    python jobs/stage0.py --train.max_steps 50              # any config field, as --section.field VALUE
+    python jobs/stage0.py --config my.yaml                  # a file with any of the sections
+    ray job submit --working-dir . -- python jobs/stage0.py --model.pair proto1 --scaling.use_gpu true
+
+Ends with a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pipelines.config import ModelConfig, RunSettings, StageConfig, TrainConfig, parse_config
+from pipelines.stage import run_stage
+from pipelines.tracking import summary_json
+
+# The embedded default: the tiny random pair learns needle retrieval from scratch, so everything trains in full.
+DEFAULT = StageConfig(
+    stage=0,
+    model=ModelConfig(pair="tiny", gca_layers="upper_half", decoder="full", encoder="full", gca="full"),
+    train=TrainConfig(max_steps=1000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=200,
+                      checkpoint_every=200, log_every=20),
+    run=RunSettings(name="stage0-tiny"),
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_config(argv, DEFAULT, description=__doc__)
+    summary = run_stage(config)
+    print(summary_json(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    summary = main()
+    sys.exit(1 if summary.get("error") else 0)

@@ -1,0 +1,101 @@
+"""The driver side of a stage job: resolve paths, open the MLflow run, build the TorchTrainer, fit, summarise."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from models import get_pair, write_random_checkpoints
+from models.pairs import default_tiny_root
+from pipelines.config import StageConfig
+from pipelines.tracking import Tracker, resolve_tracking_uri
+from pipelines.training import EXPORT_DIR, train_loop_per_worker
+
+RUN_ID_FILE = "mlflow_run_id"
+
+
+def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, Any]:
+    """Trains the stage on Ray Train and returns the job's summary. A rerun with the same run.name and
+    run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run)."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    config = prepare_paths(config.validate())
+    run_dir = Path(config.run.storage_path) / config.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
+    tracker = open_run(config, tracking_uri, run_dir) if config.tracking.enabled else Tracker(None, None)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "config": config.to_dict(),
+            "tracking_uri": tracking_uri,
+            "mlflow_run_id": tracker.run_id,
+            "fail_at": fail_at,
+            "fault_marker": str(run_dir / f"injected-failure-{fail_at}") if fail_at else None,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
+            resources_per_worker={"CPU": config.scaling.cpus_per_worker, **({"GPU": 1} if config.scaling.use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=config.run.name,
+            storage_path=config.run.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
+        ),
+    )
+    result = trainer.fit()
+    return summarise(config, result, tracker)
+
+
+def prepare_paths(config: StageConfig) -> StageConfig:
+    """Absolute storage path; tiny pairs' random checkpoints written once here, before workers race to do it."""
+    run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
+    model = config.model
+    spec = get_pair(model.pair)
+    if spec.random_weights:
+        root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
+        write_random_checkpoints(spec, root)
+        model = dataclasses.replace(model, checkpoint_root=str(root))
+    return dataclasses.replace(config, run=run, model=model)
+
+
+def open_run(config: StageConfig, tracking_uri: str, run_dir: Path) -> Tracker:
+    """A new MLflow run, or the one this run directory already logs to (a resumed run)."""
+    id_file = run_dir / RUN_ID_FILE
+    existing = id_file.read_text().strip() if id_file.is_file() else None
+    spec = get_pair(config.model.pair)
+    tags = {"stage": str(config.stage), "pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder}
+    tracker = Tracker.start(tracking_uri, config.tracking.experiment, config.run.name, config.to_dict(), tags,
+                            run_id=existing)
+    id_file.write_text(tracker.run_id or "")
+    return tracker
+
+
+def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
+    metrics = result.metrics or {}
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    summary = {
+        "job": f"stage{config.stage}",
+        "pair": config.model.pair,
+        "needle_accuracy": metrics.get("needle_accuracy"),
+        "no_memory_accuracy": metrics.get("no_memory_accuracy"),
+        "gate_abs_mean": metrics.get("gate_abs_mean"),
+        "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
+        "examples_seen": metrics.get("examples_seen"),
+        "checkpoint": checkpoint,
+        "export": f"{checkpoint}/{EXPORT_DIR}" if checkpoint else None,
+        "mlflow_run_id": tracker.run_id,
+        "error": repr(result.error) if result.error else None,
+    }
+    if checkpoint:
+        tracker.log_artifacts(Path(checkpoint) / EXPORT_DIR, "export")
+    tracker.log_dict(summary, "summary.json")
+    summary["tracking_unlogged"] = tracker.close("FAILED" if result.error else "FINISHED")
+    return summary

@@ -1,0 +1,297 @@
+"""The Ray Train worker loop: DeepSpeed (ZeRO-3 by default) over the AwarenessModel, resumable and fault-tolerant.
+
+`train_loop_per_worker` reads as a table of contents; each helper below it does one thing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from models.trainable import is_added_parameter, parameter_group
+from pipelines.config import ModelConfig, StageConfig
+from pipelines.evaluation import NeedleScores, score_needles
+from pipelines.needle import make_batch
+from pipelines.tracking import Tracker
+
+ENGINE_TAG = "engine"
+STATE_FILE = "trainer_state.json"
+EXPORT_DIR = "export"
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint carries besides the engine's shards: where the data stream stands and what was seen."""
+
+    step: int = 0
+    examples_seen: int = 0  # memories consumed by all workers
+    index_checksum: int = 0  # sum of the example indices consumed: a skipped or repeated example changes it
+    gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    import ray.train
+
+    config = StageConfig.from_dict(loop_config["config"])
+    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
+    torch.manual_seed(config.train.seed)
+    model = build_model(config.model)
+    engine = setup_deepspeed(model, config)
+    state = restore_checkpoint(engine)
+    tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
+    faults = FaultInjector(loop_config.get("fail_at"), loop_config.get("fault_marker"), rank, world)
+    while state.step < config.train.max_steps:
+        metrics = train_step(engine, config, state, rank, world)
+        faults.maybe_fail("train", state.step)
+        if state.step % config.train.log_every == 0:
+            metrics |= probe_metrics(engine, config, state)
+        if state.step % config.train.eval_every == 0 or state.step == config.train.max_steps:
+            metrics |= evaluate(engine.module, config, rank, world)
+        tracker.log_metrics(metrics, state.step)
+        if state.step % config.train.checkpoint_every == 0 or state.step == config.train.max_steps:
+            save_checkpoint(engine, config, state, metrics, faults, final=state.step == config.train.max_steps)
+        elif state.step % config.train.log_every == 0:
+            ray.train.report(metrics)
+    finish_tracking(tracker, state, rank)
+
+
+# --------------------------------------------------------------------------------------------------- setup
+def build_model(cfg: ModelConfig) -> AwarenessModel:
+    """The pair, its LoRA adapters and what trains, all from the model config."""
+    model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
+                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp)
+    targets = tuple(cfg.lora_targets.split(","))
+    plan = LoraPlan(
+        decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
+        gca=LoraSettings(rank=cfg.gca_lora_rank) if cfg.gca == "lora" else None,
+        encoder=LoraSettings(rank=cfg.encoder_lora_rank) if cfg.encoder == "lora" else None,
+    )
+    if plan.decoder or plan.gca or plan.encoder:
+        apply_lora(model, plan)
+    set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)
+    model.memory_encoder.grad_scale = cfg.encoder_grad_scale
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def deepspeed_config(config: StageConfig, world: int) -> dict[str, Any]:
+    t, ds = config.train, config.deepspeed
+    bf16 = ds.precision == "bf16" or (ds.precision == "auto" and torch.cuda.is_available())
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": t.memories_per_step // (world * t.grad_accum),
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def setup_deepspeed(model: AwarenessModel, config: StageConfig):
+    """A torch AdamW with one parameter group per part (GCA, decoder, encoder) and a cosine schedule, handed to
+    DeepSpeed: no DeepSpeed optimizer op to JIT-build. The decoder group's learning rate stays 0 for the plan's
+    warm-up phase (train.frozen_decoder_steps)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    groups: dict[str, list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault(parameter_group(name), []).append(param)
+    t = config.train
+    optimizer = torch.optim.AdamW(
+        [{"params": params, "name": name} for name, params in groups.items()], lr=t.lr, weight_decay=t.weight_decay
+    )
+    schedules = [_lr_lambda(t, frozen=t.frozen_decoder_steps if name == "decoder" else 0) for name in groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(config, dist.get_world_size()))
+    return engine
+
+
+def _lr_lambda(t, frozen: int):
+    def factor(step: int) -> float:
+        if step < frozen:
+            return 0.0
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def step_indices(config: StageConfig, step: int, micro: int, rank: int, world: int) -> list[int]:
+    """This worker's memories for one micro-batch: the global step's memories split by micro-batch, then rank."""
+    t = config.train
+    per_micro = t.memories_per_step // t.grad_accum
+    per_rank = per_micro // world
+    start = step * t.memories_per_step + micro * per_micro + rank * per_rank
+    return list(range(start, start + per_rank))
+
+
+def train_step(engine, config: StageConfig, state: TrainState, rank: int, world: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    spec, started, losses, tokens, checksum = config.needle.spec(), time.perf_counter(), [], 0, 0
+    for micro in range(config.train.grad_accum):
+        indices = step_indices(config, state.step, micro, rank, world)
+        batch = make_batch(spec, config.needle.seed, indices)
+        out = engine(input_ids=batch["input_ids"].to(engine.device), labels=batch["labels"].to(engine.device),
+                     memory_input_ids=batch["memory_input_ids"].to(engine.device))
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.detach())
+        tokens += batch["input_ids"].numel()
+        checksum += sum(indices)
+    totals = torch.tensor([torch.stack(losses).mean().item(), tokens, checksum], dtype=torch.float64)
+    dist.all_reduce(totals)
+    state.step += 1
+    state.examples_seen += config.train.memories_per_step
+    state.index_checksum += int(totals[2].item())  # global, so every rank's checkpointed state is the same
+    return {
+        "loss": totals[0].item() / world,
+        "lr": engine.get_lr()[0],
+        "tokens_per_s": totals[1].item() / (time.perf_counter() - started),
+        "examples_seen": state.examples_seen,
+        "index_checksum": float(state.index_checksum),
+    }
+
+
+def probe_metrics(engine, config: StageConfig, state: TrainState) -> dict[str, float]:
+    """Per-layer |tanh(gate)| and the attention entropy over the memory, on one training-shaped batch."""
+    import deepspeed
+    import torch.distributed as dist
+
+    model: AwarenessModel = engine.module
+    blocks = model.gca_blocks()
+    with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.zero_stage == 3):
+        gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
+    for b in blocks.values():
+        b.probe_entropy = True
+    batch = make_batch(config.needle.spec(), config.needle.seed + 2, [dist.get_rank()])
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"].to(engine.device), memory_input_ids=batch["memory_input_ids"].to(engine.device))
+    entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
+    for b in blocks.values():
+        b.probe_entropy, b.last_entropy = False, None
+    dist.all_reduce(entropies)
+    entropies /= dist.get_world_size()
+    state.gate_history.append([state.step, *gates.values()])
+    metrics = {f"gate/layer_{i}": v for i, v in gates.items()}
+    metrics |= {f"attention_entropy/layer_{i}": e for i, e in zip(blocks, entropies.tolist(), strict=True)}
+    metrics["gate_abs_mean"] = sum(gates.values()) / len(gates)
+    return metrics
+
+
+def evaluate(model: AwarenessModel, config: StageConfig, rank: int, world: int) -> dict[str, float]:
+    """Held-out needles, with the memory and with it withheld, summed over workers (each scores its share)."""
+    import torch.distributed as dist
+
+    indices = list(range(rank, config.needle.val_memories, world))
+    metrics = {}
+    for label, with_memory in (("needle", True), ("no_memory", False)):
+        scores = score_needles(model, config.needle.spec(), config.needle.seed + 1, indices, with_memory=with_memory)
+        total = scores.as_tensor()
+        dist.all_reduce(total)
+        scores = NeedleScores.from_tensor(total, bins=len(scores.depth_total))
+        metrics[f"{label}_accuracy"] = scores.accuracy
+        metrics[f"{label}_val_loss"] = scores.loss
+        if with_memory:
+            for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
+                metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(engine, config: StageConfig, state: TrainState, metrics: dict[str, float],
+                    faults: "FaultInjector", final: bool) -> None:
+    """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
+    only once every worker has reported, so one that a dying worker left incomplete is never resumed from."""
+    import ray.train
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
+        if dist.get_rank() == 0:
+            (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
+        if final:
+            export_artifact(engine, config, Path(tmp) / EXPORT_DIR)
+        faults.maybe_fail("save", state.step)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def restore_checkpoint(engine) -> TrainState:
+    """Model, optimizer, scheduler and data position from the latest registered checkpoint, if any."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState()
+    with checkpoint.as_directory() as directory:
+        _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG)
+    return TrainState(**client_state["trainer_state"])
+
+
+def export_artifact(engine, config: StageConfig, directory: Path) -> None:
+    """The small artifact (GCA, projection, LoRA, any base weight trained in full), gathered from the ZeRO-3 shards
+    and written by rank 0 with AwarenessModel.save_pretrained: it reloads without DeepSpeed."""
+    import deepspeed
+    import torch.distributed as dist
+
+    model: AwarenessModel = engine.module
+    params = [p for n, p in model.named_parameters() if is_added_parameter(n) or p.requires_grad]
+    with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.zero_stage == 3):
+        if dist.get_rank() == 0:
+            model.save_pretrained(directory)
+    dist.barrier()
+
+
+def finish_tracking(tracker: Tracker, state: TrainState, rank: int) -> None:
+    if rank != 0 or tracker.client is None or not state.gate_history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = torch.tensor(state.gate_history)
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    for column in range(1, history.shape[1]):
+        axis.plot(history[:, 0], history[:, column], label=f"GCA block {column}")
+    axis.set(xlabel="step", ylabel="|tanh(gate)|", title="How much each GCA block reads the memory")
+    axis.legend(fontsize=7)
+    tracker.log_figure(figure, "gates.png")
+    plt.close(figure)
+
+
+class FaultInjector:
+    """For fault-tolerance tests: `fail_at="train:STEP"` or `"save:STEP"` makes the last worker raise once there.
+    A marker file makes it once per run, across the restarts Ray Train performs."""
+
+    def __init__(self, fail_at: str | None, marker: str | None, rank: int, world: int):
+        self.where, self.step = (fail_at.split(":")[0], int(fail_at.split(":")[1])) if fail_at else (None, -1)
+        self.marker = Path(marker) if marker else None
+        self.armed = fail_at is not None and rank == world - 1
+
+    def maybe_fail(self, where: str, step: int) -> None:
+        if not self.armed or where != self.where or step != self.step or self.marker is None or self.marker.exists():
+            return
+        self.marker.write_text(f"{where}:{step}")
+        raise RuntimeError(f"injected failure at {where} step {step}")

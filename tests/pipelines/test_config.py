@@ -1,0 +1,40 @@
+import json
+
+import pytest
+
+from pipelines.config import ModelConfig, StageConfig, TrainConfig, parse_config
+
+DEFAULT = StageConfig(model=ModelConfig(pair="tiny"), train=TrainConfig(max_steps=10))
+
+
+def test_file_then_flags_override_the_default(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 50\n  lr: 0.01\nmodel:\n  gca_layers: last:2\n")
+    config = parse_config(["--config", str(path), "--train.lr", "3e-4", "--tracking.tracking_uri", "none",
+                           "--deepspeed.offload_optimizer", "true"], DEFAULT)
+    assert config.train.max_steps == 50 and config.train.lr == 3e-4 and config.model.gca_layers == "last:2"
+    assert config.deepspeed.offload_optimizer is True and config.tracking.tracking_uri is None
+    assert StageConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_every_problem_is_reported_at_once():
+    config = StageConfig(model=ModelConfig(pair="tiny", gca_layers="last:9", decoder="half", lora_targets="qkv"),
+                         train=TrainConfig(max_steps=0, memories_per_step=15))
+    with pytest.raises(ValueError) as error:
+        config.validate()
+    message = str(error.value)
+    for expected in ("model.gca_layers", "outside the decoder's 4 layers", "model.decoder must be one of",
+                     "model.lora_targets has unknown names ['qkv']", "train.max_steps must be positive",
+                     "train.memories_per_step (15) must divide evenly over scaling.num_workers (2)"):
+        assert expected in message
+
+
+def test_unknown_keys_and_wrong_types_are_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_step: 5\n")
+    with pytest.raises(ValueError, match="unknown config key 'train.max_step'"):
+        parse_config(["--config", str(path)], DEFAULT)
+    with pytest.raises(ValueError, match="train.max_steps expects"):
+        parse_config(["--train.max_steps", "many"], DEFAULT)
+    with pytest.raises(SystemExit):
+        parse_config(["--train.nope", "1"], DEFAULT)
