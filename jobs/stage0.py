@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from pipelines.config import ModelConfig, RunSettings, StageConfig, TrainConfig, parse_config
-from pipelines.stage import run_stage
+from pipelines.stage import run_stage, shutdown_ray
 from pipelines.tracking import summary_json
 
 # The embedded default: the tiny random pair learns needle retrieval from scratch, so everything trains in full.
@@ -29,6 +29,7 @@ DEFAULT = StageConfig(
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv, DEFAULT, description=__doc__)
     summary = run_stage(config)
+    shutdown_ray()  # flushes the workers' forwarded logs, so the summary is the last line
     print(summary_json(summary), flush=True)
     return summary
 

@@ -184,7 +184,7 @@ def parse_config(argv: list[str] | None, default: StageConfig, description: str 
     """default < --config FILE (YAML or JSON) < --section.field VALUE flags; then validated."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML or JSON file with any of the sections below")
-    flat = _flatten(default.to_dict())
+    flat = flatten(default.to_dict())
     for key, value in flat.items():
         parser.add_argument(f"--{key}", default=None, metavar=type(value).__name__.upper() if value is not None else "VALUE",
                             help=f"default: {value}")
@@ -201,11 +201,12 @@ def parse_config(argv: list[str] | None, default: StageConfig, description: str 
     return StageConfig.from_dict(data).validate()
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: the flags' names, and the params MLflow records."""
     out = {}
     for key, value in data.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

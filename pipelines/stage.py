@@ -54,6 +54,13 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
     return summarise(config, result, tracker)
 
 
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def prepare_paths(config: StageConfig) -> StageConfig:
     """Absolute storage path; tiny pairs' random checkpoints written once here, before workers race to do it."""
     run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))

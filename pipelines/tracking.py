@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipelines.config import flatten
+
 log = logging.getLogger(__name__)
 
 
@@ -19,16 +21,6 @@ def resolve_tracking_uri(configured: str | None) -> str:
     """The configured URI, else $MLFLOW_TRACKING_URI, else MLflow's embedded default: sqlite:///mlflow.db in the
     working directory (made absolute, so Ray workers in other directories write to the same store)."""
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 class Tracker:
@@ -57,7 +49,7 @@ class Tracker:
             experiment_id = found.experiment_id if found else client.create_experiment(experiment)
             run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
             tracker = cls(tracking_uri, run_id)
-            tracker.log_params({k: v for k, v in flatten(config).items()})
+            tracker.log_params(flatten(config))
             tracker.log_dict(config, "config.json")
         else:
             tracker = cls(tracking_uri, run_id)

@@ -119,9 +119,21 @@ def setup_deepspeed(model: AwarenessModel, config: StageConfig):
     )
     schedules = [_lr_lambda(t, frozen=t.frozen_decoder_steps if name == "decoder" else 0) for name in groups]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+    if config.deepspeed.zero_stage == 3:
+        mark_zero3_leaf_modules(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(config, dist.get_world_size()))
     return engine
+
+
+def mark_zero3_leaf_modules(model: AwarenessModel) -> None:
+    """Qwen3-MoE's sparse block runs only the experts its tokens route to, so ranks would wait on different
+    parameter gathers and hang: ZeRO-3 must gather the whole block at once (a leaf module)."""
+    from deepspeed.utils import set_z3_leaf_modules
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    if any(isinstance(m, Qwen3MoeSparseMoeBlock) for m in model.modules()):
+        set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
 
 
 def _lr_lambda(t, frozen: int):
