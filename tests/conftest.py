@@ -15,8 +15,8 @@ from models import PAIRS, AwarenessModel, build_pair, write_random_checkpoints
 @pytest.fixture(scope="session")
 def checkpoint_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    write_random_checkpoints(PAIRS["tiny"], root, seed=0)
-    write_random_checkpoints(PAIRS["tiny-moe"], root, seed=1)
+    write_random_checkpoints(PAIRS["tiny"], root)
+    write_random_checkpoints(PAIRS["tiny-moe"], root)
     return root
 
 

@@ -208,6 +208,7 @@ def test_moe_decoder_generates_with_memory(tiny_moe):
 
 def test_only_gca_trains_by_default_and_gradient_checkpointing_matches(checkpoint_root):
     def grads(checkpointing: bool):
+        torch.manual_seed(0)  # the same GCA initialisation for both models
         model = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root)).train()
         if checkpointing:
             model.gradient_checkpointing_enable()
@@ -245,6 +246,7 @@ def test_moe_router_loss_passes_through(tiny_moe, checkpoint_root):
 
 def test_encoder_gradient_scale(checkpoint_root):
     def encoder_grad(scale):
+        torch.manual_seed(0)  # the same GCA initialisation for both models
         model = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root))
         from models import set_trainable
 
