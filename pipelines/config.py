@@ -91,6 +91,8 @@ class ScalingSettings:
     num_workers: int = 2
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    gpus_per_node: int = 8  # for the memory plan a GPU run checks first
+    gpu_memory_gib: float = 80.0
 
 
 @dataclass

@@ -24,6 +24,7 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
     from ray.train.torch import TorchTrainer
 
     config = prepare_paths(config.validate())
+    check_memory_plan(config)
     run_dir = Path(config.run.storage_path) / config.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
@@ -52,6 +53,20 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
     )
     result = trainer.fit()
     return summarise(config, result, tracker)
+
+
+def check_memory_plan(config: StageConfig) -> None:
+    """A GPU run that cannot fit is refused before any cluster time is spent, with the numbers."""
+    if not config.scaling.use_gpu:
+        return
+    from pipelines.planning import plan_for_stage
+
+    plan = plan_for_stage(config)
+    if not plan.fits:
+        raise ValueError(
+            f"this run does not fit in GPU memory:\n{plan.table()}\nuse LoRA (model.decoder=lora), more workers, "
+            f"gradient checkpointing, or deepspeed.offload_optimizer / offload_params"
+        )
 
 
 def shutdown_ray() -> None:
