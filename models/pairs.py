@@ -60,6 +60,11 @@ TINY_MOE_DECODER = _qwen3(model_type="qwen3_moe", vocab_size=512, hidden_size=64
                           head_dim=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
                           norm_topk_prob=True, mlp_only_layers=[], max_position_embeddings=1024,
                           tie_word_embeddings=False)
+SMALL_DECODER = _qwen3(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+                       tie_word_embeddings=True)
+SMALL_ENCODER = _embedding(vocab_size=496, hidden_size=192, intermediate_size=576, num_hidden_layers=4,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096)
 TINY_ENCODER = _embedding(vocab_size=496, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
 
@@ -84,6 +89,7 @@ PAIRS: dict[str, PairSpec] = {
         PairSpec("tiny", "tiny-qwen3", "tiny-qwen3-encoder", TINY_DECODER, TINY_ENCODER, random_weights=True),
         PairSpec("tiny-moe", "tiny-qwen3-moe", "tiny-qwen3-encoder", TINY_MOE_DECODER, TINY_ENCODER,
                  random_weights=True),
+        PairSpec("small", "small-qwen3", "small-qwen3-encoder", SMALL_DECODER, SMALL_ENCODER, random_weights=True),
         PairSpec("proto1", "Qwen3-0.6B", "Qwen3-Embedding-0.6B", QWEN3_0_6B, QWEN3_EMBEDDING_0_6B, ("0.6B", "0.6B")),
         PairSpec("proto2", "Qwen3-1.7B", "Qwen3-Embedding-0.6B", QWEN3_1_7B, QWEN3_EMBEDDING_0_6B, ("1.7B", "0.6B")),
         PairSpec("dev", "Qwen3-4B", "Qwen3-Embedding-4B", QWEN3_4B, QWEN3_EMBEDDING_4B, ("4.0B", "4B")),

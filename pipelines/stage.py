@@ -111,6 +111,7 @@ def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
         "gate_abs_mean": metrics.get("gate_abs_mean"),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "examples_seen": metrics.get("examples_seen"),
+        "seconds_per_step": metrics.get("step_seconds_median"),
         "checkpoint": checkpoint,
         "export": f"{checkpoint}/{EXPORT_DIR}" if checkpoint else None,
         "mlflow_run_id": tracker.run_id,

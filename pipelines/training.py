@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,8 +49,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     state = restore_checkpoint(engine)
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
     faults = FaultInjector(loop_config.get("fail_at"), loop_config.get("fault_marker"), rank, world)
+    step_seconds: list[float] = []
     while state.step < config.train.max_steps:
         metrics = train_step(engine, config, state, rank, world)
+        step_seconds.append(metrics["step_seconds"])
+        metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         faults.maybe_fail("train", state.step)
         if state.step % config.train.log_every == 0:
             metrics |= probe_metrics(engine, config, state)
@@ -181,6 +185,7 @@ def train_step(engine, config: StageConfig, state: TrainState, rank: int, world:
         "loss": totals[0].item() / world,
         "lr": engine.get_lr()[0],
         "tokens_per_s": totals[1].item() / (time.perf_counter() - started),
+        "step_seconds": time.perf_counter() - started,
         "examples_seen": state.examples_seen,
         "index_checksum": float(state.index_checksum),
     }
