@@ -55,14 +55,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         faults.maybe_fail("train", state.step)
-        if state.step % config.train.log_every == 0:
+        final = state.step == config.train.max_steps
+        logging_step = state.step % config.train.log_every == 0 or final
+        if logging_step:
             metrics |= probe_metrics(engine, config, state)
-        if state.step % config.train.eval_every == 0 or state.step == config.train.max_steps:
+        if state.step % config.train.eval_every == 0 or final:
             metrics |= evaluate(engine.module, config, rank, world)
-        tracker.log_metrics(metrics, state.step)
-        if state.step % config.train.checkpoint_every == 0 or state.step == config.train.max_steps:
-            save_checkpoint(engine, config, state, metrics, faults, final=state.step == config.train.max_steps)
-        elif state.step % config.train.log_every == 0:
+            logging_step = True
+        if logging_step:
+            tracker.log_metrics(metrics, state.step)
+        if state.step % config.train.checkpoint_every == 0 or final:
+            save_checkpoint(engine, config, state, metrics, faults, final=final)
+        elif logging_step:
             ray.train.report(metrics)
     finish_tracking(tracker, state, rank)
 

@@ -91,3 +91,16 @@ def test_random_checkpoints_are_rewritten_when_the_architecture_changes(tmp_path
     wider = dataclasses.replace(spec, decoder_config={**spec.decoder_config, "intermediate_size": 96})
     write_random_checkpoints(wider, tmp_path)
     assert (decoder_dir / "model.safetensors").read_bytes() != first  # not a stale cache
+
+
+def test_tiny_shared_encoder_starts_from_its_decoder(tmp_path):
+    from models import write_random_checkpoints
+
+    model = build_pair("tiny-shared", checkpoint_root=tmp_path)
+    encoder, decoder = model.memory_encoder.encoder, model.decoder.model
+    assert torch.equal(encoder.embed_tokens.weight, decoder.embed_tokens.weight[:496])
+    assert torch.equal(encoder.layers[1].mlp.up_proj.weight, decoder.layers[1].mlp.up_proj.weight)
+    assert isinstance(model.memory_projection, torch.nn.Identity)  # same width: no projection
+    # the plain tiny pair's encoder is independent of the decoder
+    plain = build_pair("tiny", checkpoint_root=tmp_path)
+    assert not torch.equal(plain.memory_encoder.encoder.embed_tokens.weight, plain.decoder.model.embed_tokens.weight[:496])

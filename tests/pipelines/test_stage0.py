@@ -75,7 +75,7 @@ def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray)
     assert second["steps"] == 8 and second["mlflow_run_id"] == first["mlflow_run_id"]
     state = json.loads((Path(second["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == expected_checksum(8)  # nothing seen twice, nothing skipped
-    assert [row[0] for row in state["gate_history"]] == list(range(1, 9))
+    assert [row[0] for row in state["gate_history"]] == list(range(1, 9))  # log_every=1: probed every step
 
 
 @pytest.mark.parametrize("fail_at", ["train:3", "save:4"])
