@@ -10,6 +10,7 @@ import math
 import statistics
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     config = StageConfig.from_dict(loop_config["config"])
+    quiet_known_warnings()
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     torch.manual_seed(config.train.seed)
     model = build_model(config.model)
@@ -68,10 +70,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             save_checkpoint(engine, config, state, metrics, faults, final=final)
         elif logging_step:
             ray.train.report(metrics)
-    finish_tracking(tracker, state, rank)
+    finish_tracking(tracker, state, rank, engine.module.gca_layers)
 
 
 # --------------------------------------------------------------------------------------------------- setup
+def quiet_known_warnings() -> None:
+    """DeepSpeed 0.19 calls two torch.distributed collectives that torch 2.13 deprecates, at every step; the
+    FutureWarnings would bury the log. Only those two are silenced."""
+    warnings.filterwarnings(
+        "ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+
+
 def build_model(cfg: ModelConfig) -> AwarenessModel:
     """The pair, its LoRA adapters and what trains, all from the model config."""
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
@@ -284,7 +295,7 @@ def export_artifact(engine, config: StageConfig, directory: Path) -> None:
     dist.barrier()
 
 
-def finish_tracking(tracker: Tracker, state: TrainState, rank: int) -> None:
+def finish_tracking(tracker: Tracker, state: TrainState, rank: int, layers: list[int]) -> None:
     if rank != 0 or tracker.client is None or not state.gate_history:
         return
     import matplotlib
@@ -294,8 +305,8 @@ def finish_tracking(tracker: Tracker, state: TrainState, rank: int) -> None:
 
     history = torch.tensor(state.gate_history)
     figure, axis = plt.subplots(figsize=(6, 3.5))
-    for column in range(1, history.shape[1]):
-        axis.plot(history[:, 0], history[:, column], label=f"GCA block {column}")
+    for column, layer in enumerate(layers, start=1):
+        axis.plot(history[:, 0], history[:, column], label=f"decoder layer {layer}")
     axis.set(xlabel="step", ylabel="|tanh(gate)|", title="How much each GCA block reads the memory")
     axis.legend(fontsize=7)
     tracker.log_figure(figure, "gates.png")
