@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow bench
+.PHONY: install demo generate test test-slow bench
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
+	$(PY) jobs/stage0.py
+
+generate: install
 	$(PY) jobs/generate.py
 
 test: install
@@ -28,3 +31,4 @@ test-slow: install
 
 bench: install
 	$(PY) benchmarks/gca_overhead.py
+	$(PY) benchmarks/train_throughput.py
