@@ -143,7 +143,7 @@ def main() -> None:
     for name, t, flop_ratio in rows:
         flop = f"{flop_ratio:10.2f}" if flop_ratio else f"{'-':>10}"
         print(f"| {name:<66} | {t:8.3f} | {t / base:6.2f} | {flop} |")
-    print(f"\nDecoding per token after prefill (prompt 32), memory cached vs the memory in the prompt")
+    print("\nDecoding per token after prefill (prompt 32), memory cached vs the memory in the prompt")
     print(f"| {'memory tokens':>13} | {'GCA (ms)':>9} | {'long context (ms)':>17} | {'GCA / long':>10} |")
     print(f"|{'-' * 15}|{'-' * 11}|{'-' * 19}|{'-' * 12}|")
     for m in memories:

@@ -9,7 +9,6 @@ Tokens are decoder tokens (questions) plus memory tokens, per optimizer step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -192,10 +191,11 @@ def parse_config(argv: list[str] | None, default: StageConfig, description: str 
                             help=f"default: {value}")
     args = vars(parser.parse_args(argv))
     data = default.to_dict()
-    if args.pop("config"):
-        path = Path(args_config := parser.parse_args(argv).config)
+    config_file = args.pop("config")
+    if config_file:
+        path = Path(config_file)
         if not path.is_file():
-            parser.error(f"--config {args_config}: no such file")
+            parser.error(f"--config {config_file}: no such file")
         _merge(data, yaml.safe_load(path.read_text()) or {}, "")
     for key, raw in args.items():
         if raw is not None:
@@ -273,7 +273,3 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ValueError(f"config key {name} expects {hint}, got {value!r}")
-
-
-def config_json(config: StageConfig) -> str:
-    return json.dumps(config.to_dict(), indent=2, sort_keys=True)

@@ -112,13 +112,6 @@ class Tracker:
             (Path(tmp) / name).write_bytes(data)
             self.client.log_artifact(self.run_id, str(Path(tmp) / name))
 
-    def set_tags(self, tags: dict[str, str]) -> None:
-        self._call("set_tags", tags)
-
-    def _set_tags(self, tags: dict[str, str]) -> None:
-        for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
-
     def close(self, status: str = "FINISHED") -> list[str]:
         """Flushes what is pending, ends the run, and returns what could not be logged."""
         self._call("terminate", status)

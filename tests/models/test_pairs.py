@@ -94,7 +94,6 @@ def test_random_checkpoints_are_rewritten_when_the_architecture_changes(tmp_path
 
 
 def test_tiny_shared_encoder_starts_from_its_decoder(tmp_path):
-    from models import write_random_checkpoints
 
     model = build_pair("tiny-shared", checkpoint_root=tmp_path)
     encoder, decoder = model.memory_encoder.encoder, model.decoder.model

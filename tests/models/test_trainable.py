@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft.tuners.lora import LoraLayer
 
-from models import LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from models import LoraPlan, LoraSettings, apply_lora, set_trainable
 from models.trainable import ATTENTION
 from tests.conftest import open_gates, random_ids
 

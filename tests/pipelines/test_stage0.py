@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from models import AwarenessModel
 from pipelines.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
