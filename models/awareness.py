@@ -161,8 +161,15 @@ class AwarenessModel(nn.Module):
         memory_attention_mask: torch.Tensor | None = None,
         memory_states: torch.Tensor | None = None,
         memory_states_mask: torch.Tensor | None = None,
+        *,
+        segment_ids: torch.Tensor | None = None,
+        memory_segment_ids: torch.Tensor | None = None,
     ) -> GCAMemory | None:
-        """Encodes (or takes) the memory, projects it once, and computes every GCA layer's keys and values once."""
+        """Encodes (or takes) the memory, projects it once, and computes every GCA layer's keys and values once.
+
+        Packed rows (several examples in one decoder row) pass `segment_ids` (B, T), the example each token belongs
+        to, and `memory_segment_ids` (B, C) per chunk (or (B, M) per memory position): a token then reads only its
+        own example's chunks. Ids < 0 mark padding."""
         if memory_input_ids is not None and memory_states is not None:
             raise ValueError("pass either memory_input_ids or memory_states, not both")
         if memory_input_ids is None and memory_states is None:
@@ -172,7 +179,12 @@ class AwarenessModel(nn.Module):
         else:
             states, mask = self._check_memory_states(memory_states, memory_states_mask)
         projected = self.memory_projection(states.to(self.memory_projection_dtype))  # (B, M, H_dec)
-        padding = MemoryPadding.from_mask(mask)
+        if (segment_ids is None) != (memory_segment_ids is None):
+            raise ValueError("packed rows need both segment_ids (per token) and memory_segment_ids (per chunk)")
+        if segment_ids is None:
+            padding = MemoryPadding.from_mask(mask)
+        else:
+            padding = MemoryPadding.packed(mask, _per_memory_position(memory_segment_ids, mask), segment_ids)
         layers = {i: block.project_memory(projected, padding) for i, block in self.gca_blocks().items()}
         return GCAMemory(layers=layers, states=projected, mask=mask)
 
@@ -203,13 +215,26 @@ class AwarenessModel(nn.Module):
         memory_states_mask: torch.Tensor | None = None,
         gca_memory: GCAMemory | None = None,
         labels: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        memory_segment_ids: torch.Tensor | None = None,
         **decoder_kwargs: Any,
     ) -> AwarenessOutput:
-        """Like Qwen3ForCausalLM.forward, plus the memory; `gca_memory` reuses memory prepared earlier."""
+        """Like Qwen3ForCausalLM.forward, plus the memory; `gca_memory` reuses memory prepared earlier.
+
+        Packed rows: `position_ids` restarting at 0 for each example (transformers then keeps self-attention inside
+        each example) with `segment_ids` / `memory_segment_ids` (see prepare_memory) for the memory."""
         if input_ids is not None:
             _check_vocabulary(input_ids, self.decoder.config.vocab_size, "input_ids", "decoder")
+        if segment_ids is not None and (attention_mask is not None or decoder_kwargs.get("position_ids") is None):
+            raise ValueError("packed rows take position_ids restarting per example and no attention_mask")
+        if segment_ids is not None:
+            # transformers detects packed rows from position_ids only without a cache
+            if decoder_kwargs.get("use_cache"):
+                raise ValueError("packed rows are a training format: pass use_cache=False (or leave it unset)")
+            decoder_kwargs["use_cache"] = False
         if gca_memory is None:
-            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask)
+            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask,
+                                             segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
         out = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
         )
@@ -350,3 +375,14 @@ def _build_gca(dcfg, gca_mlp: bool) -> GatedCrossAttention:
 def _relative_to(directory: Path, path: str) -> Path:
     candidate = Path(path).expanduser()
     return candidate if candidate.is_absolute() else directory / candidate
+
+
+def _per_memory_position(memory_segment_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Chunk-level segment ids (B, C) -> one per memory position (B, C*L); position-level ids pass through."""
+    if memory_segment_ids.shape == mask.shape:
+        return memory_segment_ids
+    b, c = memory_segment_ids.shape
+    if mask.shape[1] % c:
+        raise ValueError(f"memory_segment_ids {tuple(memory_segment_ids.shape)} match neither the chunks nor the "
+                         f"positions of a memory of shape {tuple(mask.shape)}")
+    return memory_segment_ids.repeat_interleave(mask.shape[1] // c, dim=1)

@@ -38,8 +38,8 @@ class MemoryKV:
 class MemoryPadding:
     """The memory's padding in the form attention needs it, derived once and shared by every GCA layer."""
 
-    attn_mask: torch.Tensor | None  # (B_mem, 1, 1, M) bool, True = attend; None when nothing is padded (fastest SDPA)
-    has_memory: torch.Tensor | None  # (B_mem, 1, 1, 1) 0/1; None when every row has at least one real token
+    attn_mask: torch.Tensor | None  # (B_mem, 1, 1 or T, M) bool, True = attend; None when nothing is padded (fastest SDPA)
+    has_memory: torch.Tensor | None  # (B_mem, 1, 1 or T, 1) 0/1; None when every row has at least one real token
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "MemoryPadding":
@@ -50,6 +50,16 @@ class MemoryPadding:
         has_memory = mask.any(dim=-1)  # (B_mem,)
         attn_mask = (mask | ~has_memory[:, None])[:, None, None, :]
         return cls(attn_mask=attn_mask, has_memory=None if bool(has_memory.all()) else has_memory[:, None, None, None])
+
+    @classmethod
+    def packed(cls, mask: torch.Tensor, memory_segments: torch.Tensor, query_segments: torch.Tensor) -> "MemoryPadding":
+        """Several examples packed into one row: a query token reads only its own example's memory.
+        mask, memory_segments (B, M); query_segments (B, T); segment ids < 0 belong to no example (padding)."""
+        allowed = query_segments[:, :, None] == memory_segments[:, None, :]  # (B, T, M)
+        allowed &= mask[:, None, :] & (query_segments >= 0)[:, :, None]
+        has_memory = allowed.any(dim=-1)  # (B, T)
+        attn_mask = (allowed | ~has_memory[..., None])[:, None]  # (B, 1, T, M)
+        return cls(attn_mask=attn_mask, has_memory=has_memory[:, None, :, None])
 
 
 class GatedCrossAttention(GradientCheckpointingLayer):
@@ -117,6 +127,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         if b % b_mem:
             raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
         r = b // b_mem
+        if r != 1 and memory.padding.attn_mask is not None and memory.padding.attn_mask.shape[2] != 1:
+            raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
         query = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
         query = query.view(b_mem, r * t, self.num_heads, self.head_dim).transpose(1, 2)  # (B_mem, H, r*T, hd)
         padding = memory.padding
