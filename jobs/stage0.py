@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.config import ModelConfig, RunSettings, StageConfig, TrainConfig, parse_config
-from pipelines.stage import run_stage, shutdown_ray
-from pipelines.tracking import summary_json
+from pipelines.config import ModelConfig, RunSettings, StageConfig, TrainConfig
+from pipelines.jobs import run_job
 
 # The embedded default: a tiny random pair learns needle retrieval from scratch, so everything trains in full.
 # Its encoder starts from its decoder (as Qwen3-Embedding starts from Qwen3), and attends bidirectionally, so a
@@ -30,14 +29,5 @@ DEFAULT = StageConfig(
 )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    config = parse_config(argv, DEFAULT, description=__doc__)
-    summary = run_stage(config)
-    shutdown_ray()  # flushes the workers' forwarded logs, so the summary is the last line
-    print(summary_json(summary), flush=True)
-    return summary
-
-
 if __name__ == "__main__":
-    summary = main()
-    sys.exit(1 if summary.get("error") else 0)
+    sys.exit(run_job(sys.argv[1:], DEFAULT, __doc__))

@@ -70,6 +70,10 @@ SMALL_ENCODER = _embedding(vocab_size=496, hidden_size=192, intermediate_size=57
 # sooner than an independently random encoder (the two embedding spaces start aligned).
 TINY_SHARED_ENCODER = _embedding(vocab_size=496, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+# The tiny shapes with Qwen3's real vocabulary (decoder 151,936 rows, encoder 151,669): what stages 1-2 train on a
+# laptop, since corpus shards hold real Qwen3 token ids.
+TINY_TEXT_DECODER = {**TINY_DECODER, "vocab_size": 151936}
+TINY_TEXT_ENCODER = {**TINY_SHARED_ENCODER, "vocab_size": 151669}
 TINY_ENCODER = _embedding(vocab_size=496, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
 
@@ -96,6 +100,8 @@ PAIRS: dict[str, PairSpec] = {
         PairSpec("tiny-moe", "tiny-qwen3-moe", "tiny-qwen3-encoder", TINY_MOE_DECODER, TINY_ENCODER,
                  random_weights=True),
         PairSpec("tiny-shared", "tiny-qwen3", "tiny-qwen3-shared-encoder", TINY_DECODER, TINY_SHARED_ENCODER,
+                 random_weights=True, encoder_from_decoder=True),
+        PairSpec("tiny-text", "tiny-qwen3-text", "tiny-qwen3-text-encoder", TINY_TEXT_DECODER, TINY_TEXT_ENCODER,
                  random_weights=True, encoder_from_decoder=True),
         PairSpec("small", "small-qwen3", "small-qwen3-encoder", SMALL_DECODER, SMALL_ENCODER, random_weights=True),
         PairSpec("proto1", "Qwen3-0.6B", "Qwen3-Embedding-0.6B", QWEN3_0_6B, QWEN3_EMBEDDING_0_6B, ("0.6B", "0.6B")),

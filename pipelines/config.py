@@ -36,6 +36,7 @@ class ModelConfig:
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
     gradient_checkpointing: bool = False
+    init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
 
 
 @dataclass
@@ -57,7 +58,13 @@ class NeedleConfig:
 @dataclass
 class DataConfig:
     train_path: str | None = None  # Parquet shards from jobs/build_corpus.py (OUT/train); None: synthetic needles
-    val_path: str | None = None
+    val_path: str | None = None  # (OUT/val): validation loss and token accuracy, with and without the memory
+    variants: str | None = None  # comma-separated prompt variants to keep (e.g. hinted,imperative); None: all
+    max_tokens: int = 1024  # decoder tokens per packed row
+    max_chunks: int = 16  # memory chunks per packed row
+    chunk_len: int = 512  # tokens per memory chunk
+    pad_id: int = 0  # padded positions are masked; the id only has to exist in both vocabularies
+    val_examples: int = 256  # validation examples scored at each evaluation
 
 
 @dataclass
@@ -151,6 +158,9 @@ class StageConfig:
         for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
             if getattr(m, name) <= 0:
                 p.append(f"model.{name} must be positive")
+        if m.init_from and not (Path(m.init_from) / "awareness.safetensors").is_file():
+            p.append(f"model.init_from {m.init_from} holds no awareness.safetensors: pass a finished stage's "
+                     f"export directory (the `export` path in its summary line)")
         p += [f"needle: {q}" for q in self.needle.spec().problems()]
         for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
             if getattr(t, name) <= 0:
@@ -164,6 +174,20 @@ class StageConfig:
                 f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
                 f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})"
             )
+        d = self.data
+        if d.val_path and not d.train_path:
+            p.append("data.val_path needs data.train_path (the synthetic needles bring their own validation)")
+        for name in ("max_tokens", "max_chunks", "chunk_len", "val_examples"):
+            if getattr(d, name) <= 0:
+                p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+        for name in ("train_path", "val_path"):
+            path = getattr(d, name)
+            if path and "://" not in path and not Path(path).exists():
+                p.append(f"data.{name} {path} does not exist: build the shards with jobs/build_corpus.py --out DIR "
+                         f"and pass DIR/train and DIR/val")
+        if self.stage in (1, 2) and not d.train_path:
+            p.append(f"stage {self.stage} trains on commit shards: build them with `python jobs/build_corpus.py "
+                     f"--stage 2 --source REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
         if self.needle.val_memories % self.scaling.num_workers:
             p.append(f"needle.val_memories ({self.needle.val_memories}) must divide over {self.scaling.num_workers} workers")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):

@@ -14,6 +14,7 @@ from pipelines.tracking import Tracker, resolve_tracking_uri
 from pipelines.training import EXPORT_DIR, train_loop_per_worker
 
 RUN_ID_FILE = "mlflow_run_id"
+CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
 
 
 def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, Any]:
@@ -31,6 +32,12 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
     tracker = open_run(config, tracking_uri, run_dir) if config.tracking.enabled else Tracker(None, None)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    data = {}
+    if config.data.train_path:  # corpus shards (stages 1-2, or stage 0 on built Q&A); else synthetic needles
+        from pipelines.streams import corpus_datasets, data_config
+
+        check_cpus_left_for_data(config)
+        data = {"datasets": corpus_datasets(config), "dataset_config": data_config()}
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -50,6 +57,7 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
             failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
         ),
+        **data,
     )
     result = trainer.fit()
     return summarise(config, result, tracker)
@@ -66,6 +74,19 @@ def check_memory_plan(config: StageConfig) -> None:
         raise ValueError(
             f"this run does not fit in GPU memory:\n{plan.table()}\nuse LoRA (model.decoder=lora), more workers, "
             f"gradient checkpointing, or deepspeed.offload_optimizer / offload_params"
+        )
+
+
+def check_cpus_left_for_data(config: StageConfig) -> None:
+    """Ray Data's read tasks need a CPU the training workers have not reserved, or the stream waits forever."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    reserved = config.scaling.num_workers * config.scaling.cpus_per_worker
+    if reserved >= total:
+        raise ValueError(
+            f"the {config.scaling.num_workers} training workers reserve {reserved:g} of the cluster's {total:g} CPUs, "
+            f"leaving none for Ray Data to read the shards: lower scaling.cpus_per_worker (e.g. 0.5) or add CPUs"
         )
 
 
@@ -109,6 +130,7 @@ def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
         "needle_accuracy": metrics.get("needle_accuracy"),
         "no_memory_accuracy": metrics.get("no_memory_accuracy"),
         "gate_abs_mean": metrics.get("gate_abs_mean"),
+        **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "examples_seen": metrics.get("examples_seen"),
         "seconds_per_step": metrics.get("step_seconds_median"),

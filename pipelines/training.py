@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from models.awareness import WEIGHTS_NAME
 from models.trainable import is_added_parameter, parameter_group
 from pipelines.config import ModelConfig, StageConfig
 from pipelines.evaluation import NeedleScores, score_needles
-from pipelines.needle import make_batch
+from pipelines.streams import CorpusStream, NeedleStream, evaluate_corpus
 from pipelines.tracking import Tracker
 
 ENGINE_TAG = "engine"
@@ -49,28 +50,32 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     model = build_model(config.model)
     engine = setup_deepspeed(model, config)
     state = restore_checkpoint(engine)
+    stream = CorpusStream(config, rank, world, state.step) if config.data.train_path else NeedleStream(config, rank, world)
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
     faults = FaultInjector(loop_config.get("fail_at"), loop_config.get("fault_marker"), rank, world)
     step_seconds: list[float] = []
+    heatmap: dict[str, Any] | None = None
     while state.step < config.train.max_steps:
-        metrics = train_step(engine, config, state, rank, world)
+        metrics = train_step(engine, config, state, stream)
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         faults.maybe_fail("train", state.step)
         final = state.step == config.train.max_steps
         logging_step = state.step % config.train.log_every == 0 or final
         if logging_step:
-            metrics |= probe_metrics(engine, config, state)
+            metrics |= probe_metrics(engine, config, state, stream)
         if state.step % config.train.eval_every == 0 or final:
             metrics |= evaluate(engine.module, config, rank, world)
             logging_step = True
+        if final and not config.data.train_path:
+            heatmap = needle_heatmap(engine.module, config, rank, world)
         if logging_step:
             tracker.log_metrics(metrics, state.step)
         if state.step % config.train.checkpoint_every == 0 or final:
             save_checkpoint(engine, config, state, metrics, faults, final=final)
         elif logging_step:
             ray.train.report(metrics)
-    finish_tracking(tracker, state, rank, engine.module.gca_layers)
+    finish_tracking(tracker, state, rank, engine.module.gca_layers, heatmap)
 
 
 # --------------------------------------------------------------------------------------------------- setup
@@ -95,6 +100,8 @@ def build_model(cfg: ModelConfig) -> AwarenessModel:
     )
     if plan.decoder or plan.gca or plan.encoder:
         apply_lora(model, plan)
+    if cfg.init_from:
+        model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME)
     set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)
     model.memory_encoder.grad_scale = cfg.encoder_grad_scale
     if cfg.gradient_checkpointing:
@@ -168,29 +175,18 @@ def _lr_lambda(t, frozen: int):
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def step_indices(config: StageConfig, step: int, micro: int, rank: int, world: int) -> list[int]:
-    """This worker's memories for one micro-batch: the global step's memories split by micro-batch, then rank."""
-    t = config.train
-    per_micro = t.memories_per_step // t.grad_accum
-    per_rank = per_micro // world
-    start = step * t.memories_per_step + micro * per_micro + rank * per_rank
-    return list(range(start, start + per_rank))
-
-
-def train_step(engine, config: StageConfig, state: TrainState, rank: int, world: int) -> dict[str, float]:
+def train_step(engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
     import torch.distributed as dist
 
-    spec, started, losses, tokens, checksum = config.needle.spec(), time.perf_counter(), [], 0, 0
+    started, losses, tokens, checksum, world = time.perf_counter(), [], 0, 0, dist.get_world_size()
     for micro in range(config.train.grad_accum):
-        indices = step_indices(config, state.step, micro, rank, world)
-        batch = make_batch(spec, config.needle.seed, indices)
-        out = engine(input_ids=batch["input_ids"].to(engine.device), labels=batch["labels"].to(engine.device),
-                     memory_input_ids=batch["memory_input_ids"].to(engine.device))
+        batch, _, batch_checksum = stream.batch(state.step, micro)
+        out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.detach())
-        tokens += batch["input_ids"].numel()
-        checksum += sum(indices)
+        tokens += int((batch["labels"] != -100).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+        checksum += batch_checksum
     totals = torch.tensor([torch.stack(losses).mean().item(), tokens, checksum], dtype=torch.float64)
     dist.all_reduce(totals)
     state.step += 1
@@ -206,7 +202,7 @@ def train_step(engine, config: StageConfig, state: TrainState, rank: int, world:
     }
 
 
-def probe_metrics(engine, config: StageConfig, state: TrainState) -> dict[str, float]:
+def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
     """Per-layer |tanh(gate)| and the attention entropy over the memory, on one training-shaped batch."""
     import deepspeed
     import torch.distributed as dist
@@ -217,9 +213,8 @@ def probe_metrics(engine, config: StageConfig, state: TrainState) -> dict[str, f
         gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
     for b in blocks.values():
         b.probe_entropy = True
-    batch = make_batch(config.needle.spec(), config.needle.seed + 2, [dist.get_rank()])
     with torch.no_grad():
-        model(input_ids=batch["input_ids"].to(engine.device), memory_input_ids=batch["memory_input_ids"].to(engine.device))
+        model(**{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
     entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
     for b in blocks.values():
         b.probe_entropy, b.last_entropy = False, None
@@ -232,9 +227,35 @@ def probe_metrics(engine, config: StageConfig, state: TrainState) -> dict[str, f
     return metrics
 
 
-def evaluate(model: AwarenessModel, config: StageConfig, rank: int, world: int) -> dict[str, float]:
-    """Held-out needles, with the memory and with it withheld, summed over workers (each scores its share)."""
+HEATMAP_DISTRACTORS = (0, 2, 6, 14)  # memory sizes for the final needle heatmap, in filler chunks added
+
+
+def needle_heatmap(model: AwarenessModel, config: StageConfig, rank: int, world: int) -> dict[str, Any]:
+    """Needle accuracy by depth and memory size, on held-out memories (the needle-in-a-haystack picture)."""
+    import dataclasses
+
     import torch.distributed as dist
+
+    indices = list(range(rank, config.needle.val_memories, world))
+    base, columns = config.needle.spec(), []
+    for distractors in HEATMAP_DISTRACTORS:
+        spec = dataclasses.replace(base, distractors=distractors)
+        scores = score_needles(model, spec, config.needle.seed + 1, indices)
+        total = scores.as_tensor()
+        dist.all_reduce(total)
+        scores = NeedleScores.from_tensor(total, bins=len(scores.depth_total))
+        columns.append([c / max(n, 1) for c, n in zip(scores.depth_correct, scores.depth_total, strict=True)])
+    sizes = [dataclasses.replace(base, distractors=d).chunks * base.chunk_len for d in HEATMAP_DISTRACTORS]
+    return {"memory_tokens": sizes, "accuracy_by_depth": [list(row) for row in zip(*columns)]}
+
+
+def evaluate(model: AwarenessModel, config: StageConfig, rank: int, world: int) -> dict[str, float]:
+    """Held-out needles (or the corpus' validation shard), with the memory and with it withheld, summed over
+    workers (each scores its share)."""
+    import torch.distributed as dist
+
+    if config.data.train_path:
+        return evaluate_corpus(model, config, rank, world)
 
     indices = list(range(rank, config.needle.val_memories, world))
     metrics = {}
@@ -295,13 +316,26 @@ def export_artifact(engine, config: StageConfig, directory: Path) -> None:
     dist.barrier()
 
 
-def finish_tracking(tracker: Tracker, state: TrainState, rank: int, layers: list[int]) -> None:
+def finish_tracking(tracker: Tracker, state: TrainState, rank: int, layers: list[int],
+                    heatmap: dict[str, Any] | None = None) -> None:
     if rank != 0 or tracker.client is None or not state.gate_history:
         return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if heatmap is not None:
+        tracker.log_dict(heatmap, "needle_heatmap.json")
+        figure, axis = plt.subplots(figsize=(5, 3.5))
+        grid = axis.imshow(heatmap["accuracy_by_depth"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        bins = len(heatmap["accuracy_by_depth"])
+        axis.set(xticks=range(len(heatmap["memory_tokens"])), xticklabels=heatmap["memory_tokens"],
+                 yticks=range(bins), yticklabels=[f"{i / bins:.2f}-{(i + 1) / bins:.2f}" for i in range(bins)],
+                 xlabel="memory size (tokens)", ylabel="needle depth", title="Held-out needle exact match")
+        figure.colorbar(grid, ax=axis)
+        tracker.log_figure(figure, "needle_heatmap.png")
+        plt.close(figure)
 
     history = torch.tensor(state.gate_history)
     figure, axis = plt.subplots(figsize=(6, 3.5))
