@@ -63,6 +63,13 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
     assert run.data.params["train.max_steps"] == "4" and "needle_accuracy" in run.data.metrics
     assert run.info.status == "FINISHED"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"gates.png", "needle_heatmap.png", "needle_heatmap.json"} <= artifacts, artifacts
+    heatmap = json.loads(Path(client.download_artifacts(run.info.run_id, "needle_heatmap.json", str(tmp_path))).read_text())
+    assert len(heatmap["memory_tokens"]) == len(heatmap["accuracy_by_depth"][0]) == 4  # depth x memory size
+    assert heatmap["memory_tokens"] == sorted(heatmap["memory_tokens"])
+    assert all(0 <= a <= 1 for row in heatmap["accuracy_by_depth"] for a in row)
 
 
 def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray):
