@@ -113,7 +113,8 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
     ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 200)))
     ds = ds.map_batches(records_batch, batch_size=8, concurrency=config.workers)
     ds = ds.map_batches(decode, batch_format="pyarrow", batch_size=None)
-    ds = ds.groupby("unit").map_groups(
+    n_units = len({item["unit"] for item in items})
+    ds = ds.groupby("unit", num_partitions=max(1, min(n_units, 32))).map_groups(
         lambda t: write_unit(t, out=str(out), make_rows=make_rows, settings=settings, checkpoint=checkpoint),
         batch_format="pyarrow")
     units = []
