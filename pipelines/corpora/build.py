@@ -56,7 +56,7 @@ class BuildConfig:
 
 def write_unit(batch: pa.Table, *, out: str, make_rows: Callable, settings, checkpoint: str | None) -> pa.Table:
     """Group-by worker: all records of one repository -> rows -> Parquet shards; returns one statistics row."""
-    records = batch.to_pylist()
+    records = [json.loads(s) for s in batch.column("record").to_pylist()]
     tokenizer = cached_tokenizer(checkpoint)
     unit = records[0]["unit"]
     split = tasks.split_of(unit, settings.val_fraction, settings.seed)
@@ -77,7 +77,7 @@ def write_unit(batch: pa.Table, *, out: str, make_rows: Callable, settings, chec
     lengths = [len(r["input_ids"]) for r in rows]
     stats = {
         "unit": unit, "source": records[0]["source"], "split": split, "inputs": len(records),
-        "rejected_inputs": sum(1 for r in records if r["reject"]),
+        "rejected_inputs": len(rejects),  # record rejects + rows-stage rejects (duplicates), all input-level
         "rejects": dict(Counter(r["reason"] for r in rejects)),
         "rows": dict(Counter(r["task"] for r in rows)),
         "variants": dict(Counter(f'{r["task"]}/{r["variant"]}' for r in rows)),
@@ -105,14 +105,11 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
     def records_batch(batch: dict) -> dict:
         tokenizer = cached_tokenizer(checkpoint)
         rows = [rec for item in rows_of(batch) for rec in make_records(item, tokenizer, settings)]
-        return {"record": [json.dumps(r) for r in rows]}
-
-    def decode(batch: pa.Table) -> pa.Table:
-        return pa.Table.from_pylist([json.loads(s) for s in batch.column("record").to_pylist()])
+        # Records cross the shuffle as JSON text: one stable schema, whatever the nested contents.
+        return {"unit": [r["unit"] for r in rows], "record": [json.dumps(r) for r in rows]}
 
     ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 200)))
     ds = ds.map_batches(records_batch, batch_size=8, concurrency=config.workers)
-    ds = ds.map_batches(decode, batch_format="pyarrow", batch_size=None)
     n_units = len({item["unit"] for item in items})
     ds = ds.groupby("unit", num_partitions=max(1, min(n_units, 32))).map_groups(
         lambda t: write_unit(t, out=str(out), make_rows=make_rows, settings=settings, checkpoint=checkpoint),
