@@ -92,6 +92,7 @@ class QwenTokenizer:
 
                 tok = Tokenizer.from_file(str(Path(self.checkpoint) / "tokenizer.json"))
                 check_special_ids(tok)
+                tok.encode_special_tokens = True  # special-token strings in text are text (as in encode_ordinary)
                 self._backend = tok
             else:
                 self._backend = tiktoken.Encoding("qwen3", pat_str=QWEN_PATTERN, mergeable_ranks=load_ranks(),
@@ -103,7 +104,7 @@ class QwenTokenizer:
         backend = self.backend()
         if isinstance(backend, tiktoken.Encoding):
             return backend.encode_ordinary(unicodedata.normalize("NFC", text))
-        return backend.encode(text, add_special_tokens=False, split_special_tokens=True).ids
+        return backend.encode(text, add_special_tokens=False).ids
 
     def encode_parts(self, parts: list[str]) -> list[int]:
         """A template: each part that is exactly a special-token string becomes that token, the rest is text."""
