@@ -55,17 +55,19 @@ def parse(language: str, source: bytes) -> tree_sitter.Tree | None:
     return parser(language).parse(source) if language in GRAMMARS else None
 
 
-def boundaries(tree: tree_sitter.Tree | None) -> dict[int, int]:
-    """0-based line -> cut priority: 2 where a top-level node starts, 1 where a child of a large one starts."""
+def boundaries(tree: tree_sitter.Tree | None, big: int = 40) -> dict[int, int]:
+    """0-based line -> cut priority: 2 where a top-level node starts, 1 where a statement or member inside a
+    large node (> `big` lines) starts, at any depth."""
     if tree is None:
         return {}
     out: dict[int, int] = {}
-    for node in tree.root_node.named_children:
-        out[node.start_point[0]] = 2
-        body = node.child_by_field_name("body") or node
-        if node.end_point[0] - node.start_point[0] > 40:
-            for child in body.named_children:
-                out.setdefault(child.start_point[0], 1)
+    stack = [(n, 2) for n in tree.root_node.named_children]
+    while stack:
+        node, priority = stack.pop()
+        out[node.start_point[0]] = max(out.get(node.start_point[0], 0), priority)
+        if node.end_point[0] - node.start_point[0] > big:
+            body = node.child_by_field_name("body") or node
+            stack.extend((child, 1) for child in body.named_children if child.start_point[0] > node.start_point[0])
     out.pop(0, None)
     return out
 
@@ -111,9 +113,9 @@ def python_facts(root: tree_sitter.Node, path: str) -> list[dict]:
             left, right = assign.child_by_field_name("left"), assign.child_by_field_name("right")
             if assign.type == "assignment" and left is not None and right is not None and left.type == "identifier":
                 name = text(left)
-                if name.isupper() and len(name) > 2 and "\n" not in text(right) and len(text(right)) <= 80:
+                if name.isupper() and len(name) > 2 and "\n" not in text(assign) and len(text(right)) <= 80:
                     out.append(fact("constant", name, f"Where is the constant `{name}` set, and to what value?",
-                                    f"{path}, line {assign.start_point[0] + 1}: {name} = {text(right)}",
+                                    f"{path}, line {assign.start_point[0] + 1}: {text(assign)}",
                                     assign, path))
     return out
 
