@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> dict:
     config, num_cpus = parse(argv)
     from pipelines.corpora.sources import check_sources
 
-    check_sources(config.sources)  # a missing path fails here, before Ray starts
+    try:
+        check_sources(config.sources)  # a missing path fails here, before Ray starts
+    except (FileNotFoundError, ValueError) as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        sys.exit(2)
     ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True)
     try:
         manifest = build_corpus(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
