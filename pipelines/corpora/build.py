@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipelines.corpora import sources, tasks
+from pipelines.corpora.rows import make_row  # noqa: F401  (re-exported for custom row makers)
 from pipelines.corpora.tokenizer import cached_tokenizer, describe
 
 ROW_SCHEMA = pa.schema([
