@@ -63,27 +63,38 @@ def write_unit(batch: pa.Table, *, out: str, make_rows: Callable, settings, chec
     split = tasks.split_of(unit, settings.val_fraction, settings.seed)
     rejects = [sources.reject(r["source"], r["path"], r["reject"], r.get("detail", "")) for r in records
                if r["reject"]]
-    rows, extra_rejects = make_rows(records, tokenizer, settings)
-    rejects += extra_rejects
+    rows, extra_rejects = make_rows(records, tokenizer, settings)  # rows: an iterable, written as it comes
     tag = hashlib.sha256(unit.encode()).hexdigest()[:10] + "-" + uuid.uuid4().hex[:6]
-    digest = hashlib.sha256()
-    for i in range(0, len(rows), ROWS_PER_SHARD):
-        table = pa.Table.from_pylist(rows[i : i + ROWS_PER_SHARD], schema=ROW_SCHEMA)
-        pq.write_table(table, os.path.join(out, split, f"part-{tag}-{i // ROWS_PER_SHARD:05d}.parquet"))
+    digest, counts, variants = hashlib.sha256(), Counter(), Counter()
+    input_tokens, memory_tokens, shard, pending = [0, 0], [0, 0], 0, []
+
+    def flush():
+        nonlocal shard, pending
+        if pending:
+            table = pa.Table.from_pylist(pending, schema=ROW_SCHEMA)
+            pq.write_table(table, os.path.join(out, split, f"part-{tag}-{shard:05d}.parquet"))
+            shard, pending = shard + 1, []
+
     for r in rows:
         digest.update(json.dumps([r["prompt"], r["target"], r["memory"]]).encode())
+        counts[r["task"]] += 1
+        variants[f'{r["task"]}/{r["variant"]}'] += 1
+        input_tokens = [input_tokens[0] + len(r["input_ids"]), max(input_tokens[1], len(r["input_ids"]))]
+        memory_tokens = [memory_tokens[0] + r["memory_tokens"], max(memory_tokens[1], r["memory_tokens"])]
+        pending.append(r)
+        if len(pending) >= ROWS_PER_SHARD:
+            flush()
+    flush()
+    rejects += extra_rejects
     if rejects:
         pq.write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), os.path.join(out, "rejects",
                                                                                      f"part-{tag}.parquet"))
-    lengths = [len(r["input_ids"]) for r in rows]
     stats = {
         "unit": unit, "source": records[0]["source"], "split": split, "inputs": len(records),
         "rejected_inputs": len(rejects),  # record rejects + rows-stage rejects (duplicates), all input-level
         "rejects": dict(Counter(r["reason"] for r in rejects)),
-        "rows": dict(Counter(r["task"] for r in rows)),
-        "variants": dict(Counter(f'{r["task"]}/{r["variant"]}' for r in rows)),
-        "input_tokens": [sum(lengths), max(lengths, default=0)],
-        "memory_tokens": [sum(r["memory_tokens"] for r in rows), max((r["memory_tokens"] for r in rows), default=0)],
+        "rows": dict(counts), "variants": dict(variants),
+        "input_tokens": input_tokens, "memory_tokens": memory_tokens,
         "source_tokens": sum(r.get("tokens", 0) for r in records), "source_bytes": sum(r.get("bytes", 0) for r in records),
         "hash": digest.hexdigest(),
     }
@@ -175,7 +186,7 @@ def stage0_items(config: BuildConfig) -> list[dict]:
 
 
 def stage0_rows(records, tokenizer, settings):
-    return tasks.unit_rows(records, tokenizer, settings), []
+    return tasks.unit_rows(records, tokenizer, settings), []  # a generator: rows are written as they are made
 
 
 def build_corpus(config: BuildConfig, progress: Callable[[str], None] = print) -> dict:

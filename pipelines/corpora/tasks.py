@@ -14,6 +14,7 @@ import os
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import Iterator
 
 from pipelines.corpora import chunking, docs, needles, sources, syntax
 from pipelines.corpora.chunking import Chunk
@@ -106,7 +107,8 @@ def unique_facts(records: list[dict]) -> list[dict]:
     counts = Counter((f["kind"], f["name"]) for f in facts if f["kind"] != "call_edge")
     defined = Counter(f["name"] for f in facts if f["kind"] == "defines")
     out = [f for f in facts if f["kind"] != "call_edge" and counts[(f["kind"], f["name"])] == 1]
-    out = [f for f in out if f["kind"] not in ("definition",) or not f["name"].split()[0] in ("This", "The", "It")]
+    vague = ("This", "The", "It", "A", "An")  # "This repository is ..." defines nothing a question can name
+    out = [f for f in out if f["kind"] != "definition" or f["name"].split()[0] not in vague]
     edges = defaultdict(list)
     for f in facts:
         if f["kind"] == "call_edge" and defined[f["name"]] == 1:
@@ -121,19 +123,19 @@ def unique_facts(records: list[dict]) -> list[dict]:
     return out
 
 
-def unit_rows(records: list[dict], tokenizer, settings: Stage0Settings) -> list[dict]:
-    """Every stage-0 row of one repository."""
+def unit_rows(records: list[dict], tokenizer, settings: Stage0Settings) -> Iterator[dict]:
+    """Every stage-0 row of one repository, one at a time (the writer flushes shards as they fill)."""
     if not records:
-        return []
+        return
     unit, source = records[0]["unit"], records[0]["source"]
     good = [r for r in records if not r["reject"]]
     pool = unit_chunks(good)
     if not pool:
-        return []
+        return
     by_path = defaultdict(list)
     for c in pool:
         by_path[c.path].append(c)
-    rows, per_file = [], Counter()
+    per_file = Counter()
     for f in unique_facts(good):
         if per_file[f["path"]] >= settings.max_facts_per_file:
             continue
@@ -148,12 +150,11 @@ def unit_rows(records: list[dict], tokenizer, settings: Stage0Settings) -> list[
         agentic = random.Random(seed).random() < settings.agentic_fraction
         target = ([READ, chunking.chunk_name(read[0].path, read[0].index), END_READ, f["answer"]] if agentic
                   else [f["answer"]])
-        rows.append(make_row(task=task, variant="agentic" if agentic else "direct", kind=f["kind"],
-                             prompt=[f["question"], "\n"], target=target, answer=f["answer"],
-                             memory=[c.text for c in memory], memory_ids=[c.ids for c in memory], source=source,
-                             unit=unit, evidence=(f["path"], f["start_line"], f["end_line"]), tokenizer=tokenizer))
-    rows += needle_rows(pool, unit, source, tokenizer, settings)
-    return rows
+        yield make_row(task=task, variant="agentic" if agentic else "direct", kind=f["kind"],
+                       prompt=[f["question"], "\n"], target=target, answer=f["answer"],
+                       memory=[c.text for c in memory], memory_ids=[c.ids for c in memory], source=source,
+                       unit=unit, evidence=(f["path"], f["start_line"], f["end_line"]), tokenizer=tokenizer)
+    yield from needle_rows(pool, unit, source, tokenizer, settings)
 
 
 def needle_rows(pool: list[Chunk], unit: str, source: str, tokenizer, settings: Stage0Settings) -> list[dict]:

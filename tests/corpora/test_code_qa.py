@@ -19,7 +19,7 @@ def build_rows(root: Path, tokenizer, name: str, **kw) -> list[dict]:
     records = [rec for rel in walk_files(root)
                for rec in tasks.file_records({"root": str(root), "path": rel, "source": name, "unit": name},
                                              tokenizer, settings)]
-    return tasks.unit_rows(records, tokenizer, settings)
+    return list(tasks.unit_rows(records, tokenizer, settings))
 
 
 def span(root: Path, ev: dict) -> str:
