@@ -1,13 +1,14 @@
-"""The corpus build on Ray Data: list inputs on the driver (names only), make records on workers, group them by
-repository, write Parquet shards from the workers, and aggregate small per-repository statistics into the manifest.
+"""The corpus build on Ray Data: list inputs on the driver (names only, grouped by repository), and for each
+repository, on a worker: make records (read, parse, chunk, tokenize), build rows, write Parquet shards; the driver
+aggregates one small statistics row per repository into the manifest.
 
     OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: pipelines.corpora.ROW_SCHEMA); split by repository
     OUT/rejects/*.parquet                    one row per rejected input: source, path, reason, detail
     OUT/manifest.json                        rows per task and split, token statistics, rejects by reason,
                                              inputs seen = used + rejected, sources, tokenizer, content hash
 
-Nothing of the corpus passes through the driver: shards are written by the group-by workers, which return one
-statistics row each.
+Nothing of the corpus passes through the driver. Parallelism is across repositories: a corpus that is one big
+repository builds on one worker (split it with `--per-subdir`).
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ class BuildConfig:
     per_subdir: bool = False  # each first-level directory of a source is its own repository (e.g. site-packages)
     stage0: tasks.Stage0Settings = field(default_factory=tasks.Stage0Settings)
     max_commits: int | None = None  # stage 2: newest commits per repository
-    workers: int | None = None  # record-making tasks in flight; None: Ray Data decides
+    workers: int | None = None  # repositories built at once; None: Ray Data decides (one per CPU)
 
 
-def write_unit(batch: pa.Table, *, out: str, make_rows: Callable, settings, checkpoint: str | None) -> pa.Table:
-    """Group-by worker: all records of one repository -> rows -> Parquet shards; returns one statistics row."""
-    records = [json.loads(s) for s in batch.column("record").to_pylist()]
+def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, checkpoint: str | None) -> str:
+    """All records of one repository -> rows -> Parquet shards, on a worker; returns its statistics (JSON)."""
     tokenizer = cached_tokenizer(checkpoint)
     unit = records[0]["unit"]
     split = tasks.split_of(unit, settings.val_fraction, settings.seed)
@@ -98,7 +98,7 @@ def write_unit(batch: pa.Table, *, out: str, make_rows: Callable, settings, chec
         "source_tokens": sum(r.get("tokens", 0) for r in records), "source_bytes": sum(r.get("bytes", 0) for r in records),
         "hash": digest.hexdigest(),
     }
-    return pa.table({"stats": [json.dumps(stats)]})
+    return json.dumps(stats)
 
 
 def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable, make_rows: Callable,
@@ -113,19 +113,27 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
             old.unlink()  # a rebuild replaces, never mixes with, an older corpus
     started = time.time()
     checkpoint = config.tokenizer
+    by_unit: dict[str, list[dict]] = defaultdict(list)
+    for item in items:
+        by_unit[item["unit"]].append(item)
 
-    def records_batch(batch: dict) -> dict:
+    def unit_batch(batch: dict) -> pa.Table:
+        """One repository per task: records (read, parse, chunk, tokenize), then rows written as Parquet."""
         tokenizer = cached_tokenizer(checkpoint)
-        rows = [rec for item in rows_of(batch) for rec in make_records(item, tokenizer, settings)]
-        # Records cross the shuffle as JSON text: one stable schema, whatever the nested contents.
-        return {"unit": [r["unit"] for r in rows], "record": [json.dumps(r) for r in rows]}
+        stats = []
+        for names in batch["items"]:
+            records = [rec for item in json.loads(names) for rec in make_records(item, tokenizer, settings)]
+            stats.append(write_unit(records, out=str(out), make_rows=make_rows, settings=settings,
+                                    checkpoint=checkpoint))
+        return pa.table({"stats": stats})
 
-    ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 200)))
-    ds = ds.map_batches(records_batch, batch_size=8, concurrency=config.workers)
-    n_units = len({item["unit"] for item in items})
-    ds = ds.groupby("unit", num_partitions=max(1, min(n_units, 32))).map_groups(
-        lambda t: write_unit(t, out=str(out), make_rows=make_rows, settings=settings, checkpoint=checkpoint),
-        batch_format="pyarrow")
+    # Repositories are the unit of parallelism (no shuffle: a hash shuffle reserves a CPU for its operator and
+    # buffers every record, which on a small machine halves the record makers and holds the corpus at once).
+    # Larger repositories first, so the longest task does not start last.
+    units_in = sorted(by_unit.values(), key=len, reverse=True)
+    ds = ray.data.from_items([{"items": json.dumps(names)} for names in units_in],
+                             override_num_blocks=max(1, len(units_in)))
+    ds = ds.map_batches(unit_batch, batch_size=1, batch_format="numpy", concurrency=config.workers)
     units = []
     for row in ds.iter_rows():  # one small statistics row per repository
         stats = json.loads(row["stats"])
