@@ -56,7 +56,7 @@ def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
         text_ = header(path, len(chunks)) + body
         ids = tokenizer.encode_text(text_)
         if len(ids) > 1.25 * chunk_tokens and e - s > 1:  # estimate was off: split at the middle line
-            mid = best_cut(s, (s + e) // 2 + 1, boundaries) if (s + e) // 2 > s else s + 1
+            mid = min(max(best_cut(s, (s + e) // 2 + 1, boundaries), s + 1), e - 1)  # both halves non-empty
             queue[:0] = [(s, mid), (mid, e)]
             continue
         if len(ids) > 1.25 * chunk_tokens:  # one huge line (minified): cut by characters

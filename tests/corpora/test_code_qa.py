@@ -100,6 +100,18 @@ def test_chunks_cover_files_and_cut_at_syntax(package_roots, tokenizer):
     assert sum(cuts.get(s, 0) > 0 for s in starts) >= 0.8 * len(starts)  # mostly at syntax boundaries
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("boundaries", [{1: 2}, {}])
+def test_long_lines_are_split_and_terminate(tokenizer, boundaries):
+    """Dense long lines (generated code: one token per digit, so the size estimate is off 3x): pieces split down
+    to lines, then characters, and the loop ends; nothing is lost."""
+    digits = "".join(str(i % 10) for i in range(800))
+    text = f"x = {digits}\ny = {digits}\n" + "z = '" + "ab cd " * 2000 + "'\n"
+    chunks = chunking.chunk_file("gen.py", text, tokenizer, boundaries=boundaries)
+    assert "".join(c.text.split("\n", 1)[1] for c in chunks) == text
+    assert all(len(c.ids) <= 1.25 * 512 + 16 for c in chunks) and len(chunks) > 5
+
+
 LANGS = {
     "web/app.js": "export function addUser(name, age = 3) {\n  return name;\n}\nclass Store {\n  put(key) {}\n}\n",
     "web/types.ts": "interface Shape { area(): number }\nfunction scale(s: Shape, k: number): number {\n  return k;\n}\n",
