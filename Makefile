@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo generate test test-slow bench
+.PHONY: install demo generate test test-slow bench corpus
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -32,3 +32,7 @@ test-slow: install
 bench: install
 	$(PY) benchmarks/gca_overhead.py
 	$(PY) benchmarks/train_throughput.py
+	$(PY) benchmarks/corpus_throughput.py
+
+corpus: install   # a stage-0 corpus of this repository's own code and docs
+	$(PY) jobs/build_corpus.py --stage 0 --source . --out outputs/corpus0

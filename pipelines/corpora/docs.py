@@ -1,0 +1,64 @@
+"""Document Q&A facts, extractive: heading -> the section's first sentence, and definitions ("X is a ...").
+
+Markdown is parsed with markdown-it-py (its token `map` gives line spans); plain text and JSONL documents go
+through the same parser; HTML is first turned into Markdown-like text line by line (`html_to_text`, lines kept in
+place, so evidence line numbers still point into the file). Every answer is a substring of the document text
+between its evidence lines.
+"""
+
+from __future__ import annotations
+
+import re
+
+from markdown_it import MarkdownIt
+
+_MD = MarkdownIt("commonmark")
+SENTENCE = re.compile(r"(.+?[.!?])(?:\s|$)", re.S)
+DEFINITION = re.compile(r"^\**`?([A-Z][\w\-]*(?: [\w\-]+){0,3}?)`?\** (?:is|are) (?:a|an|the) [^.]{8,200}\.")
+
+
+def html_to_text(html: str) -> str:
+    """Tags removed, headings as `#` lines, scripts/styles blanked; newlines kept, so line numbers survive."""
+    html = re.sub(r"(?is)<(script|style)\b.*?</\1>", lambda m: "\n" * m.group(0).count("\n"), html)
+    html = re.sub(r"(?is)<h([1-6])\b[^>]*>(.*?)</h\1>",
+                  lambda m: "#" * int(m.group(1)) + " " + re.sub(r"<[^>]+>", "", m.group(2)), html)
+    text = re.sub(r"(?s)<[^>]*>", lambda m: "\n" * m.group(0).count("\n"), html)
+    for entity, char in (("&nbsp;", " "), ("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&#39;", "'"),
+                         ("&amp;", "&")):
+        text = text.replace(entity, char)
+    return text
+
+
+def first_sentence(paragraph: str) -> str | None:
+    m = SENTENCE.match(" ".join(paragraph.split()))
+    sentence = m.group(1) if m else None
+    return sentence if sentence and 20 <= len(sentence) <= 300 else None
+
+
+def doc_facts(text: str, path: str) -> list[dict]:
+    """Facts with evidence line spans; a sentence that wraps over lines is answered in its one-line form."""
+    out, heading = [], None
+    tokens = _MD.parse(text)
+    for i, tok in enumerate(tokens):
+        if tok.type == "heading_open":
+            heading = tokens[i + 1].content.strip()
+        elif tok.type == "paragraph_open" and tok.map:
+            paragraph = tokens[i + 1].content
+            start, end = tok.map[0] + 1, tok.map[1]
+            sentence = first_sentence(paragraph)
+            if heading and sentence and tokens[i - 1].type == "heading_close":
+                out.append({"kind": "section", "name": heading, "path": path, "start_line": start, "end_line": end,
+                            "question": f"In {path}, what does the section \"{heading}\" begin by saying?",
+                            "answer": sentence})
+            m = DEFINITION.match(" ".join(paragraph.split()))
+            if m:
+                out.append({"kind": "definition", "name": m.group(1), "path": path, "start_line": start,
+                            "end_line": end, "question": f"According to {path}, what is {m.group(1)}?",
+                            "answer": m.group(0)})
+    return out
+
+
+def answer_in_span(text: str, start_line: int, end_line: int, answer: str) -> bool:
+    """The extractive check: the answer stands in the span (whitespace-normalised, as wrapped lines are joined)."""
+    span = "".join(text.splitlines(keepends=True)[start_line - 1 : end_line])
+    return " ".join(answer.split()) in " ".join(span.split())

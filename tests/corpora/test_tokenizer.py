@@ -1,0 +1,77 @@
+"""The offline Qwen3 tokenizer gives tiktoken's ids for Qwen's ranks and regex, round-trips, and keeps its special
+ids where Qwen3 and the decoders expect them; a checkpoint's tokenizer.json gives the same ids."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+import tiktoken
+from tokenizers import normalizers
+
+from pipelines.corpora.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS,
+                                         QwenTokenizer, dashscope_ranks_path, load_ranks)
+
+
+def real_texts(package_roots) -> list[str]:
+    files = sorted(p for root in package_roots.values() for p in root.rglob("*.py"))
+    texts = [p.read_text(encoding="utf-8") for p in files]
+    texts.append("Ünïcödé naïve café — 漢字かな 🙂 e\u0301\n\t\r\n  x  \n")  # NFC, CJK, emoji, odd whitespace
+    return texts
+
+
+def test_same_ids_as_plain_tiktoken_on_real_source(tokenizer, package_roots):
+    plain = tiktoken.Encoding("plain", pat_str=QWEN_PATTERN, mergeable_ranks=load_ranks(), special_tokens={})
+    texts = real_texts(package_roots)
+    assert sum(map(len, texts)) > 300_000
+    for text in texts:
+        ids = tokenizer.encode_text(text)
+        assert ids == plain.encode_ordinary(unicodedata.normalize("NFC", text))
+        assert tokenizer.decode(ids) == unicodedata.normalize("NFC", text)
+
+
+def test_special_ids_are_qwen3s_and_ours_are_stable():
+    assert len(load_ranks()) == N_RANKS == 151_643
+    assert len(QWEN3_SPECIAL) == 26
+    assert SPECIAL_IDS["<|endoftext|>"] == 151643 and SPECIAL_IDS["<|im_start|>"] == 151644
+    assert SPECIAL_IDS["<|im_end|>"] == 151645 and SPECIAL_IDS["<think>"] == 151667
+    assert SPECIAL_IDS["</think>"] == 151668
+    assert [SPECIAL_IDS[t] for t in AGENT_SPECIAL] == list(range(151669, 151669 + len(AGENT_SPECIAL)))
+    assert max(SPECIAL_IDS.values()) < 151936  # inside every Qwen3 decoder's embedding rows
+
+
+def test_special_strings_in_text_stay_text(tokenizer):
+    """A repository that contains `<read>` or `<|im_end|>` cannot inject control tokens into a memory."""
+    ids = tokenizer.encode_text("x = '<read>' + '<|im_end|>'")
+    assert not set(ids) & set(SPECIAL_IDS.values())
+    parts = tokenizer.encode_parts(["<read>", "a.py [chunk 0]", "</read>", "42"])
+    assert parts[0] == SPECIAL_IDS["<read>"] and SPECIAL_IDS["</read>"] in parts
+    assert tokenizer.decode(parts) == "<read>a.py [chunk 0]</read>42"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """A Qwen3-style tokenizer.json (byte-level BPE, Qwen regex, NFC, added tokens) converted from the same ranks
+    by transformers' own TikTokenConverter: stands in for a local checkpoint, which this machine cannot download."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = TikTokenConverter(vocab_file=str(dashscope_ranks_path()), pattern=QWEN_PATTERN,
+                            extra_special_tokens={t: i for i, t in enumerate(QWEN3_SPECIAL)}).converted()
+    tok.normalizer = normalizers.NFC()
+    root = tmp_path_factory.mktemp("qwen3-checkpoint")
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def test_checkpoint_tokenizer_matches_offline(checkpoint_dir, tokenizer, package_roots):
+    hf = QwenTokenizer(checkpoint_dir)
+    for text in real_texts(package_roots)[::7]:
+        assert hf.encode_text(text) == tokenizer.encode_text(text)
+    parts = ["Q?\n", "<read>", "x.py [chunk 1]", "</read>", "<think>"]
+    assert hf.encode_parts(parts) == tokenizer.encode_parts(parts)
+    assert hf.decode(hf.encode_parts(parts)) == "".join(parts)
+
+
+def test_missing_checkpoint_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        QwenTokenizer(tmp_path)
