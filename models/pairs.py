@@ -73,7 +73,7 @@ TINY_SHARED_ENCODER = _embedding(vocab_size=496, hidden_size=64, intermediate_si
 # The tiny shapes with Qwen3's real vocabulary (decoder 151,936 rows, encoder 151,669): what stages 1-2 train on a
 # laptop, since corpus shards hold real Qwen3 token ids.
 TINY_TEXT_DECODER = {**TINY_DECODER, "vocab_size": 151936}
-TINY_TEXT_ENCODER = {**TINY_SHARED_ENCODER, "vocab_size": 151669}
+TINY_TEXT_ENCODER = {**TINY_SHARED_ENCODER, "vocab_size": 151669, "max_position_embeddings": 1024}  # 512-token chunks
 TINY_ENCODER = _embedding(vocab_size=496, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=256)
 
