@@ -313,6 +313,9 @@ class Qwen3ForSeq2SeqLM(Qwen3PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules = ["Qwen3DecoderLayer"]
     _can_record_outputs = None  # the encoder and decoder record their own
+    # Every tie the model may hold (save_pretrained drops these duplicates); which hold is decided per config below.
+    _tied_weights_keys = {"decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+                          "lm_head.weight": "encoder.embed_tokens.weight"}
 
     def __init__(self, config: Qwen3EncoderDecoderConfig):
         super().__init__(config)
