@@ -68,6 +68,9 @@ class Qwen3EncoderDecoderConfig(Qwen3Config):
             problems.append(f"encoder_key_rope must be one of {ENCODER_KEY_ROPE}, got {self.encoder_key_rope!r}")
         if self.encoder_layers < 1:
             problems.append(f"encoder_layers must be >= 1, got {self.encoder_layers}")
+        if self.use_sliding_window:
+            problems.append("use_sliding_window=True: merged attention spans the whole decoder and encoder; set "
+                            "use_sliding_window=False (every released dense Qwen3 checkpoint has it off)")
         if problems:
             raise ValueError("invalid Qwen3EncoderDecoderConfig: " + "; ".join(problems))
 

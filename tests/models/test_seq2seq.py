@@ -189,6 +189,18 @@ def test_gradient_flows_into_encoder(model):
         assert layer.mlp.down_proj.weight.grad.abs().sum() > 0
 
 
+def test_gradient_checkpointing_gives_the_same_gradients(model):
+    enc, labels = random_ids(2, 8, vocab=V, seed=5), random_ids(2, 6, vocab=V, seed=6)
+    model.train()
+    model(input_ids=enc, labels=labels).loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable()
+    model(input_ids=enc, labels=labels).loss.backward()
+    for name, grad in want.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-5, rtol=1e-4)
+
+
 def test_loss_shifts_labels_behind_the_start_token(model):
     enc, labels = random_ids(2, 8, vocab=V, seed=5), random_ids(2, 6, vocab=V, seed=6)
     labels[1, -2:] = -100
@@ -312,6 +324,8 @@ def test_resize_token_embeddings_keeps_ties(model):
 def test_config_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="encoder_key_rope must be one of"):
         Qwen3EncoderDecoderConfig(encoder_key_rope="alibi")
+    with pytest.raises(ValueError, match="use_sliding_window=False"):
+        Qwen3EncoderDecoderConfig(use_sliding_window=True)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Qwen3ForSeq2SeqLM.from_qwen3(tmp_path / "missing")
     config = Qwen3EncoderDecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
