@@ -311,18 +311,27 @@ def collate(batch: dict[str, np.ndarray], pad: int) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------- Ray Train worker
+@dataclass
+class Ul2State:
+    """What a checkpoint carries besides the engine's shards."""
+
+    step: int = 0
+    examples_seen: int = 0
+    losses: list[float] = field(default_factory=list)  # every step's loss (Ray keeps only checkpointed reports)
+
+
 def ul2_train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from pipelines.tracking import Tracker
-    from pipelines.training import quiet_known_warnings, restore_checkpoint
+    from pipelines.training import quiet_known_warnings
 
     config = Ul2Config.from_dict(loop_config["config"])
     quiet_known_warnings()
     torch.manual_seed(config.train.seed)
     model = build_seq2seq(config.model, loop_config["checkpoint"], loop_config["start_token"])
     engine = setup_engine(model, config)
-    state = restore_checkpoint(engine)
+    state = restore_ul2_checkpoint(engine)
     rank = ray.train.get_context().get_world_rank()
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
     batches = batch_stream(config, loop_config["pad"])
@@ -386,8 +395,9 @@ def ul2_step(engine, batches: Iterator, config: Ul2Config, state) -> dict[str, f
     dist.all_reduce(totals)
     state.step += 1
     state.examples_seen += config.train.memories_per_step
+    state.losses.append(totals[0].item() / dist.get_world_size())
     elapsed = time.perf_counter() - started
-    return {"loss": totals[0].item() / dist.get_world_size(), "lr": engine.get_lr()[0],
+    return {"loss": state.losses[-1], "loss_first": state.losses[0], "lr": engine.get_lr()[0],
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
             "examples_seen": state.examples_seen}
 
@@ -404,6 +414,18 @@ def save_ul2_checkpoint(engine, config: Ul2Config, state, metrics, final: bool, 
         if final:
             export(engine, config, Path(tmp) / EXPORT_DIR, checkpoint)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def restore_ul2_checkpoint(engine) -> Ul2State:
+    """Model, optimizer, scheduler and step from the latest registered checkpoint, if any."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return Ul2State()
+    with checkpoint.as_directory() as directory:
+        _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG)
+    return Ul2State(**client_state["trainer_state"])
 
 
 def export(engine, config: Ul2Config, directory: Path, checkpoint: str) -> None:
@@ -494,16 +516,15 @@ def _vocab_size(checkpoint: str) -> int:
 
 
 def summarise(config: Ul2Config, result, tracker) -> dict[str, Any]:
-    history = result.metrics_dataframe
-    losses = history["loss"].tolist() if history is not None and "loss" in history else []
+    metrics = result.metrics or {}
     checkpoint = result.checkpoint.path if result.checkpoint else None
     export_dir = f"{checkpoint}/{EXPORT_DIR}" if checkpoint else None
     summary = {
         "job": "encoder_ul2",
-        "steps": (result.metrics or {}).get("examples_seen", 0) // config.train.memories_per_step,
-        "loss_first": losses[0] if losses else None,
-        "loss_last": losses[-1] if losses else None,
-        "seconds_per_step": (result.metrics or {}).get("step_seconds_median"),
+        "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
+        "loss_first": metrics.get("loss_first"),
+        "loss_last": metrics.get("loss"),
+        "seconds_per_step": metrics.get("step_seconds_median"),
         "checkpoint": checkpoint,
         "seq2seq": f"{export_dir}/seq2seq" if export_dir else None,
         "encoder": f"{export_dir}/encoder" if export_dir else None,
