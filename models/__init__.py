@@ -8,6 +8,7 @@ from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, 
 from models.memory import MemoryEncoder
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
 from models.placement import resolve_gca_layers
+from models.seq2seq import Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM
 from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "MemoryKV",
     "MemoryPadding",
     "PairSpec",
+    "Qwen3EncoderDecoderConfig",
+    "Qwen3EncoderModel",
+    "Qwen3ForSeq2SeqLM",
     "apply_lora",
     "build_pair",
     "gca_parameter_count",

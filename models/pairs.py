@@ -175,6 +175,7 @@ def build_pair(
     gca_mlp: bool = False,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    encoder_checkpoint: str | Path | None = None,
 ) -> AwarenessModel:
     """Builds a named pair.
 
@@ -182,9 +183,12 @@ def build_pair(
     - otherwise the pair's checkpoints are loaded from `checkpoint_root` (or $AWARENESS_CHECKPOINT_ROOT), where
       they live as `<root>/Qwen3-8B`, `<root>/Qwen3-Embedding-8B`, ...; tiny pairs write random checkpoints
       there first (default root: ~/.cache/awareness), so they go through the same loading code as real ones.
+    - encoder_checkpoint: a Qwen3 encoder directory replacing the pair's encoder, e.g. one extracted from a
+      UL2-trained Qwen3ForSeq2SeqLM (`Qwen3EncoderModel.from_seq2seq(model).save_pretrained(dir)`); it was trained
+      bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
     """
     spec = get_pair(name)
-    attention = encoder_attention or spec.encoder_attention
+    attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if torch.device(device).type == "meta":
         return _build_on_meta(spec, gca_layers=gca_layers, encoder_attention=attention, gca_mlp=gca_mlp, dtype=dtype)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
@@ -197,6 +201,8 @@ def build_pair(
         )
     else:
         decoder_dir, encoder_dir = Path(root) / spec.decoder, Path(root) / spec.encoder
+    if encoder_checkpoint is not None:
+        encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
         gca_mlp=gca_mlp, dtype=dtype, device=device,
