@@ -36,6 +36,7 @@ class ModelConfig:
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
     gradient_checkpointing: bool = False
+    encoder_checkpoint: str | None = None  # e.g. jobs/encoder_ul2.py's export/encoder: replaces the pair's encoder
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
 
 
@@ -158,6 +159,9 @@ class StageConfig:
         for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
             if getattr(m, name) <= 0:
                 p.append(f"model.{name} must be positive")
+        if m.encoder_checkpoint and not (Path(m.encoder_checkpoint) / "config.json").is_file():
+            p.append(f"model.encoder_checkpoint {m.encoder_checkpoint} holds no config.json: pass the export/encoder "
+                     f"directory of a jobs/encoder_ul2.py run (or any Qwen3 checkpoint directory)")
         if m.init_from and not (Path(m.init_from) / "awareness.safetensors").is_file():
             p.append(f"model.init_from {m.init_from} holds no awareness.safetensors: pass a finished stage's "
                      f"export directory (the `export` path in its summary line)")

@@ -91,7 +91,8 @@ def quiet_known_warnings() -> None:
 def build_model(cfg: ModelConfig) -> AwarenessModel:
     """The pair, its LoRA adapters and what trains, all from the model config."""
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
-                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp)
+                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp,
+                       encoder_checkpoint=cfg.encoder_checkpoint)
     targets = tuple(cfg.lora_targets.split(","))
     plan = LoraPlan(
         decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,

@@ -38,3 +38,17 @@ def test_unknown_keys_and_wrong_types_are_named(tmp_path):
         parse_config(["--train.max_steps", "many"], DEFAULT)
     with pytest.raises(SystemExit):
         parse_config(["--train.nope", "1"], DEFAULT)
+
+
+def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
+    from pipelines.config import DataConfig
+
+    config = StageConfig(stage=1, model=ModelConfig(encoder_checkpoint=str(tmp_path / "no-encoder"),
+                                                    init_from=str(tmp_path / "no-export")),
+                         data=DataConfig(train_path=str(tmp_path / "missing" / "train"), max_chunks=0))
+    message = "\n".join(config.problems())
+    for expected in ("model.encoder_checkpoint", "export/encoder", "model.init_from", "awareness.safetensors",
+                     "data.train_path", "jobs/build_corpus.py", "data.max_chunks must be positive"):
+        assert expected in message, expected
+    stage2 = "\n".join(StageConfig(stage=2).problems())
+    assert "stage 2 trains on commit shards" in stage2 and "--data.train_path" in stage2
