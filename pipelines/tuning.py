@@ -120,7 +120,9 @@ def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, tri
 
 # ------------------------------------------------------------------------------------------------- the sweep
 def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
-    """Runs the sweep and returns its summary: the table, the best trial, the registered version."""
+    """Runs the sweep and returns its summary: the table, the best trial, the registered version. ASHA's max_t is one
+    evaluation past the last, so only ASHA's own rungs stop a trial: reaching max_t would stop it right after its
+    final report, before its run logs the export."""
     import ray
     import ray.tune
     from ray.tune.schedulers import ASHAScheduler
@@ -152,7 +154,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
             search_alg=BasicVariantGenerator(random_state=sweep.seed),
             scheduler=ASHAScheduler(metric=sweep.metric, mode=sweep.mode, grace_period=sweep.grace_period,
                                     reduction_factor=sweep.reduction_factor,
-                                    max_t=max(sweep.grace_period, base.train.max_steps // base.train.eval_every)),
+                                    max_t=max(sweep.grace_period, base.train.max_steps // base.train.eval_every) + 1),
         ),
         run_config=ray.tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
                                       failure_config=ray.tune.FailureConfig(max_failures=0)),
@@ -316,3 +318,24 @@ def plot_sweep(rows: list[dict[str, Any]], metric: str):
     figure.colorbar(image, ax=axis)
     return figure
 
+
+
+def default_base(pair: str, stage: int) -> StageConfig:
+    """The trials' stage config before command-line overrides: the decoder trains through LoRA (its rank is swept),
+    GCA in full; random pairs also train their encoder (it knows nothing). CPU-sized: one Train worker per trial
+    on 0.9 CPU, so a 2-core machine runs two trials at once; GPU clusters override scaling.*."""
+    from pipelines.config import ModelConfig, RunSettings, ScalingSettings, TrainConfig
+
+    if stage != 0:
+        raise ValueError(f"--stage {stage}: only stage 0 has a training job on this branch (jobs/stage0.py); stage 1 "
+                         f"and 2 sweeps need their jobs' configs here once they exist")
+    random = PAIRS[pair].random_weights if pair in PAIRS else False
+    return StageConfig(
+        stage=stage,
+        model=ModelConfig(pair=pair, decoder="lora", encoder="full" if random else "frozen", gca="full",
+                          encoder_attention="bidirectional" if random else None),
+        train=TrainConfig(max_steps=400, memories_per_step=8, lr=1e-3, warmup_steps=20, log_every=50, eval_every=50,
+                          checkpoint_every=400),
+        scaling=ScalingSettings(num_workers=1, cpus_per_worker=0.9),
+        run=RunSettings(name="sweep", max_failures=0, keep_checkpoints=1),
+    )
