@@ -64,11 +64,20 @@ class Tracker:
         """Opens (or reopens, when resuming) a run and logs the resolved config as params and as a JSON file."""
         from mlflow.tracking import MlflowClient
 
+        for name, value in HTTP_RETRY_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         client = MlflowClient(tracking_uri)
         if run_id is None:
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-            run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            try:
+                found = client.get_experiment_by_name(experiment)
+                experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+                run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            except Exception as error:  # noqa: BLE001 - re-raised with what to do
+                raise RuntimeError(
+                    f"cannot open an MLflow run at {_strip_userinfo(tracking_uri)} ({_short(error)}): start the tracking "
+                    f"server, point MLFLOW_TRACKING_URI (or --tracking.tracking_uri) at a running one, or pass "
+                    f"--tracking.enabled false; nothing has been trained yet"
+                ) from error
             tracker = cls(tracking_uri, run_id)
             tracker.log_params(redact(flatten(config)))
             tracker.log_dict(redact_tree(config), "config.json")

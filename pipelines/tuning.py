@@ -81,19 +81,18 @@ class SweepConfig:
 
 
 # ------------------------------------------------------------------------------------------------- the trial
-class EvaluationReportCallback:
-    """Forwards to Tune only the workers' reports that carry the sweep metric (the evaluation steps): Tune requires
-    the scheduler's metric in every result, and ASHA then counts evaluations."""
+def evaluation_report_callback(metric: str):
+    """A TuneReportCallback that forwards only the workers' reports carrying the sweep metric (the evaluation steps):
+    Tune requires the scheduler's metric in every result, and ASHA then counts evaluations. Built in the trial, so
+    ray.tune is imported only there; the controller receives it pickled by value."""
+    from ray.tune.integration.ray_train import TuneReportCallback
 
-    def __new__(cls, metric: str):
-        from ray.tune.integration.ray_train import TuneReportCallback
+    class EvaluationReportCallback(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and metric in metrics[0]:
+                super().after_report(run_context, metrics, checkpoint)
 
-        class _Callback(TuneReportCallback):
-            def after_report(self, run_context, metrics, checkpoint):
-                if metrics and metric in metrics[0]:
-                    super().after_report(run_context, metrics, checkpoint)
-
-        return _Callback()
+    return EvaluationReportCallback()
 
 
 def train_trial(trial: dict[str, Any]) -> None:
@@ -106,7 +105,7 @@ def train_trial(trial: dict[str, Any]) -> None:
     config = trial_config(StageConfig.from_dict(trial["base"]), trial, trial["sweep_name"], trial_id)
     summary = run_stage(config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
                         SWEEP_TAG: trial["parent_run_id"] or ""},
-                        callbacks=[EvaluationReportCallback(trial["metric"])])
+                        callbacks=[evaluation_report_callback(trial["metric"])])
     if summary["error"]:
         raise RuntimeError(f"trial {trial_id}: the stage run failed: {summary['error']}")
 

@@ -4,11 +4,11 @@ logged when it returns or listed at the end; nothing secret reaches a run."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from pipelines.tracking import REDACTED, Tracker, data_manifest_hash, redact, redact_tree, system_info
-from tests.pipelines.mlflow_server import MlflowServer
 
 FAKE_TOKEN = "hf_FAKEtoken0123456789abcdef"
 
@@ -92,3 +92,48 @@ def test_data_manifest_hash(tmp_path):
     first = data_manifest_hash(str(tmp_path / "train"), {})
     (tmp_path / "manifest.json").write_text('{"shards": 2}')
     assert data_manifest_hash(str(tmp_path / "train"), {}) != first
+
+
+@pytest.mark.slow
+def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, checkpoint_root):
+    """The server dies after the first logged steps: the run trains to the end, keeps its checkpoints, and its
+    summary lists what could not be logged."""
+    import threading
+
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+    from pipelines.stage import run_stage
+
+    config = StageConfig(
+        model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), decoder="lora", gca_layers="upper_half"),
+        needle=NeedleConfig(facts=4, questions=4, val_memories=8),
+        train=TrainConfig(max_steps=40, memories_per_step=8, log_every=1, eval_every=20, checkpoint_every=20),
+        run=RunSettings(name="outage", storage_path=str(tmp_path / "ray"), max_failures=0),
+        tracking=TrackingSettings(tracking_uri=mlflow_server.uri, experiment="tracking-test"),
+    )
+    client, stopped = MlflowClient(mlflow_server.uri), threading.Event()
+
+    def stop_after_first_steps() -> None:
+        while not stopped.is_set():
+            runs = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id],
+                                      filter_string="attributes.run_name = 'outage'")
+            if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 2:
+                mlflow_server.stop()
+                stopped.set()
+            time.sleep(0.5)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    watcher = threading.Thread(target=stop_after_first_steps, daemon=True)
+    try:
+        client.get_experiment_by_name("tracking-test") or client.create_experiment("tracking-test")
+        watcher.start()
+        summary = run_stage(config)
+    finally:
+        stopped.set()
+        ray.shutdown()
+        mlflow_server.start()
+    assert summary["error"] is None and summary["steps"] == 40
+    assert (tmp_path / "ray" / "outage").is_dir() and (Path(summary["checkpoint"]) / "export").is_dir()
+    assert "log_metrics" in summary["tracking_unlogged"] and "terminate" in summary["tracking_unlogged"]
