@@ -110,7 +110,7 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
         model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), decoder="lora", gca_layers="upper_half"),
         needle=NeedleConfig(facts=4, questions=4, val_memories=8),
         train=TrainConfig(max_steps=40, memories_per_step=8, log_every=1, eval_every=20, checkpoint_every=20),
-        run=RunSettings(name="outage", storage_path=str(tmp_path / "ray"), max_failures=0),
+        run=RunSettings(name="stage-outage", storage_path=str(tmp_path / "ray"), max_failures=0),
         tracking=TrackingSettings(tracking_uri=mlflow_server.uri, experiment="tracking-test"),
     )
     client, stopped = MlflowClient(mlflow_server.uri), threading.Event()
@@ -118,7 +118,7 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
     def stop_after_first_steps() -> None:
         while not stopped.is_set():
             runs = client.search_runs([client.get_experiment_by_name("tracking-test").experiment_id],
-                                      filter_string="attributes.run_name = 'outage'")
+                                      filter_string="attributes.run_name = 'stage-outage'")
             if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) >= 2:
                 mlflow_server.stop()
                 stopped.set()
@@ -135,5 +135,5 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
         ray.shutdown()
         mlflow_server.start()
     assert summary["error"] is None and summary["steps"] == 40
-    assert (tmp_path / "ray" / "outage").is_dir() and (Path(summary["checkpoint"]) / "export").is_dir()
+    assert (tmp_path / "ray" / "stage-outage").is_dir() and (Path(summary["checkpoint"]) / "export").is_dir()
     assert "log_metrics" in summary["tracking_unlogged"] and "terminate" in summary["tracking_unlogged"]
