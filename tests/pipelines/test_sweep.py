@@ -140,3 +140,39 @@ def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server):
     assert client.get_model_version_by_alias("awareness", "production").version == sweep["registered"]["version"]
     with pytest.raises(SystemExit, match="no 'export' artifact"):
         main(["--run-id", sweep["mlflow_run_id"], "--tracking-uri", mlflow_server.uri])  # the parent has none
+
+
+def test_sweep_config_collects_every_problem():
+    from pipelines.tuning import SweepConfig, default_base
+
+    base = default_base("tiny", 0)
+    sweep = SweepConfig(num_samples=0, lora_ranks=[0], placements=["last:9"], lr_min=1e-2, lr_max=1e-3, trial_cpus=1)
+    problems = "\n".join(sweep.problems(dataclasses_replace_decoder(base, "full")))
+    for text in ("num_samples", "lora_ranks", "last:9", "lr_min", "trial_cpus", "model.decoder=lora"):
+        assert text in problems, text
+    assert SweepConfig().problems(base) == []
+    assert SweepConfig().placement_specs(base) == ["upper_third", "upper_half", "every_k:4", "last:4", "2,3"]
+    with pytest.raises(ValueError, match="only stage 0"):
+        default_base("tiny", 1)
+
+
+def test_table_and_best_trial():
+    from pipelines.tuning import SweepConfig, best_row, format_table
+
+    rows = [
+        {"trial_id": "a", "lora_rank": 16, "placement": "upper_half", "gca_layers": [2, 3], "lr": 1e-3,
+         "needle_val_loss": 2.0, "needle_accuracy": 0.5, "steps": 8, "stopped_early": False, "seconds": 10.0,
+         "cpu_seconds": 10.0, "export": "/x", "error": None, "mlflow_run_id": "r1"},
+        {"trial_id": "b", "lora_rank": 8, "placement": "last:1", "gca_layers": [3], "lr": 1e-3,
+         "needle_val_loss": 1.0, "needle_accuracy": 0.1, "steps": 4, "stopped_early": True, "seconds": 5.0,
+         "cpu_seconds": 5.0, "export": None, "error": None, "mlflow_run_id": "r2"},
+    ]
+    assert best_row(rows, SweepConfig())["trial_id"] == "a"  # b is lower but was stopped: nothing to register
+    lines = format_table(rows, "needle_val_loss").splitlines()
+    assert lines[2].startswith("| 8 | last:1 | [3] |") and lines[3].startswith("| 16 | upper_half | [2, 3] |")
+
+
+def dataclasses_replace_decoder(base, decoder: str):
+    import dataclasses
+
+    return dataclasses.replace(base, model=dataclasses.replace(base.model, decoder=decoder))
