@@ -60,11 +60,11 @@ def test_version_has_lineage_and_the_candidate_alias(registered, mlflow_server, 
     assert MlflowClient(mlflow_server.uri).get_model_version_by_alias(NAME, "production").version == version.version
 
 
-def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow_server):
+def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow_server, monkeypatch):
     import mlflow
 
     model, _, _ = registered
-    mlflow.set_tracking_uri(mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)  # not mlflow.set_tracking_uri: no global left behind
     pyfunc = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate")
     tokenizer = needle_tokenizer()
     answers, expected = [], []

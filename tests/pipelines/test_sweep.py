@@ -94,7 +94,7 @@ def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
     assert "<redacted>@127.0.0.1" in client.get_run(run_ids[1]).data.params["tracking.tracking_uri"]
 
 
-def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(sweep, mlflow_server):
+def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(sweep, mlflow_server, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
     from tokenizers import Tokenizer
@@ -108,7 +108,7 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
     assert version.tags["data.manifest_hash"].startswith("synthetic:") and version.tags["git.commit"]
     assert version.tags["base.decoder"].endswith("tiny-qwen3")
 
-    mlflow.set_tracking_uri(mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)  # not mlflow.set_tracking_uri: no global left behind
     pyfunc = mlflow.pyfunc.load_model("models:/awareness@candidate")
     tokenizer = Tokenizer.from_file(f"{version.tags['base.decoder']}/tokenizer.json")
     example = make_example(NeedleSpec(facts=4, questions=4), seed=1234 + 1, index=0)  # a held-out memory
