@@ -149,8 +149,9 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
         ray.tune.with_resources(train_trial, {"cpu": sweep.trial_cpus}),
         param_space=space,
         tune_config=ray.tune.TuneConfig(
-            num_samples=sweep.num_samples, max_concurrent_trials=concurrency,
-            search_alg=BasicVariantGenerator(random_state=sweep.seed),
+            # The cap lives in the generator: Tune ignores TuneConfig.max_concurrent_trials for a generator search.
+            num_samples=sweep.num_samples,
+            search_alg=BasicVariantGenerator(random_state=sweep.seed, max_concurrent=concurrency),
             scheduler=ASHAScheduler(metric=sweep.metric, mode=sweep.mode, grace_period=sweep.grace_period,
                                     reduction_factor=sweep.reduction_factor,
                                     max_t=max(sweep.grace_period, base.train.max_steps // base.train.eval_every) + 1),
@@ -161,7 +162,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     started = time.perf_counter()
     results = tuner.fit()
     wall = time.perf_counter() - started
-    rows = trial_rows(results, sweep, base, concurrency)
+    rows = trial_rows(results, sweep, base)
     attach_child_runs(rows, parent, tracking_uri)
     summary = finish_sweep(sweep, base, parent, rows, wall, concurrency, tracking_uri)
     return summary
@@ -194,7 +195,7 @@ def open_sweep_run(sweep: SweepConfig, base: StageConfig, tracking_uri: str) -> 
     return Tracker.start(tracking_uri, base.tracking.experiment, sweep.name, config, tags)
 
 
-def trial_rows(results, sweep: SweepConfig, base: StageConfig, concurrency: int) -> list[dict[str, Any]]:
+def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str, Any]]:
     """One row per trial: its hyper-parameters, last evaluation, cost, and its final export (when it finished)."""
     rows = []
     depth = PAIRS[base.model.pair].decoder_config["num_hidden_layers"]
