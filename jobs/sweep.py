@@ -47,7 +47,11 @@ def parse(argv: list[str] | None) -> tuple[SweepConfig, list[str], str, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     sweep, rest, pair, stage = parse(argv)
-    base = parse_config(rest, default_base(pair, stage), description="stage-config overrides for every trial")
+    try:
+        default = default_base(pair, stage)
+    except ValueError as error:
+        raise SystemExit(f"sweep: {error}") from error
+    base = parse_config(rest, default, description="stage-config overrides for every trial")
     base = dataclasses.replace(base, run=dataclasses.replace(base.run, name=sweep.name))
     summary = run_sweep(sweep, base)
     shutdown_ray()
