@@ -10,16 +10,21 @@ from typing import Any
 from models import get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from pipelines.config import StageConfig
-from pipelines.tracking import Tracker, resolve_tracking_uri
+from pipelines.tracking import (PARENT_RUN_TAG, Tracker, data_manifest_hash, git_commit, resolve_tracking_uri,
+                                system_info)
 from pipelines.training import EXPORT_DIR, train_loop_per_worker
 
 RUN_ID_FILE = "mlflow_run_id"
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
+PENDING_FILE = "tracking_pending.pkl"  # what rank 0 could not log, handed to the driver to retry
 
 
-def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, Any]:
+def run_stage(config: StageConfig, *, fail_at: str | None = None, parent_run_id: str | None = None,
+              tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
     """Trains the stage on Ray Train and returns the job's summary. A rerun with the same run.name and
-    run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run)."""
+    run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run).
+    A sweep passes its MLflow `parent_run_id` (the run nests under it), extra `tags`, and Ray Train `callbacks`
+    (Tune's report callback)."""
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -29,7 +34,8 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
     run_dir = Path(config.run.storage_path) / config.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
-    tracker = open_run(config, tracking_uri, run_dir) if config.tracking.enabled else Tracker(None, None)
+    tracker = (open_run(config, tracking_uri, run_dir, parent_run_id=parent_run_id, tags=tags)
+               if config.tracking.enabled else Tracker(None, None))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     data = {}
@@ -46,6 +52,7 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
             "mlflow_run_id": tracker.run_id,
             "fail_at": fail_at,
             "fault_marker": str(run_dir / f"injected-failure-{fail_at}") if fail_at else None,
+            "tracking_pending": str(run_dir / PENDING_FILE),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.scaling.num_workers, use_gpu=config.scaling.use_gpu,
@@ -56,10 +63,12 @@ def run_stage(config: StageConfig, *, fail_at: str | None = None) -> dict[str, A
             storage_path=config.run.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=config.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.run.keep_checkpoints),
+            callbacks=callbacks,
         ),
         **data,
     )
     result = trainer.fit()
+    tracker.adopt_pending(run_dir / PENDING_FILE)
     return summarise(config, result, tracker)
 
 
@@ -109,16 +118,29 @@ def prepare_paths(config: StageConfig) -> StageConfig:
     return dataclasses.replace(config, run=run, model=model)
 
 
-def open_run(config: StageConfig, tracking_uri: str, run_dir: Path) -> Tracker:
-    """A new MLflow run, or the one this run directory already logs to (a resumed run)."""
+def open_run(config: StageConfig, tracking_uri: str, run_dir: Path, *, parent_run_id: str | None = None,
+             tags: dict[str, str] | None = None) -> Tracker:
+    """A new MLflow run, or the one this run directory already logs to (a resumed run). Its tags carry the lineage
+    a registered model needs: base checkpoints, data manifest hash, git commit, system info."""
     id_file = run_dir / RUN_ID_FILE
     existing = id_file.read_text().strip() if id_file.is_file() else None
-    spec = get_pair(config.model.pair)
-    tags = {"stage": str(config.stage), "pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder}
-    tracker = Tracker.start(tracking_uri, config.tracking.experiment, config.run.name, config.to_dict(), tags,
-                            run_id=existing)
+    tracker = Tracker.start(tracking_uri, config.tracking.experiment, config.run.name, config.to_dict(),
+                            run_tags(config, parent_run_id) | (tags or {}), run_id=existing)
     id_file.write_text(tracker.run_id or "")
     return tracker
+
+
+def run_tags(config: StageConfig, parent_run_id: str | None) -> dict[str, str]:
+    spec = get_pair(config.model.pair)
+    root = config.model.checkpoint_root
+    tags = {"stage": str(config.stage), "pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder,
+            "base.decoder": str(Path(root) / spec.decoder) if root else spec.decoder,
+            "base.encoder": str(Path(root) / spec.encoder) if root else spec.encoder,
+            "data.manifest_hash": data_manifest_hash(config.data.train_path, dataclasses.asdict(config.needle)),
+            "git.commit": git_commit(), **system_info()}
+    if parent_run_id:
+        tags[PARENT_RUN_TAG] = parent_run_id
+    return tags
 
 
 def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
@@ -142,5 +164,14 @@ def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
     if checkpoint:
         tracker.log_artifacts(Path(checkpoint) / EXPORT_DIR, "export")
     tracker.log_dict(summary, "summary.json")
+    log_evaluation_table(tracker, metrics)
     summary["tracking_unlogged"] = tracker.close("FAILED" if result.error else "FINISHED")
     return summary
+
+
+def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:
+    """The final evaluation as a table on the run it evaluates: needle accuracy by depth of the fact in memory."""
+    depths = sorted(k for k in metrics if k.startswith("needle_accuracy/depth_"))
+    if depths:
+        tracker.log_table({"depth_bin": [int(k.rsplit("_", 1)[1]) for k in depths],
+                           "needle_accuracy": [float(metrics[k]) for k in depths]}, "eval/needle_by_depth.json")

@@ -1,20 +1,37 @@
 """MLflow tracking: the driver opens a run, rank 0 logs into it, and a tracking failure never stops training.
 
-Nothing from the environment is logged: params are the resolved config, which holds no secrets.
+Nothing from the environment is logged: params are the resolved config (with anything secret-looking redacted),
+tags are versions, the git commit and the data's manifest hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickle
+import platform
+import re
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pipelines.config import flatten
 
 log = logging.getLogger(__name__)
+
+PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a run under its parent
+SECRET_KEY = re.compile(r"token|secret|password|passwd|credential|api_?key|auth", re.IGNORECASE)
+REDACTED = "<redacted>"
+# MLflow's HTTP client retries a refused connection 7 times with exponential backoff (minutes per call); with the
+# server down that would stall the training step, so the Tracker asks for a short retry and queues instead.
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+RETRY_INTERVAL_S = 20.0  # after a failure, calls only queue until this much time has passed
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -27,14 +44,18 @@ class Tracker:
     """Logs to one MLflow run through an explicit client. A call that fails (server down, network) is kept and
     retried on the next call; what never got through is listed by `close()` instead of raising."""
 
-    def __init__(self, tracking_uri: str | None, run_id: str | None):
+    def __init__(self, tracking_uri: str | None, run_id: str | None, *, retry_interval_s: float = RETRY_INTERVAL_S):
         self.run_id = run_id
         self.pending: list[tuple[str, tuple, dict]] = []
         self.failures = 0
+        self.retry_interval_s = retry_interval_s
+        self.retry_at = 0.0  # monotonic time before which a call queues without touching the network
         self.client = None
         if run_id:
             from mlflow.tracking import MlflowClient
 
+            for name, value in HTTP_RETRY_DEFAULTS.items():
+                os.environ.setdefault(name, value)  # a user's own setting wins
             self.client = MlflowClient(tracking_uri)
 
     @classmethod
@@ -43,31 +64,64 @@ class Tracker:
         """Opens (or reopens, when resuming) a run and logs the resolved config as params and as a JSON file."""
         from mlflow.tracking import MlflowClient
 
+        for name, value in HTTP_RETRY_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         client = MlflowClient(tracking_uri)
         if run_id is None:
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-            run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            try:
+                found = client.get_experiment_by_name(experiment)
+                experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+                run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
+            except Exception as error:  # noqa: BLE001 - re-raised with what to do
+                raise RuntimeError(
+                    f"cannot open an MLflow run at {_strip_userinfo(tracking_uri)} ({_short(error)}): start the tracking "
+                    f"server, point MLFLOW_TRACKING_URI (or --tracking.tracking_uri) at a running one, or pass "
+                    f"--tracking.enabled false; nothing has been trained yet"
+                ) from error
             tracker = cls(tracking_uri, run_id)
-            tracker.log_params(flatten(config))
-            tracker.log_dict(config, "config.json")
+            tracker.log_params(redact(flatten(config)))
+            tracker.log_dict(redact_tree(config), "config.json")
         else:
             tracker = cls(tracking_uri, run_id)
         return tracker
 
-    def _call(self, method: str, *args, **kwargs) -> None:
+    def _call(self, method: str, *args, force: bool = False, **kwargs) -> None:
+        """Runs the queued calls, then this one, in order; the first failure keeps the rest queued. While the server
+        is known to be down (a failure less than retry_interval_s ago) calls only queue, so steps are not stalled."""
         if self.client is None:
             return
-        queue = [*self.pending, (method, args, kwargs)]
-        self.pending = []
+        self.pending.append((method, args, kwargs))
+        if not force and time.monotonic() < self.retry_at:
+            return
+        self.flush()
+
+    def flush(self) -> list[str]:
+        """Tries every queued call now; returns the names of those still unlogged."""
+        queue, self.pending = self.pending, []
         for i, (name, a, kw) in enumerate(queue):
             try:
                 getattr(self, f"_{name}")(*a, **kw)
             except Exception as error:  # noqa: BLE001 - tracking must never stop training
                 self.failures += 1
-                log.warning("MLflow %s failed (%s); will retry", name, error)
+                self.retry_at = time.monotonic() + self.retry_interval_s
+                log.warning("MLflow %s failed (%s); %d call(s) queued for retry", name, _short(error), len(queue) - i)
                 self.pending = queue[i:]
-                return
+                break
+        return self.unlogged()
+
+    def unlogged(self) -> list[str]:
+        return [name for name, _, _ in self.pending]
+
+    def save_pending(self, path: str | Path | None) -> None:
+        """Hands what this process could not log to another process (a worker's queue to the driver)."""
+        if path and self.pending:
+            Path(path).write_bytes(pickle.dumps(self.pending))
+
+    def adopt_pending(self, path: str | Path | None) -> None:
+        """Takes over a queue saved by `save_pending` (the same run); it is retried with this tracker's calls."""
+        if path and Path(path).is_file() and self.client is not None:
+            self.pending = [*pickle.loads(Path(path).read_bytes()), *self.pending]
+            Path(path).unlink()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._call("log_metrics", {k: float(v) for k, v in metrics.items()}, step)
@@ -80,7 +134,30 @@ class Tracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
-        self._call("log_params", {k: str(v)[:6000] for k, v in params.items()})
+        self._call("log_params", {k: str(v)[:6000] for k, v in redact(params).items()})
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._call("set_tags", {k: str(v)[:5000] for k, v in tags.items()})
+
+    def _set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def log_table(self, data: dict[str, list], name: str) -> None:
+        """A table (columns of equal length) as MLflow's table artifact, which the UI's evaluation view reads."""
+        self._call("log_table", data, name)
+
+    def _log_table(self, data: dict[str, list], name: str) -> None:
+        import pandas as pd
+
+        self.client.log_table(self.run_id, pd.DataFrame(data), name)
+
+    def log_text(self, text: str, name: str) -> None:
+        self._call("log_text", text, name)
+
+    def _log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
 
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -113,9 +190,12 @@ class Tracker:
             self.client.log_artifact(self.run_id, str(Path(tmp) / name))
 
     def close(self, status: str = "FINISHED") -> list[str]:
-        """Flushes what is pending, ends the run, and returns what could not be logged."""
-        self._call("terminate", status)
-        return [name for name, _, _ in self.pending]
+        """Flushes what is pending (retrying now, however recent the last failure), ends the run, and returns what
+        could not be logged."""
+        self._call("terminate", status, force=True)
+        if self.pending:
+            log.warning("MLflow run %s: not logged (server unreachable): %s", self.run_id, self.unlogged())
+        return self.unlogged()
 
     def _terminate(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status)
@@ -123,3 +203,83 @@ class Tracker:
 
 def summary_json(summary: dict[str, Any]) -> str:
     return json.dumps(summary, sort_keys=False, default=str)
+
+
+def _short(error: Exception) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text[:200]
+
+
+# ---------------------------------------------------------------------------------------------- what is logged
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """Flat params with secret-looking keys blanked and credentials stripped out of URIs (a tracking URI may carry
+    user:password@host)."""
+    return {k: REDACTED if SECRET_KEY.search(k.rsplit(".", 1)[-1]) and v not in (None, "") else _strip_userinfo(v)
+            for k, v in params.items()}
+
+
+def redact_tree(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") and not isinstance(v, dict)
+                else redact_tree(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_tree(v) for v in data]
+    return _strip_userinfo(data)
+
+
+def _strip_userinfo(value: Any) -> Any:
+    if not isinstance(value, str) or "@" not in value or "://" not in value:
+        return value
+    parts = urlsplit(value)
+    if parts.password is None and parts.username is None:
+        return value
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}" + (f":{parts.port}" if parts.port else "")))
+
+
+def system_info() -> dict[str, str]:
+    """Library versions and hardware, as tags: what a result depends on besides the config. No environment
+    variables (they may hold secrets)."""
+    import torch
+
+    info = {"sys.python": platform.python_version(), "sys.platform": platform.platform(),
+            "sys.cpu_count": str(os.cpu_count()), "sys.torch": torch.__version__}
+    for module in ("transformers", "peft", "deepspeed", "ray", "mlflow"):
+        try:
+            info[f"sys.{module}"] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - an optional library missing is not an error here
+            info[f"sys.{module}"] = "missing"
+    if torch.cuda.is_available():
+        info["sys.gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return info
+
+
+def git_commit() -> str:
+    """The code's commit ("+dirty" with uncommitted changes); "unknown" where there is no git checkout (a Ray job's
+    uploaded working directory)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def data_manifest_hash(train_path: str | None, synthetic: dict[str, Any]) -> str:
+    """Identifies the training data: "synthetic:<hash of the generator's settings>" for stage 0's needles, else the
+    sha256 of the corpus's manifest (a manifest*.json beside or above the shards), else of its file names and sizes."""
+    if not train_path:
+        return "synthetic:" + hashlib.sha256(json.dumps(synthetic, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(train_path)
+    for directory in (path, path.parent):
+        manifests = sorted(directory.glob("manifest*.json")) if directory.is_dir() else []
+        if manifests:
+            return hashlib.sha256(manifests[0].read_bytes()).hexdigest()[:16]
+    if not path.exists():
+        return "missing"
+    files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
+    listing = [(str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size) for p in files]
+    return "listing:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]

@@ -76,6 +76,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         elif logging_step:
             ray.train.report(metrics)
     finish_tracking(tracker, state, rank, engine.module.gca_layers, heatmap)
+    tracker.save_pending(loop_config.get("tracking_pending"))  # the driver retries what the server refused
 
 
 # --------------------------------------------------------------------------------------------------- setup

@@ -1,0 +1,72 @@
+"""A real `mlflow server` on loopback for tests: a temporary SQLite store and artifact root, stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+class MlflowServer:
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = _free_port()
+        self.process: subprocess.Popen | None = None
+        self.uri = f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300) -> "MlflowServer":
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'store.db'}",
+                   "--artifacts-destination", str(self.root / "artifacts")]
+        log = open(self.root / "server.log", "ab")  # noqa: SIM115 - closed with the process
+        # Its own session: stop() signals exactly this server and the uvicorn worker it forks, nothing else.
+        # Without its background job runner (GenAI evaluation jobs, unused here) it starts faster and exits on SIGTERM.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, cwd=self.root, start_new_session=True, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"mlflow server did not answer on {self.uri} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)  # the group of the process this object started
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _wait_port_closed(self.port)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port_closed(port: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.2)
