@@ -15,7 +15,7 @@ import time
 import torch
 
 from pipelines.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
-from pipelines.needle import make_batch
+from pipelines.needle import PROMPT_LEN, make_batch
 from pipelines.training import build_model
 
 
@@ -32,7 +32,7 @@ def stage_config(pair: str, steps: int, storage: str) -> StageConfig:
 
 def tokens_per_step(config: StageConfig) -> int:
     spec = config.needle.spec()
-    questions = config.train.memories_per_step * spec.questions * (3 + spec.value_digits + 1)
+    questions = config.train.memories_per_step * spec.questions * (PROMPT_LEN + spec.value_digits + 1)
     return questions + config.train.memories_per_step * spec.chunks * spec.chunk_len
 
 

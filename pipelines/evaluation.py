@@ -61,7 +61,7 @@ def score_needles(
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         memory = batch["memory_input_ids"].to(device) if with_memory else None
         logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (B*Q, T, V)
-        answer_logits = logits[:, span]  # predicts positions 3 .. 3 + digits
+        answer_logits = logits[:, span]  # the logits that predict the value digits
         answer = ids[:, span.start + 1 : span.stop + 1]
         exact = (answer_logits.argmax(-1) == answer).all(-1).cpu()
         scores.correct += int(exact.sum())

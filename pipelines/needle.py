@@ -2,7 +2,10 @@
 
 A memory holds `facts` facts `key = d1 d2 d3 ;`, shuffled and packed into fact chunks, plus `distractors` chunks
 of filler; the chunks come in random order, so each fact sits at a recorded depth. `questions` of the facts are
-asked as `BOS key =` with target `d1 d2 d3 EOS`. Example i is drawn from its own seeded generator, so any worker can
+asked as `BOS key` with target `d1 d2 d3 EOS`. The first digit is predicted at the key token itself, so the GCA
+query that finds the fact is the key's own state: asked as `BOS key =`, the decoder must first learn to carry the
+key one position on, and a tiny random pair sat on the chance plateau about twice as long (both measured in
+single-process runs of the stage-0 model). Example i is drawn from its own seeded generator, so any worker can
 produce any example and a resumed run continues with exactly the examples it had not seen. Several questions per
 memory share one encoder pass (shared/notes/needle-feasibility.md: that is what makes learning fast).
 """
@@ -19,6 +22,7 @@ DIGITS = range(10, 20)
 KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
 IGNORE = -100
+PROMPT_LEN = 2  # BOS key
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarra
         memory[chunk, offset : offset + spec.fact_len] = [keys[fact], EQ, *values[fact], SEP]
         starts[fact] = chunk * spec.chunk_len + offset
     asked = rng.choice(spec.facts, size=spec.questions, replace=False)
-    prompts = np.stack([np.array([BOS, keys[f], EQ]) for f in asked])
+    prompts = np.stack([np.array([BOS, keys[f]]) for f in asked])
     targets = np.concatenate([values[asked], np.full((spec.questions, 1), EOS)], axis=1)
     input_ids = np.concatenate([prompts, targets], axis=1)
     labels = input_ids.copy()
@@ -100,5 +104,5 @@ def make_batch(spec: NeedleSpec, seed: int, indices: list[int]) -> dict[str, tor
 
 
 def answer_span(spec: NeedleSpec) -> slice:
-    """Positions of the logits that predict the value digits (the prompt is BOS key =)."""
-    return slice(2, 2 + spec.value_digits)
+    """Positions of the logits that predict the value digits (the prompt is BOS key)."""
+    return slice(PROMPT_LEN - 1, PROMPT_LEN - 1 + spec.value_digits)

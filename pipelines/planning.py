@@ -71,6 +71,8 @@ class MemoryPlan:
 
 def plan_for_stage(config) -> MemoryPlan:
     """The plan of a stage config's GPU run: its pair, train modes, workers and (for stage 0's needles) lengths."""
+    from pipelines.needle import PROMPT_LEN
+
     spec, s = config.needle.spec(), config.scaling
     per_gpu_memories = max(1, config.train.memories_per_step // (s.num_workers * config.train.grad_accum))
     return plan_memory(PlanInput(
@@ -79,7 +81,7 @@ def plan_for_stage(config) -> MemoryPlan:
         decoder=config.model.decoder, encoder=config.model.encoder, lora_rank=config.model.lora_rank,
         lora_targets=tuple(config.model.lora_targets.split(",")), micro_batch=per_gpu_memories * spec.questions,
         memories=per_gpu_memories,
-        seq_len=3 + spec.value_digits + 1, memory_tokens=spec.chunks * spec.chunk_len,
+        seq_len=PROMPT_LEN + spec.value_digits + 1, memory_tokens=spec.chunks * spec.chunk_len,
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
     ))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipelines.needle import BOS, EOS, EQ, IGNORE, SEP, NeedleSpec, make_batch, make_example
+from pipelines.needle import BOS, EOS, EQ, IGNORE, PROMPT_LEN, SEP, NeedleSpec, make_batch, make_example
 
 
 def test_each_asked_needle_is_in_memory_exactly_once_at_the_recorded_depth():
@@ -10,8 +10,8 @@ def test_each_asked_needle_is_in_memory_exactly_once_at_the_recorded_depth():
         example = make_example(spec, seed=7, index=index)
         flat = example["memory"].reshape(-1)
         for question, depth in zip(example["input_ids"], example["depth"], strict=True):
-            assert question[0] == BOS and question[2] == EQ and question[-1] == EOS
-            key, digits = question[1], question[3:-1]
+            assert question[0] == BOS and question[-1] == EOS and len(question) == PROMPT_LEN + spec.value_digits + 1
+            key, digits = question[1], question[PROMPT_LEN:-1]
             where = np.flatnonzero(flat == key)
             assert len(where) == 1  # keys are never filler, and each key appears once
             start = where[0]
@@ -31,8 +31,9 @@ def test_batch_groups_questions_by_memory_and_masks_prompts():
     spec = NeedleSpec(questions=3)
     batch = make_batch(spec, 0, [5, 6])
     assert batch["memory_input_ids"].shape == (2, spec.chunks, spec.chunk_len)
-    assert batch["input_ids"].shape == (6, 7)
-    assert (batch["labels"][:, :3] == IGNORE).all() and (batch["labels"][:, 3:] == batch["input_ids"][:, 3:]).all()
+    assert batch["input_ids"].shape == (6, PROMPT_LEN + spec.value_digits + 1)
+    assert (batch["labels"][:, :PROMPT_LEN] == IGNORE).all()
+    assert (batch["labels"][:, PROMPT_LEN:] == batch["input_ids"][:, PROMPT_LEN:]).all()
     assert np.array_equal(batch["input_ids"][3:].numpy(), make_example(spec, 0, 6)["input_ids"])
 
 

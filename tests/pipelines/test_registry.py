@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import build_pair
-from pipelines.needle import EOS, NeedleSpec, make_example
+from pipelines.needle import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.pyfunc import ensure_tokenizer, needle_tokenizer
 from pipelines.registry import promote, register_run
 
@@ -43,7 +43,7 @@ def test_needle_tokenizer_maps_text_to_the_training_ids():
     for chunk in example["memory"]:
         text = tokenizer.decode(chunk.tolist())
         assert tokenizer.encode(text, add_special_tokens=False).ids == chunk.tolist()
-    prompt = example["input_ids"][0, :3].tolist()  # BOS key =
+    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
     assert tokenizer.encode(tokenizer.decode(prompt[1:])).ids == prompt
     assert tokenizer.decode([1, 117, 2, 14, 10, 17, 3, 4], skip_special_tokens=True) == "k117 = 4 0 7 ;"
 
@@ -73,15 +73,15 @@ def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow
         memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
         question = tokenizer.decode(example["input_ids"][0, 1:3].tolist())
         answers += pyfunc.predict({"question": question, "memory": memory})
-        ids = torch.from_numpy(example["input_ids"][:1, :3])
+        ids = torch.from_numpy(example["input_ids"][:1, :PROMPT_LEN])
         out = model.generate(ids, memory_input_ids=torch.from_numpy(example["memory"])[None],
                              max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-        expected.append(tokenizer.decode(out[0, 3:].tolist(), skip_special_tokens=True))
+        expected.append(tokenizer.decode(out[0, PROMPT_LEN:].tolist(), skip_special_tokens=True))
     assert answers == expected
     # The memory reaches the model as the very ids training used (a random model's greedy text barely depends on it).
     inputs = pyfunc.unwrap_python_model().encode(question, memory)
     assert torch.equal(inputs["memory_input_ids"][0], torch.from_numpy(example["memory"]))
-    assert inputs["memory_attention_mask"].all() and inputs["input_ids"].tolist() == example["input_ids"][:1, :3].tolist()
+    assert inputs["memory_attention_mask"].all() and inputs["input_ids"].tolist() == example["input_ids"][:1, :PROMPT_LEN].tolist()
 
 
 def test_registering_a_run_without_an_export_says_so(mlflow_server):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models import AwarenessModel
-from pipelines.needle import BOS, EOS, EQ, NeedleSpec, make_example
+from pipelines.needle import BOS, EOS, PROMPT_LEN, NeedleSpec, make_example
 
 FAKE_TOKEN = "hf_FAKEsweepToken0123456789"
 STEPS, EVAL_EVERY = 4, 2
@@ -113,9 +113,9 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
     tokenizer = Tokenizer.from_file(f"{version.tags['base.decoder']}/tokenizer.json")
     example = make_example(NeedleSpec(facts=4, questions=4), seed=1234 + 1, index=0)  # a held-out memory
     memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
-    prompt = example["input_ids"][0, :3].tolist()  # BOS key =
+    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
     question = tokenizer.decode(prompt[1:])
-    assert tokenizer.encode(question).ids == prompt and prompt[0] == BOS and prompt[2] == EQ
+    assert tokenizer.encode(question).ids == prompt and prompt[0] == BOS and len(prompt) == 2
     assert [tokenizer.encode(text, add_special_tokens=False).ids for text in memory] == example["memory"].tolist()
 
     answer = pyfunc.predict({"question": question, "memory": memory})
@@ -123,7 +123,7 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
     expected = model.generate(torch.tensor([prompt]), memory_input_ids=torch.from_numpy(example["memory"])[None],
                               memory_attention_mask=torch.ones(1, *example["memory"].shape, dtype=torch.long),
                               max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-    assert answer == [tokenizer.decode(expected[0, 3:].tolist(), skip_special_tokens=True)]
+    assert answer == [tokenizer.decode(expected[0, PROMPT_LEN:].tolist(), skip_special_tokens=True)]
     assert len(answer[0].split()) > 0
 
 
