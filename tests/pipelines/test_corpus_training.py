@@ -101,7 +101,7 @@ def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, lo
 
     train_rows = corpus_rows(40, seed=2)  # 5 steps per epoch: 8 steps cross an epoch boundary
     write_shards(tmp_path / "corpus" / "train", train_rows)
-    write_shards(tmp_path / "corpus" / "val", corpus_rows(16, seed=3), shards=1)
+    write_shards(tmp_path / "corpus" / "val", corpus_rows(8, seed=3), shards=1)  # one batch: a rank has none
     first = run_stage(corpus_config(tmp_path, checkpoint_root, steps=4))
     assert first["error"] is None and first["steps"] == 4
     resumed = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8))
