@@ -25,7 +25,7 @@ DEFAULT = StageConfig(
     stage=0,
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full"),
-    train=TrainConfig(max_steps=4500, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,
+    train=TrainConfig(max_steps=6000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,
                       checkpoint_every=500, log_every=50),
     deepspeed=DeepSpeedSettings(zero_stage=2),
     run=RunSettings(name="stage0-tiny"),

@@ -47,13 +47,15 @@ class NeedleConfig:
     facts: int = 8
     questions: int = 8
     value_digits: int = 3
+    value_range: int = 10
     chunk_len: int = 24
     distractors: int = 2
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
     def spec(self) -> NeedleSpec:
-        return NeedleSpec(self.facts, self.questions, self.value_digits, self.chunk_len, self.distractors)
+        return NeedleSpec(facts=self.facts, questions=self.questions, value_digits=self.value_digits,
+                          value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors)
 
 
 @dataclass

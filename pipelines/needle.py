@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
-DIGITS = range(10, 20)
+VALUES = range(10, 100)  # value tokens: a value position draws from the first `value_range` of them
+DIGITS = VALUES[:10]
 KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
 IGNORE = -100
@@ -29,7 +30,8 @@ PROMPT_LEN = 2  # BOS key
 class NeedleSpec:
     facts: int = 8  # key -> value facts per memory
     questions: int = 8  # questions asked per memory (<= facts)
-    value_digits: int = 3
+    value_digits: int = 3  # tokens per value
+    value_range: int = 10  # distinct tokens per value position (10: decimal digits; at most 90)
     chunk_len: int = 24  # tokens per chunk; facts are packed, the rest of a fact chunk is filler
     distractors: int = 2  # chunks of filler only
 
@@ -57,6 +59,8 @@ class NeedleSpec:
             problems.append(f"needle.facts ({self.facts}) exceeds the {len(KEYS)} distinct keys")
         if self.facts_per_chunk < 1:
             problems.append(f"needle.chunk_len ({self.chunk_len}) is shorter than one fact ({self.fact_len} tokens)")
+        if not 2 <= self.value_range <= len(VALUES):
+            problems.append(f"needle.value_range ({self.value_range}) must be between 2 and {len(VALUES)}")
         if self.distractors < 0:
             problems.append("needle.distractors must be >= 0")
         return problems
@@ -67,7 +71,7 @@ def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarra
     depth (questions,) = where each asked fact starts, as a fraction of the memory."""
     rng = np.random.default_rng([seed, index])
     keys = rng.choice(np.array(KEYS), size=spec.facts, replace=False)
-    values = rng.choice(np.array(DIGITS), size=(spec.facts, spec.value_digits))
+    values = rng.choice(np.array(VALUES[: spec.value_range]), size=(spec.facts, spec.value_digits))
     memory = rng.choice(np.array(FILLER), size=(spec.chunks, spec.chunk_len))
     order = rng.permutation(spec.facts)  # facts shuffled, then packed chunk after chunk
     fact_chunk_slots = np.sort(rng.choice(spec.chunks, size=spec.fact_chunks, replace=False))

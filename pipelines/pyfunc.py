@@ -24,10 +24,10 @@ def needle_tokenizer():
     """pipelines.needle's ids as words: `<bos>` `k117` `=` digits `;` `<eos>`, filler `w300`..; `<bos>` prepended."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from pipelines.needle import DIGITS, FILLER, KEYS
+    from pipelines.needle import FILLER, KEYS, VALUES
 
     vocab = dict(NEEDLE_SPECIALS)
-    vocab |= {str(d - DIGITS.start): d for d in DIGITS}
+    vocab |= {str(v - VALUES.start): v for v in VALUES}  # values read as numbers 0..89
     vocab |= {f"k{k}": k for k in KEYS} | {f"w{w}": w for w in FILLER}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

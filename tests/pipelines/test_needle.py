@@ -43,3 +43,12 @@ def test_batch_groups_questions_by_memory_and_masks_prompts():
 ])
 def test_bad_specs_are_explained(spec, message):
     assert any(message in p for p in spec.problems())
+
+
+def test_value_range_sets_the_value_vocabulary():
+    from pipelines.needle import VALUES
+
+    spec = NeedleSpec(value_digits=1, value_range=90)
+    values = {int(q[PROMPT_LEN]) for i in range(40) for q in make_example(spec, seed=3, index=i)["input_ids"]}
+    assert values <= set(VALUES) and len(values) > 60  # one token from 90: far beyond the 10 digits
+    assert any("needle.value_range" in p for p in NeedleSpec(value_range=91).problems())
