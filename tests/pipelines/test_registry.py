@@ -71,7 +71,7 @@ def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow
     for index in range(3):
         example = make_example(NeedleSpec(), seed=11, index=index)
         memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
-        question = tokenizer.decode(example["input_ids"][0, 1:3].tolist())
+        question = tokenizer.decode(example["input_ids"][0, 1:PROMPT_LEN].tolist())
         answers += pyfunc.predict({"question": question, "memory": memory})
         ids = torch.from_numpy(example["input_ids"][:1, :PROMPT_LEN])
         out = model.generate(ids, memory_input_ids=torch.from_numpy(example["memory"])[None],
