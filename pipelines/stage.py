@@ -16,7 +16,7 @@ from pipelines.training import EXPORT_DIR, train_loop_per_worker
 
 RUN_ID_FILE = "mlflow_run_id"
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
-PENDING_FILE = "tracking_pending.pkl"  # what rank 0 could not log, handed to the driver to retry
+PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
 
 
 def run_stage(config: StageConfig, *, fail_at: str | None = None, parent_run_id: str | None = None,

@@ -6,11 +6,11 @@ tags are versions, the git commit and the data's manifest hash.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import os
-import pickle
 import platform
 import re
 import subprocess
@@ -32,6 +32,22 @@ REDACTED = "<redacted>"
 HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 RETRY_INTERVAL_S = 20.0  # after a failure, calls only queue until this much time has passed
+
+
+QUEUED_CALLS = {"log_metrics", "log_params", "log_dict", "log_artifacts", "log_bytes", "log_table", "log_text",
+                "set_tags", "terminate"}  # what a saved queue may replay
+
+
+def _encode(value):
+    if isinstance(value, bytes):
+        return {"__bytes__": base64.b64encode(value).decode()}
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot queue {type(value).__name__} for MLflow")
+
+
+def _decode(value: dict):
+    return base64.b64decode(value["__bytes__"]) if set(value) == {"__bytes__"} else value
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -113,14 +129,17 @@ class Tracker:
         return [name for name, _, _ in self.pending]
 
     def save_pending(self, path: str | Path | None) -> None:
-        """Hands what this process could not log to another process (a worker's queue to the driver)."""
+        """Hands what this process could not log to another process (a worker's queue to the driver), as JSON:
+        a file in the run directory is data, never code to unpickle."""
         if path and self.pending:
-            Path(path).write_bytes(pickle.dumps(self.pending))
+            Path(path).write_text(json.dumps([[name, list(a), kw] for name, a, kw in self.pending], default=_encode))
 
     def adopt_pending(self, path: str | Path | None) -> None:
         """Takes over a queue saved by `save_pending` (the same run); it is retried with this tracker's calls."""
         if path and Path(path).is_file() and self.client is not None:
-            self.pending = [*pickle.loads(Path(path).read_bytes()), *self.pending]
+            saved = json.loads(Path(path).read_text(), object_hook=_decode)
+            known = [(name, tuple(a), kw) for name, a, kw in saved if name in QUEUED_CALLS]
+            self.pending = [*known, *self.pending]
             Path(path).unlink()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -137,3 +137,22 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
     assert summary["error"] is None and summary["steps"] == 40
     assert (tmp_path / "ray" / "stage-outage").is_dir() and (Path(summary["checkpoint"]) / "export").is_dir()
     assert "log_metrics" in summary["tracking_unlogged"] and "terminate" in summary["tracking_unlogged"]
+
+
+def test_a_workers_unlogged_queue_reaches_the_driver_as_data(tmp_path):
+    """The queue crosses processes as JSON (bytes included), and only tracker calls are replayed from it."""
+    from pipelines.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    worker = Tracker(uri, "run-a")
+    worker.pending = [("log_metrics", ({"loss": 1.5}, 3), {}), ("log_bytes", (b"\x89PNG\x00", "gates.png"), {})]
+    path = tmp_path / "pending.json"
+    worker.save_pending(path)
+    text = path.read_text()
+    assert "loss" in text and "PNG" not in text  # bytes travel base64-encoded
+    saved = __import__("json").loads(text)
+    path.write_text(__import__("json").dumps(saved + [["__class__", [], {}]]))  # a planted entry
+    driver = Tracker(uri, "run-a")
+    driver.adopt_pending(path)
+    assert driver.pending == [("log_metrics", ({"loss": 1.5}, 3), {}), ("log_bytes", (b"\x89PNG\x00", "gates.png"), {})]
+    assert not path.exists()
