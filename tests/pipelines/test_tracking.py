@@ -35,13 +35,13 @@ def test_server_down_mid_run_queues_lists_at_the_end_and_logs_when_it_returns(ml
         assert time.monotonic() - started < 1  # within the retry window calls only queue: no network wait at all
         assert tracker.failures >= 1
         assert tracker.close() == ["log_metrics", "log_artifacts", "log_metrics", "terminate"]  # listed at the end
-        tracker.save_pending(tmp_path / "pending.pkl")  # as a worker hands its queue to the driver
+        tracker.save_pending(tmp_path / "pending.json")  # as a worker hands its queue to the driver
     finally:
         server.start()
 
     driver = Tracker(server.uri, tracker.run_id)
-    driver.adopt_pending(tmp_path / "pending.pkl")
-    assert driver.flush() == [] and not (tmp_path / "pending.pkl").exists()
+    driver.adopt_pending(tmp_path / "pending.json")
+    assert driver.flush() == [] and not (tmp_path / "pending.json").exists()
     client = MlflowClient(server.uri)
     assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
     assert [a.path for a in client.list_artifacts(tracker.run_id, "export")] == ["export/weights.txt"]
