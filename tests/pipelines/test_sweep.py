@@ -74,7 +74,9 @@ def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_s
         names = {a.path for a in client.list_artifacts(child.info.run_id)}
         if row["stopped_early"]:  # ASHA stopped it after an evaluation: its run says so, nothing is exported
             assert child.info.status == "KILLED" and child.data.tags["sweep.stopped_early"] == "true"
-            assert row["export"] is None and evaluated == list(range(EVAL_EVERY, row["steps"] + 1, EVAL_EVERY))
+            # Tune stops a trial asynchronously: its workers may log one more evaluation before the stop arrives
+            assert row["export"] is None and evaluated == list(range(EVAL_EVERY, evaluated[-1] + 1, EVAL_EVERY))
+            assert row["steps"] <= evaluated[-1] <= row["steps"] + EVAL_EVERY
         else:
             assert child.info.status == "FINISHED" and row["steps"] == STEPS
             assert evaluated == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
