@@ -292,16 +292,17 @@ def save_checkpoint(engine, config: StageConfig, state: TrainState, metrics: dic
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def restore_checkpoint(engine) -> TrainState:
-    """Model, optimizer, scheduler and data position from the latest registered checkpoint, if any."""
+def restore_checkpoint(engine, state_cls: type = TrainState):
+    """Model, optimizer, scheduler and the loop's state (a `state_cls`, saved as client state "trainer_state") from
+    the latest registered checkpoint, if any. The UL2 job shares it with its own state class."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState()
+        return state_cls()
     with checkpoint.as_directory() as directory:
         _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG)
-    return TrainState(**client_state["trainer_state"])
+    return state_cls(**client_state["trainer_state"])
 
 
 def export_artifact(engine, config: StageConfig, directory: Path) -> None:

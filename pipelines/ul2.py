@@ -324,14 +324,14 @@ def ul2_train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from pipelines.tracking import Tracker
-    from pipelines.training import quiet_known_warnings
+    from pipelines.training import quiet_known_warnings, restore_checkpoint
 
     config = Ul2Config.from_dict(loop_config["config"])
     quiet_known_warnings()
     torch.manual_seed(config.train.seed)
     model = build_seq2seq(config.model, loop_config["checkpoint"], loop_config["start_token"])
     engine = setup_engine(model, config)
-    state = restore_ul2_checkpoint(engine)
+    state = restore_checkpoint(engine, Ul2State)
     rank = ray.train.get_context().get_world_rank()
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
     batches = batch_stream(config, loop_config["pad"])
@@ -414,18 +414,6 @@ def save_ul2_checkpoint(engine, config: Ul2Config, state, metrics, final: bool, 
         if final:
             export(engine, config, Path(tmp) / EXPORT_DIR, checkpoint)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-
-
-def restore_ul2_checkpoint(engine) -> Ul2State:
-    """Model, optimizer, scheduler and step from the latest registered checkpoint, if any."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return Ul2State()
-    with checkpoint.as_directory() as directory:
-        _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG)
-    return Ul2State(**client_state["trainer_state"])
 
 
 def export(engine, config: Ul2Config, directory: Path, checkpoint: str) -> None:
