@@ -5,15 +5,17 @@ on the same files in the same run, and the driver's peak memory at two input siz
 
 Input: the installed packages' own source (site-packages, `.py`/`.md`/`.txt`, each package a repository), real
 code nobody here wrote, taken package by package in name order until --mb megabytes. The pipeline is the build's
-own (`pipelines.corpora.build.run_build`: listing on the driver, read + tree-sitter parse + syntax chunking +
-tokenizing on workers, group-by repository, packing each repository's chunks into memory rows of 16 chunks
-written as Parquet); only the row maker differs from stage 0 (packing instead of questions). The baseline is
-`encode_ordinary` over the same files' text in one process (reading excluded, so it is the stricter bar).
+own (`pipelines.corpora.build.run_build`: listing on the driver; on workers, per repository: read, encode each
+file once, cut ~512-token chunks in token space, pack them 16 to a memory row, write Parquet) with the memory-only
+record maker (`tasks.chunk_records`: chunks, no Q&A facts). Two cut modes: paragraph breaks (no parse) and
+tree-sitter node boundaries (one parse per code file, which costs about as much as tokenizing it). The baseline
+is `encode_ordinary` (after NFC, as the pipeline) over the same files' text in one process, reading excluded.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import site
 import sys
@@ -79,12 +81,13 @@ class PeakRSS:
         self.thread.join()
 
 
-def run_pipeline(packages: list[Path], out: str) -> tuple[dict, float, int]:
+def run_pipeline(packages: list[Path], out: str, syntax_cuts: bool) -> tuple[dict, float, int]:
     config = build.BuildConfig(stage=0, sources=[str(p) for p in packages], out=out)
     items = build.stage0_items(config)
+    make_records = functools.partial(tasks.chunk_records, syntax_cuts=syntax_cuts)
     with PeakRSS() as rss:
         start = time.perf_counter()
-        manifest = build.run_build(config, items=items, make_records=tasks.file_records, make_rows=pack_rows,
+        manifest = build.run_build(config, items=items, make_records=make_records, make_rows=pack_rows,
                                    settings=config.stage0, progress=lambda line: None)
         seconds = time.perf_counter() - start
     return manifest, seconds, rss.peak
@@ -119,27 +122,31 @@ def main() -> None:
 
     DataContext.get_current().enable_progress_bars = False
     cached_tokenizer(None).backend()  # the driver's copy loads before any measurement
+    with tempfile.TemporaryDirectory() as out:  # untimed warm-up: Ray workers start, import, build their tokenizer
+        run_pipeline(pick_packages(0.5)[:args.num_cpus], out, syntax_cuts=True)
     results = []
-    for megabytes in (args.mb / 4, args.mb):
+    for megabytes, syntax_cuts in ((args.mb / 4, False), (args.mb, False), (args.mb, True)):
         packages = pick_packages(megabytes)
         with tempfile.TemporaryDirectory() as out:
-            manifest, seconds, peak = run_pipeline(packages, out)
+            manifest, seconds, peak = run_pipeline(packages, out, syntax_cuts)
             written = sum(f.stat().st_size for f in Path(out).rglob("*.parquet"))
         nbytes, ntokens, base_seconds = baseline(packages)
-        results.append((megabytes, len(packages), manifest, seconds, peak, nbytes, ntokens, base_seconds, written))
-        print(f"[bench] {megabytes:.1f} MB target: {len(packages)} packages, {manifest['source_bytes'] / 1e6:.1f} MB "
-              f"read in {seconds:.1f}s", file=sys.stderr, flush=True)
+        results.append((megabytes, syntax_cuts, len(packages), manifest, seconds, peak, nbytes, ntokens,
+                        base_seconds, written))
+        print(f"[bench] {megabytes:.1f} MB target, {'syntax' if syntax_cuts else 'paragraph'} cuts: "
+              f"{len(packages)} packages, {manifest['source_bytes'] / 1e6:.1f} MB read in {seconds:.1f}s",
+              file=sys.stderr, flush=True)
     ray.shutdown()
     print(f"\n{args.num_cpus} CPUs; tokens = source tokens (chunk headers included for the pipeline)\n")
-    print("| input | packages | pipeline MB/s | pipeline tok/s | tiktoken 1-proc MB/s | tiktoken tok/s | ratio "
+    print("| input | cuts | packages | pipeline MB/s | pipeline tok/s | tiktoken 1-proc MB/s | tiktoken tok/s | ratio "
           "| goal (0.8 x cores) | driver peak RSS | Parquet written |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for megabytes, n, manifest, seconds, peak, nbytes, ntokens, base_seconds, written in results:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for megabytes, syntax_cuts, n, manifest, seconds, peak, nbytes, ntokens, base_seconds, written in results:
         pipe_mbs, base_mbs = manifest["source_bytes"] / 1e6 / seconds, nbytes / 1e6 / base_seconds
-        print(f"| {manifest['source_bytes'] / 1e6:.1f} MB | {n} | {pipe_mbs:.2f} | {manifest['source_tokens'] / seconds:,.0f} "
-              f"| {base_mbs:.2f} | {ntokens / base_seconds:,.0f} | {pipe_mbs / base_mbs:.2f} | {0.8 * args.num_cpus:.1f} "
+        print(f"| {manifest['source_bytes'] / 1e6:.1f} MB | {'tree-sitter' if syntax_cuts else 'paragraph'} | {n} "
+              f"| {pipe_mbs:.2f} | {manifest['source_tokens'] / seconds:,.0f} | {base_mbs:.2f} "
+              f"| {ntokens / base_seconds:,.0f} | {pipe_mbs / base_mbs:.2f} | {0.8 * args.num_cpus:.1f} "
               f"| {peak / 2**20:,.0f} MiB | {written / 1e6:,.0f} MB |")
-
 
 if __name__ == "__main__":
     main()

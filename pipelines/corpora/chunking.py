@@ -1,15 +1,24 @@
-"""Memory chunks of about `chunk_tokens` tokens, each prefixed with its path and chunk id, cut at syntax
-boundaries where possible (tree-sitter top-level nodes, then their children), at lines otherwise.
+"""Memory chunks of at most `chunk_tokens` tokens, each prefixed with its path and chunk id, cut at syntax
+boundaries where possible (tree-sitter top-level nodes, then their children), at paragraph breaks or lines
+otherwise.
 
-Each chunk's `ids` are exactly `tokenizer.encode_text(text)` (the header included), so a reader who re-tokenizes
-the `memory` column gets `memory_input_ids`. Sizing uses a running chars-per-token estimate and each chunk is
-encoded once; a chunk that comes out above `1.25 * chunk_tokens` is split again at lines.
+The file is encoded once; chunks are cut in token space, at tokens that end where a non-blank line begins. Such a
+cut is a boundary of Qwen's pre-tokenizer (a line break always ends a pre-token and nothing before it looks back),
+so a chunk's `ids` (header ids + its slice) are exactly `tokenizer.encode_text(text)` and a reader who
+re-tokenizes the `memory` column gets `memory_input_ids`. Only a line longer than a whole chunk is cut inside
+(at a character boundary); there `ids` still decode to `text` exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import random
+import unicodedata
 from dataclasses import dataclass
+
+import numpy as np
+
+NEWLINE, CR = 10, 13
 
 
 @dataclass(frozen=True)
@@ -33,52 +42,65 @@ def chunk_name(path: str, index: int) -> str:
 
 def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
                boundaries: dict[int, int] | None = None) -> list[Chunk]:
-    """Chunks of one file. boundaries: 0-based line -> priority (2 top-level node starts, 1 nested), from syntax."""
-    lines = text.splitlines(keepends=True)
-    boundaries = boundaries or {}
-    chars_per_token = 3.5
-    budget = chunk_tokens - 24  # room for the header
-    pieces: list[tuple[int, int]] = []  # (start, end) line ranges, end exclusive
-    start, size = 0, 0
-    for n, line in enumerate(lines):
-        size += len(line)
-        if size / chars_per_token > budget and n > start:
-            cut = best_cut(start, n, boundaries)
-            pieces.append((start, cut))
-            start, size = cut, sum(len(x) for x in lines[cut : n + 1])
-    if start < len(lines):
-        pieces.append((start, len(lines)))
+    """Chunks of one file (NFC-normalised, as the tokenizer sees it). boundaries: 0-based line -> priority
+    (2 top-level node starts, 1 nested), from syntax; without them a line after a blank line has priority 1."""
+    text = unicodedata.normalize("NFC", text)
+    data = text.encode("utf-8")
+    if not data:
+        return []
+    ids = np.asarray(tokenizer.encode_text(text), dtype=np.int64)
+    ends = np.cumsum(tokenizer.token_byte_lengths()[ids])  # byte offset where each token ends
+    raw = np.frombuffer(data, dtype=np.uint8)
+    line_starts = np.concatenate([[0], np.flatnonzero(raw == NEWLINE) + 1])
+    line_starts = line_starts[line_starts < len(data)]
+    # Candidate cuts: k tokens before, where token k-1 ends at the start of a non-blank line.
+    at_line = ends[np.isin(ends, line_starts[1:])] if len(line_starts) > 1 else ends[:0]
+    at_line = at_line[(raw[at_line] != NEWLINE) & (raw[at_line] != CR)]
+    cut_tokens = np.searchsorted(ends, at_line) + 1
+    cut_lines = np.searchsorted(line_starts, at_line)  # 0-based line that starts there
+    if boundaries:
+        priority = np.fromiter((boundaries.get(int(n), 0) for n in cut_lines), dtype=np.int64, count=len(cut_lines))
+    else:
+        priority = (raw[np.maximum(at_line - 2, 0)] == NEWLINE).astype(np.int64)  # previous line blank
+
+    cut_tokens, priority, ends_list = cut_tokens.tolist(), priority.tolist(), ends.tolist()  # bisect beats numpy
+    ids_list = ids.tolist()  # calls on the few hundred chunks of a file
+    line_list = line_starts.tolist()
     chunks: list[Chunk] = []
-    queue = list(pieces)
-    while queue:
-        s, e = queue.pop(0)
-        body = "".join(lines[s:e])
-        text_ = header(path, len(chunks)) + body
-        ids = tokenizer.encode_text(text_)
-        if len(ids) > 1.25 * chunk_tokens and e - s > 1:  # estimate was off: split at the middle line
-            mid = min(max(best_cut(s, (s + e) // 2 + 1, boundaries), s + 1), e - 1)  # both halves non-empty
-            queue[:0] = [(s, mid), (mid, e)]
-            continue
-        if len(ids) > 1.25 * chunk_tokens:  # one huge line (minified): cut by characters
-            step = max(1, int(len(body) * chunk_tokens / len(ids)))
-            for k in range(0, len(body), step):
-                part = header(path, len(chunks)) + body[k : k + step]
-                chunks.append(Chunk(path, len(chunks), s + 1, e, part, tokenizer.encode_text(part)))
-            continue
-        chunks.append(Chunk(path, len(chunks), s + 1, max(e, s + 1), text_, ids))
-        chars_per_token = 0.7 * chars_per_token + 0.3 * max(len(body), 1) / max(len(ids), 1)
+    start = 0
+    while start < len(ids_list):
+        head = header(path, len(chunks))
+        head_ids = tokenizer.encode_text(head)
+        budget = max(chunk_tokens - len(head_ids), 1)
+        stop = len(ids_list) if len(ids_list) - start <= budget else best_token_cut(start, budget, cut_tokens, priority)
+        if stop is None:  # no line starts within the budget: cut inside the line, at a character boundary
+            stop = start + budget
+            while stop > start + 1 and 0x80 <= data[ends_list[stop - 1]] < 0xC0:
+                stop -= 1
+        b0 = ends_list[start - 1] if start else 0
+        b1 = ends_list[stop - 1]
+        body = data[b0:b1].decode("utf-8")
+        chunk_ids = head_ids + ids_list[start:stop]
+        if body[:1] in ("\n", "\r"):  # only a file's first chunk can start with a line break: it would merge
+            chunk_ids = tokenizer.encode_text(head + body)  # with the header's, so encode the seam as a reader does
+        first = bisect.bisect_right(line_list, b0)  # 1-based line of the first byte
+        last = bisect.bisect_right(line_list, b1 - 1)
+        chunks.append(Chunk(path, len(chunks), first, last, head + body, chunk_ids))
+        start = stop
     return chunks
 
 
-def best_cut(start: int, end: int, boundaries: dict[int, int]) -> int:
-    """The latest highest-priority boundary in (start + quarter, end], else end (a line cut)."""
-    lo = start + max(1, (end - start) // 4)
-    best, best_priority = end, 0
-    for line in range(end, lo - 1, -1):
-        priority = boundaries.get(line, 0)
-        if priority > best_priority:
-            best, best_priority = line, priority
-            if priority >= 2:
+def best_token_cut(start: int, budget: int, cut_tokens: list[int], priority: list[int]) -> int | None:
+    """The latest highest-priority cut in (start + budget / 4, start + budget], else the latest cut after start."""
+    lo = bisect.bisect_right(cut_tokens, start)
+    hi = bisect.bisect_right(cut_tokens, start + budget)
+    if hi <= lo:
+        return None
+    best, best_priority = cut_tokens[hi - 1], 0
+    for k in range(hi - 1, max(lo, bisect.bisect_right(cut_tokens, start + budget // 4)) - 1, -1):
+        if priority[k] > best_priority:
+            best, best_priority = cut_tokens[k], priority[k]
+            if best_priority >= 2:
                 break
     return best
 

@@ -66,10 +66,23 @@ def walk_files(root: Path) -> list[str]:
     return out
 
 
-def read_text(path: str, limits: Limits) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason)."""
+def size_or_zero(path: Path) -> int:
+    """For scheduling only (the worker judges the file): the listed entry's own size, 0 if it cannot be read."""
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
+
+
+def read_text(path: str, limits: Limits, root: str | None = None) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason). With `root`, a symlink that resolves outside it is rejected: a mined
+    repository must not make the build read (and publish in its shards) files elsewhere on the machine."""
     try:
         os.stat(path)  # follows symlinks: a loop raises ELOOP
+        if root is not None and os.path.isdir(root):
+            real, base = os.path.realpath(path), os.path.realpath(root)
+            if os.path.commonpath([real, base]) != base:
+                return None, "symlink_outside_source"
         if os.path.getsize(path) > limits.max_file_bytes:
             return None, "huge"
         with open(path, "rb") as f:

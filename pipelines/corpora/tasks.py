@@ -56,7 +56,7 @@ def file_records(item: dict, tokenizer, settings: Stage0Settings) -> list[dict]:
     root, rel, source, unit = item["root"], item["path"], item["source"], item["unit"]
     kind = sources.kind_of(rel)
     full = os.path.join(root, rel) if os.path.isdir(root) else root
-    text, reason = sources.read_text(full, settings.limits)
+    text, reason = sources.read_text(full, settings.limits, root)
     if reason:
         return [record(item, rel, kind, reject=reason)]
     if kind == "jsonl":
@@ -75,6 +75,25 @@ def file_records(item: dict, tokenizer, settings: Stage0Settings) -> list[dict]:
     if kind == "html":
         text = docs.html_to_text(text)
     return [document_record(item, rel, text, tokenizer, settings)]
+
+
+def chunk_records(item: dict, tokenizer, settings: Stage0Settings, *, syntax_cuts: bool = True) -> list[dict]:
+    """Chunks only (no facts): for memory-only builds, e.g. a repository's memory store or encoder pretraining.
+    syntax_cuts=False cuts code at paragraph breaks instead of tree-sitter nodes, skipping the parse (which costs
+    about as much as tokenizing)."""
+    root, rel = item["root"], item["path"]
+    kind = sources.kind_of(rel)
+    full = os.path.join(root, rel) if os.path.isdir(root) else root
+    text, reason = sources.read_text(full, settings.limits, root)
+    if reason:
+        return [record(item, rel, kind, reject=reason)]
+    if kind == "jsonl":  # one document per line, chunked as file_records does
+        return file_records(item, tokenizer, settings)
+    if kind == "html":
+        text = docs.html_to_text(text)
+    cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8"))) if syntax_cuts and kind in syntax.GRAMMARS else None
+    chunks = chunking.chunk_file(rel, text, tokenizer, chunk_tokens=settings.chunk_tokens, boundaries=cuts)
+    return [record(item, rel, kind, chunks=chunks, text=text)]
 
 
 def document_record(item, path, text, tokenizer, settings):
@@ -96,7 +115,8 @@ def unit_chunks(records: list[dict]) -> list[Chunk]:
     out = []
     for r in records:
         for i, (text, ids, (s, e)) in enumerate(zip(r["chunk_texts"], r["chunk_ids"], r["chunk_lines"])):
-            out.append(Chunk(r["path"], i, int(s), int(e), text, [int(x) for x in ids]))
+            ids = ids if isinstance(ids, list) else [int(x) for x in ids]  # lists unless they crossed Arrow
+            out.append(Chunk(r["path"], i, int(s), int(e), text, ids))
     return out
 
 

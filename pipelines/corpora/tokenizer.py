@@ -19,6 +19,7 @@ import importlib.util
 import unicodedata
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 
 # Qwen's pre-tokenizer (transformers/models/qwen2/tokenization_qwen2.py PRETOKENIZE_REGEX): single digits.
@@ -77,9 +78,10 @@ class QwenTokenizer:
             raise FileNotFoundError(f"{self.checkpoint}/tokenizer.json not found: pass a local Qwen3 checkpoint "
                                     "directory, or no checkpoint for the offline tokenizer")
         self._backend = None
+        self._lengths = None
 
     def __getstate__(self):
-        return {"checkpoint": self.checkpoint, "_backend": None}
+        return {"checkpoint": self.checkpoint, "_backend": None, "_lengths": None}
 
     @property
     def name(self) -> str:
@@ -105,6 +107,27 @@ class QwenTokenizer:
         if isinstance(backend, tiktoken.Encoding):
             return backend.encode_ordinary(unicodedata.normalize("NFC", text))
         return backend.encode(text, add_special_tokens=False).ids
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """Bytes each id decodes to (special tokens: their string's), so a chunker can find where a token ends in
+        the text without decoding: `cumsum(lengths[ids])` are the tokens' end offsets."""
+        if self._lengths is None:
+            backend = self.backend()
+            lengths = np.zeros(VOCAB_SIZE, dtype=np.int64)
+            if isinstance(backend, tiktoken.Encoding):
+                for i in range(N_RANKS):
+                    lengths[i] = len(backend.decode_single_token_bytes(i))
+            else:
+                from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+                byte_of = {c: b for b, c in bytes_to_unicode().items()}  # ByteLevel BPE: one character per byte
+                for token, i in backend.get_vocab(with_added_tokens=False).items():
+                    if i < VOCAB_SIZE:
+                        lengths[i] = sum(1 for c in token if c in byte_of)
+            for token, i in SPECIAL_IDS.items():
+                lengths[i] = len(token.encode())
+            self._lengths = lengths
+        return self._lengths
 
     def encode_parts(self, parts: list[str]) -> list[int]:
         """A template: each part that is exactly a special-token string becomes that token, the rest is text."""

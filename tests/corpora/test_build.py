@@ -32,11 +32,14 @@ def bad_inputs(root: Path) -> dict[str, int]:
     (root / "dangling.py").symlink_to(root / "missing.py")
     (root / "loop_a.py").symlink_to(root / "loop_b.py")
     (root / "loop_b.py").symlink_to(root / "loop_a.py")
+    (root.parent / "secret.py").write_text("TOKEN = 'not for the corpus'\n")
+    (root / "escape.py").symlink_to(root.parent / "secret.py")  # a mined repository pointing elsewhere
+    (root / "inside.py").symlink_to(root / "good.py")  # inside the source: read like any file
     (root / "docs.jsonl").write_text(
         json.dumps({"text": "# Kettle\n\nKettle is a build cache that lives next to the compiler.\n"}) + "\n"
         + "{not json\n" + json.dumps({"body": "no text field"}) + "\n" + json.dumps({"text": " "}) + "\n")
     return {"non_utf8": 1, "binary": 1, "empty": 2, "huge": 1, "unreadable": 1, "symlink_loop": 2,
-            "malformed_jsonl": 2}
+            "symlink_outside_source": 1, "malformed_jsonl": 2}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,8 @@ def test_rejects_counted_by_reason_and_nothing_lost(built):
     rejects = pq.read_table(out / "rejects").to_pylist()
     assert sorted(r["reason"] for r in rejects) == sorted(k for k, n in expected.items() for _ in range(n))
     assert {r["path"] for r in rejects if r["reason"] == "malformed_jsonl"} == {"docs.jsonl#L2", "docs.jsonl#L3"}
+    rows = pq.read_table(out / "train").to_pylist() + pq.read_table(out / "val").to_pylist()
+    assert not any("not for the corpus" in m for r in rows for m in r["memory"])  # the outside file was not read
 
 
 def test_shards_split_by_repository_with_the_schema(built, ray_local):

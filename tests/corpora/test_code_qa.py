@@ -95,7 +95,9 @@ def test_chunks_cover_files_and_cut_at_syntax(package_roots, tokenizer):
     chunks = chunking.chunk_file("sessions.py", text, tokenizer, boundaries=cuts)
     assert "".join(c.text.split("\n", 1)[1] for c in chunks) == text  # nothing lost, nothing repeated
     assert all(c.ids == tokenizer.encode_text(c.text) for c in chunks)
-    assert all(len(c.ids) <= 640 for c in chunks) and sum(len(c.ids) for c in chunks) / len(chunks) > 250
+    assert all(len(c.ids) <= 512 for c in chunks) and sum(len(c.ids) for c in chunks) / len(chunks) > 250
+    lines = text.splitlines(keepends=True)
+    assert all("".join(lines[c.start_line - 1 : c.end_line]) == c.text.split("\n", 1)[1] for c in chunks)
     starts = [c.start_line - 1 for c in chunks[1:]]
     assert sum(cuts.get(s, 0) > 0 for s in starts) >= 0.8 * len(starts)  # mostly at syntax boundaries
 
@@ -109,7 +111,23 @@ def test_long_lines_are_split_and_terminate(tokenizer, boundaries):
     text = f"x = {digits}\ny = {digits}\n" + "z = '" + "ab cd " * 2000 + "'\n"
     chunks = chunking.chunk_file("gen.py", text, tokenizer, boundaries=boundaries)
     assert "".join(c.text.split("\n", 1)[1] for c in chunks) == text
-    assert all(len(c.ids) <= 1.25 * 512 + 16 for c in chunks) and len(chunks) > 5
+    assert all(len(c.ids) <= 512 for c in chunks) and len(chunks) > 5
+    assert all(tokenizer.decode(c.ids) == c.text for c in chunks)
+
+
+def test_chunk_ids_are_the_texts_tokens_at_awkward_seams(tokenizer):
+    """Line breaks at the start, CRLF, blank runs, trailing spaces, non-NFC text and a multi-byte line longer than a
+    chunk: ids always decode to the text; where the cut is at a line (all but the long line), they are exactly
+    what re-tokenizing the text gives."""
+    import unicodedata
+
+    lines = ["\n", "\r\n", "def f():  \r\n", "    return 'cafe\u0301'\n", "\n\n\n", "x = 1   \n", "  \n"]
+    text = "".join(lines * 60) + "s = '" + "日本語のテキスト" * 300 + "'\n" + "".join(lines * 20)
+    chunks = chunking.chunk_file("a.py", text, tokenizer, chunk_tokens=64)
+    assert "".join(c.text.split("\n", 1)[1] for c in chunks) == unicodedata.normalize("NFC", text)
+    assert all(tokenizer.decode(c.ids) == c.text and len(c.ids) <= 64 for c in chunks)
+    at_lines = [c for c in chunks if "日本" not in c.text]
+    assert len(at_lines) > 10 and all(c.ids == tokenizer.encode_text(c.text) for c in at_lines)
 
 
 LANGS = {
