@@ -136,7 +136,7 @@ class StageConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
-        return _from_dict(cls, data, "")
+        return from_typed_dict(cls, data, "")
 
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field and what would be accepted."""
@@ -211,8 +211,9 @@ class StageConfig:
         return self
 
 
-def parse_config(argv: list[str] | None, default: StageConfig, description: str = "") -> StageConfig:
-    """default < --config FILE (YAML or JSON) < --section.field VALUE flags; then validated."""
+def parse_config(argv: list[str] | None, default, description: str = ""):
+    """default < --config FILE (YAML or JSON) < --section.field VALUE flags; then validated. Any config dataclass
+    with to_dict / from_dict / validate (StageConfig, pipelines.ul2.Ul2Config)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML or JSON file with any of the sections below")
     flat = flatten(default.to_dict())
@@ -230,7 +231,7 @@ def parse_config(argv: list[str] | None, default: StageConfig, description: str 
     for key, raw in args.items():
         if raw is not None:
             _set(data, key, raw)
-    return StageConfig.from_dict(data).validate()
+    return type(default).from_dict(data).validate()
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -264,7 +265,8 @@ def _set(data: dict[str, Any], dotted: str, raw: str) -> None:
     target[name] = yaml.safe_load(raw) if raw.lower() not in ("none", "null") else None
 
 
-def _from_dict(cls, data: dict[str, Any], prefix: str):
+def from_typed_dict(cls, data: dict[str, Any], prefix: str = ""):
+    """A (nested) config dataclass from plain data, coercing each value to its field's type; unknown keys fail."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     known = {f.name for f in fields(cls)}
@@ -276,7 +278,7 @@ def _from_dict(cls, data: dict[str, Any], prefix: str):
             continue
         hint, value = hints[f.name], data[f.name]
         if dataclasses.is_dataclass(hint):
-            kwargs[f.name] = _from_dict(hint, value or {}, f"{prefix}{f.name}.")
+            kwargs[f.name] = from_typed_dict(hint, value or {}, f"{prefix}{f.name}.")
         else:
             kwargs[f.name] = _coerce(value, hint, f"{prefix}{f.name}")
     return cls(**kwargs)

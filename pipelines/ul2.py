@@ -7,7 +7,6 @@ encoder_checkpoint=...)` reads bidirectionally as the Awareness memory encoder.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -23,10 +22,9 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import yaml
 
 from pipelines.config import (DeepSpeedSettings, RunSettings, ScalingSettings, TrackingSettings, TrainConfig,
-                              _from_dict, _merge, _set, flatten)
+                              from_typed_dict, parse_config)
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIALS = ("<pad>", "<s>", "</s>", "[R]", "[S]", "[X]")  # padding, decoder start, end, the UL2 mode tokens
@@ -72,7 +70,7 @@ class Ul2Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Ul2Config":
-        return _from_dict(cls, data, "")
+        return from_typed_dict(cls, data)
 
     def validate(self) -> "Ul2Config":
         p, t = [], self.train
@@ -97,21 +95,8 @@ class Ul2Config:
 
 
 def parse_ul2_config(argv: list[str] | None, default: Ul2Config, description: str = "") -> Ul2Config:
-    """default < --config FILE < --section.field VALUE, as pipelines.config.parse_config does for the stages."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="a YAML or JSON file with any of the sections below")
-    for key, value in flatten(default.to_dict()).items():
-        parser.add_argument(f"--{key}", default=None, help=f"default: {value}")
-    args = vars(parser.parse_args(argv))
-    data = default.to_dict()
-    if config_file := args.pop("config"):
-        if not Path(config_file).is_file():
-            parser.error(f"--config {config_file}: no such file")
-        _merge(data, yaml.safe_load(Path(config_file).read_text()) or {}, "")
-    for key, raw in args.items():
-        if raw is not None:
-            _set(data, key, raw)
-    return Ul2Config.from_dict(data).validate()
+    """default < --config FILE < --section.field VALUE, the stage jobs' parser."""
+    return parse_config(argv, default, description)
 
 
 # ------------------------------------------------------------------------------------------ tokenizer, vocab
