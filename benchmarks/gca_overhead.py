@@ -16,6 +16,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, set_trainable
+from timing import timed_side_by_side
 
 DECODER = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                num_key_value_heads=4, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True)
@@ -42,19 +43,6 @@ def build(gca: bool, placement: str = "upper_third") -> tuple[Qwen3ForCausalLM, 
         for block in model.gca_blocks().values():
             block.gate.fill_(0.5)  # an open gate, so the block's backward is not short-circuited
     return decoder, model
-
-
-def timed_side_by_side(fns: list, repeats: int) -> list[float]:
-    """Median seconds of each function, run in turns (a, b, c, a, b, c, ...) so that background load hits all alike."""
-    for fn in fns:
-        fn()  # warm-up
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return [statistics.median(samples) for samples in times]
 
 
 def training_step(seq: int, memory: int, chunk: int, repeats: int) -> list[tuple[str, float]]:

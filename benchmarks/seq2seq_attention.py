@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
 
 from models import Qwen3EncoderDecoderConfig, Qwen3ForSeq2SeqLM
+from timing import timed_side_by_side
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True,
@@ -81,21 +82,6 @@ def build(classic: bool) -> Qwen3ForSeq2SeqLM:
     return model.to(DEVICE)
 
 
-def timed_side_by_side(fns: list, repeats: int) -> list[float]:
-    """Median seconds of each function, run in turns (a, b, a, b, ...) so background load hits both alike."""
-    for fn in fns:
-        fn()  # warm-up
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-    return [statistics.median(samples) for samples in times]
-
-
 def saved_activation_bytes(model, batch) -> int:
     """Bytes of activations autograd keeps for backward in one forward (weights it saves are not counted: they are
     held anyway): what differs between the variants' training memory on a CPU, where there is no allocator peak."""
@@ -136,7 +122,8 @@ def training_step(batch_size: int, enc_len: int, dec_len: int, repeats: int) -> 
                      "params": sum(p.numel() for p in model.parameters()),
                      "saved": saved_activation_bytes(model, batch), "peak": peak})
         steps.append(step)
-    for row, seconds in zip(rows, timed_side_by_side(steps, repeats)):
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else None
+    for row, seconds in zip(rows, timed_side_by_side(steps, repeats, sync)):
         row["seconds"] = seconds
     return rows
 
