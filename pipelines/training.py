@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -13,7 +14,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,7 +73,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if logging_step:
             tracker.log_metrics(metrics, state.step)
         if state.step % config.train.checkpoint_every == 0 or final:
-            save_checkpoint(engine, config, state, metrics, faults, final=final)
+            save_checkpoint(engine, state, metrics, faults=faults,
+                            export=functools.partial(export_artifact, engine, config) if final else None)
         elif logging_step:
             ray.train.report(metrics)
     finish_tracking(tracker, state, rank, engine.module.gca_layers, heatmap)
@@ -275,10 +277,11 @@ def evaluate(model: AwarenessModel, config: StageConfig, rank: int, world: int) 
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(engine, config: StageConfig, state: TrainState, metrics: dict[str, float],
-                    faults: "FaultInjector", final: bool) -> None:
+def save_checkpoint(engine, state, metrics: dict[str, float], *, export: Callable[[Path], None] | None = None,
+                    faults: "FaultInjector | None" = None) -> None:
     """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
-    only once every worker has reported, so one that a dying worker left incomplete is never resumed from."""
+    only once every worker has reported, so one that a dying worker left incomplete is never resumed from.
+    `export(directory)` (final checkpoints) adds what users load; the stage and UL2 loops share this."""
     import ray.train
     import torch.distributed as dist
 
@@ -286,9 +289,10 @@ def save_checkpoint(engine, config: StageConfig, state: TrainState, metrics: dic
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
         if dist.get_rank() == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
-        if final:
-            export_artifact(engine, config, Path(tmp) / EXPORT_DIR)
-        faults.maybe_fail("save", state.step)
+        if export is not None:
+            export(Path(tmp) / EXPORT_DIR)
+        if faults is not None:
+            faults.maybe_fail("save", state.step)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,12 +24,12 @@ import torch
 
 from pipelines.config import (DeepSpeedSettings, RunSettings, ScalingSettings, TrackingSettings, TrainConfig,
                               from_typed_dict, parse_config)
+from pipelines.training import EXPORT_DIR  # one checkpoint layout for every job
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIALS = ("<pad>", "<s>", "</s>", "[R]", "[S]", "[X]")  # padding, decoder start, end, the UL2 mode tokens
 SENTINELS = 100  # <extra_id_0> ... <extra_id_99>: one per corrupted span
 TINY_CHECKPOINT = "tiny-qwen3-ul2"
-EXPORT_DIR, STATE_FILE, ENGINE_TAG = "export", "trainer_state.json", "engine"
 
 
 # --------------------------------------------------------------------------------------------------- configs
@@ -309,7 +308,7 @@ def ul2_train_loop(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from pipelines.tracking import Tracker
-    from pipelines.training import quiet_known_warnings, restore_checkpoint
+    from pipelines.training import quiet_known_warnings, restore_checkpoint, save_checkpoint
 
     config = Ul2Config.from_dict(loop_config["config"])
     quiet_known_warnings()
@@ -329,7 +328,8 @@ def ul2_train_loop(loop_config: dict[str, Any]) -> None:
         if state.step % config.train.log_every == 0 or final:
             tracker.log_metrics(metrics, state.step)
         if state.step % config.train.checkpoint_every == 0 or final:
-            save_ul2_checkpoint(engine, config, state, metrics, final, loop_config["checkpoint"])
+            save_checkpoint(engine, state, metrics,
+                            export=functools.partial(export, engine, config, checkpoint=loop_config["checkpoint"]) if final else None)
         else:
             ray.train.report(metrics)
 
@@ -385,20 +385,6 @@ def ul2_step(engine, batches: Iterator, config: Ul2Config, state) -> dict[str, f
     return {"loss": state.losses[-1], "loss_first": state.losses[0], "lr": engine.get_lr()[0],
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
             "examples_seen": state.examples_seen}
-
-
-def save_ul2_checkpoint(engine, config: Ul2Config, state, metrics, final: bool, checkpoint: str) -> None:
-    """The stage jobs' pattern: every worker saves its shard and reports; the final one adds an export."""
-    import ray.train
-    import torch.distributed as dist
-
-    with tempfile.TemporaryDirectory() as tmp:
-        engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
-        if dist.get_rank() == 0:
-            (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
-        if final:
-            export(engine, config, Path(tmp) / EXPORT_DIR, checkpoint)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
 def export(engine, config: Ul2Config, directory: Path, checkpoint: str) -> None:
