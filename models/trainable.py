@@ -125,7 +125,9 @@ def apply_lora(model: nn.Module, plan: LoraPlan) -> LoraConfig:
         # PEFT checks rank_pattern keys against targeted modules only; a decoder with only `experts` targets
         # parameters, so its pattern would be reported as unused although it sets their rank.
         warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        # On the meta device (memory plans) the adapters are created there too, never allocated.
+        low_cpu_mem_usage = any(p.is_meta for p in model.parameters())
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=low_cpu_mem_usage)
     if hasattr(model, "config"):
         model.config.lora = plan.to_dict()
     for group, settings in (("decoder", plan.decoder), ("gca", plan.gca), ("encoder", plan.encoder)):
