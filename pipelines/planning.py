@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from models import LoraPlan, LoraSettings, apply_lora, build_pair
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
 GIB = 1024**3
@@ -91,8 +92,6 @@ def plan_for_stage(config) -> MemoryPlan:
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
     """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
     Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own."""
-    from models import LoraPlan, LoraSettings, apply_lora, build_pair
-
     model = build_pair(inputs.pair, device="meta")
     if inputs.decoder == "lora":
         apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
