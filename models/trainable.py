@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from torch import nn
 
 TrainMode = Literal["frozen", "lora", "full"]
@@ -17,6 +18,12 @@ ADAPTER_NAME = "default"
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+# Qwen3-MoE holds all experts of a layer in one module as two 3-D parameters (E, 2I, H) and (E, H, I), not as
+# nn.Linear modules, so module targets cannot reach them: the decoder target `experts` puts LoRA on both through
+# PEFT's target_parameters (one rank-r pair per expert). The router (mlp.gate) is never targeted.
+EXPERTS = "experts"
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+GROUP_TARGETS = {"decoder": ATTENTION + MLP + (EXPERTS,), "gca": ATTENTION + MLP, "encoder": ATTENTION + MLP}
 
 # Module paths of each group inside AwarenessModel (wrapped decoder layers gain a `decoder_layer.` step).
 _GROUP_PATTERNS = {
@@ -28,12 +35,19 @@ _GROUP_PATTERNS = {
 
 @dataclass
 class LoraSettings:
-    """LoRA for one group of modules."""
+    """LoRA for one group of modules.
+
+    `targets` are projection names, plus `experts` for a Qwen3-MoE decoder. The default leaves the experts out: on
+    an MoE decoder the MLP names match only dense MLP layers (Qwen3-30B-A3B has none), so it means attention-only
+    LoRA there. Expert LoRA is opt-in because it is far larger and slower: PEFT gives every expert its own pair, so
+    Qwen3-30B-A3B at rank 16 gets 629M adapter parameters (47x its attention LoRA), and each forward folds the
+    delta into a full copy of a layer's expert weights. It also allows no dropout (see lora_config).
+    """
 
     rank: int = 16
     alpha: float | None = None  # scaling numerator; None means 2 * rank (the plan's choice)
     dropout: float = 0.0
-    targets: tuple[str, ...] = ATTENTION + MLP  # projection names; MoE experts are fused parameters, not matched
+    targets: tuple[str, ...] = ATTENTION + MLP
 
 
 @dataclass
@@ -56,24 +70,39 @@ class LoraPlan:
 
 
 def lora_config(plan: LoraPlan) -> LoraConfig:
-    """One PEFT LoraConfig whose regex targets and rank/alpha patterns give each group its own settings."""
+    """One PEFT LoraConfig whose regex targets and rank/alpha patterns give each group its own settings; the
+    decoder's `experts` become target_parameters, ranked by the decoder's pattern too."""
     groups = {g: s for g, s in (("decoder", plan.decoder), ("gca", plan.gca), ("encoder", plan.encoder)) if s}
     if not groups:
         raise ValueError("LoraPlan names no group: set at least one of decoder, gca, encoder")
-    patterns = {}
+    modules, patterns = [], {}
     for group, settings in groups.items():
         if settings.rank <= 0:
             raise ValueError(f"LoRA rank for {group} must be positive, got {settings.rank}")
-        unknown = set(settings.targets) - set(ATTENTION + MLP)
-        if unknown or not settings.targets:
-            raise ValueError(f"LoRA targets for {group} must be a non-empty subset of {ATTENTION + MLP}, got {settings.targets}")
-        patterns[group] = _GROUP_PATTERNS[group].format(targets="|".join(map(re.escape, settings.targets)))
+        allowed = GROUP_TARGETS[group]
+        if set(settings.targets) - set(allowed) or not settings.targets:
+            hint = f" (`{EXPERTS}` is a decoder target)" if EXPERTS in settings.targets and group != "decoder" else ""
+            raise ValueError(f"LoRA targets for {group} must be a non-empty subset of {allowed}, got "
+                             f"{settings.targets}{hint}")
+        names = [t for t in settings.targets if t != EXPERTS]
+        if names:
+            modules.append(_GROUP_PATTERNS[group].format(targets="|".join(map(re.escape, names))))
+        names += [p.removeprefix("mlp.") for p in EXPERT_PARAMETERS] if EXPERTS in settings.targets else []
+        patterns[group] = _GROUP_PATTERNS[group].format(targets="|".join(map(re.escape, names)))
+    experts = plan.decoder is not None and EXPERTS in plan.decoder.targets
+    dropout = max(s.dropout for s in groups.values())
+    if experts and dropout:
+        # PEFT folds expert LoRA into the weight (W + BA), where no dropout on the input can act; and one config
+        # carries one dropout for every group, so the other groups cannot have it either.
+        raise ValueError(f"LoRA on the MoE experts allows no dropout, and PEFT applies one dropout to every LoRA "
+                         f"group: set dropout=0 in all groups, got {dropout}")
     first = next(iter(groups.values()))
     return LoraConfig(
         r=first.rank,
         lora_alpha=_alpha(first),
-        lora_dropout=max(s.dropout for s in groups.values()),
-        target_modules="|".join(f"(?:{p})" for p in patterns.values()),
+        lora_dropout=dropout,
+        target_modules="|".join(f"(?:{p})" for p in modules) if modules else [],
+        target_parameters=list(EXPERT_PARAMETERS) if experts else None,
         rank_pattern={patterns[g]: s.rank for g, s in groups.items()},
         alpha_pattern={patterns[g]: _alpha(s) for g, s in groups.items()},
         bias="none",
@@ -89,7 +118,16 @@ def apply_lora(model: nn.Module, plan: LoraPlan) -> LoraConfig:
     if any(isinstance(m, LoraLayer) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters; build a fresh model to apply another plan")
     config = lora_config(plan)
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    if config.target_parameters and not any(n.endswith(EXPERT_PARAMETERS) for n, _ in model.named_parameters()):
+        raise ValueError(f"LoRA target {EXPERTS!r} needs a Qwen3-MoE decoder, and this decoder is dense: target its "
+                         f"MLP with {', '.join(MLP)}")
+    with warnings.catch_warnings():
+        # PEFT checks rank_pattern keys against targeted modules only; a decoder with only `experts` targets
+        # parameters, so its pattern would be reported as unused although it sets their rank.
+        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
+        # On the meta device (memory plans) the adapters are created there too, never allocated.
+        low_cpu_mem_usage = any(p.is_meta for p in model.parameters())
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=low_cpu_mem_usage)
     if hasattr(model, "config"):
         model.config.lora = plan.to_dict()
     for group, settings in (("decoder", plan.decoder), ("gca", plan.gca), ("encoder", plan.encoder)):
@@ -153,13 +191,19 @@ def merged_state_dict(module: nn.Module, *, base_only: bool) -> dict[str, torch.
     deltas = {}
     for name, sub in module.named_modules():
         if isinstance(sub, LoraLayer) and ADAPTER_NAME in sub.lora_A:
-            deltas[f"{name}.weight"] = sub.get_delta_weight(ADAPTER_NAME)
+            weight = sub.parameter_name if isinstance(sub, ParamWrapper) else "weight"
+            deltas[f"{_without_base_layer(name)}.{weight}"] = sub.get_delta_weight(ADAPTER_NAME)
     state = {}
     for name, tensor in module.state_dict().items():
         if "lora_" in name or is_added_parameter(name) == base_only:
             continue
-        key = name.replace(".base_layer.", ".")
+        key = _without_base_layer(name)
         if key in deltas:
             tensor = tensor + deltas[key].to(tensor.dtype)
         state[key.replace(".decoder_layer.", ".") if base_only else key] = tensor
     return state
+
+
+def _without_base_layer(name: str) -> str:
+    """PEFT's wrapper steps removed; expert parameters sit under one per targeted parameter (nested wrappers)."""
+    return re.sub(r"(?:\.base_layer)+(?=\.|$)", "", name)

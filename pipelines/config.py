@@ -15,7 +15,7 @@ import yaml
 
 from models import PAIRS
 from models.placement import resolve_gca_layers
-from models.trainable import ATTENTION, MLP, TRAIN_MODES
+from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.needle import NeedleSpec
 
 
@@ -31,7 +31,7 @@ class ModelConfig:
     gca: str = "full"  # full | lora
     lora_rank: int = 16  # decoder LoRA rank
     lora_alpha: float | None = None  # None: 2 * rank
-    lora_targets: str = ",".join(ATTENTION + MLP)  # decoder projections that get LoRA
+    lora_targets: str = ",".join(ATTENTION + MLP)  # decoder projections that get LoRA; MoE pairs: add `experts`
     encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
@@ -155,9 +155,13 @@ class StageConfig:
                 p.append(f"model.{name} must be one of {TRAIN_MODES}, got {getattr(m, name)!r}")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
-        unknown = set(m.lora_targets.split(",")) - set(ATTENTION + MLP)
+        targets = m.lora_targets.split(",")
+        unknown = set(targets) - set(GROUP_TARGETS["decoder"])
         if unknown:
-            p.append(f"model.lora_targets has unknown names {sorted(unknown)}; choose from {ATTENTION + MLP}")
+            p.append(f"model.lora_targets has unknown names {sorted(unknown)}; choose from {GROUP_TARGETS['decoder']}")
+        if EXPERTS in targets and m.pair in PAIRS and PAIRS[m.pair].decoder_config["model_type"] != "qwen3_moe":
+            p.append(f"model.lora_targets: {EXPERTS!r} is LoRA on Qwen3-MoE experts, and pair {m.pair!r} is dense: "
+                     f"target its MLP with {','.join(MLP)}")
         for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
             if getattr(m, name) <= 0:
                 p.append(f"model.{name} must be positive")

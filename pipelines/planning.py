@@ -9,8 +9,10 @@ model trains, the case it models.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+
+from models import LoraPlan, LoraSettings, apply_lora, build_pair
+from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
 GIB = 1024**3
 CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -25,7 +27,7 @@ class PlanInput:
     decoder: str = "lora"  # frozen | lora | full
     encoder: str = "frozen"
     lora_rank: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lora_targets: tuple[str, ...] = ATTENTION + MLP  # add "experts" for LoRA on an MoE pair's experts
     micro_batch: int = 1  # sequences per GPU per micro-step
     memories: int | None = None  # memories per GPU per micro-step (several questions can share one); None: one each
     seq_len: int = 4096
@@ -88,20 +90,15 @@ def plan_for_stage(config) -> MemoryPlan:
 
 
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
-    """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit."""
-    from models import build_pair
-    from models.trainable import is_added_parameter
-
+    """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
+    Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own."""
     model = build_pair(inputs.pair, device="meta")
+    if inputs.decoder == "lora":
+        apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
     decoder = sum(p.numel() for n, p in model.decoder.named_parameters() if not is_added_parameter(n))
     encoder = sum(p.numel() for p in model.memory_encoder.parameters())
-    added = sum(p.numel() for n, p in model.named_parameters() if is_added_parameter(n))
-    lora = 0
-    pattern = re.compile(rf"\.(?:self_attn|mlp)\.({'|'.join(inputs.lora_targets)})$")
-    if inputs.decoder == "lora":
-        for name, module in model.decoder.named_modules():
-            if pattern.search(name) and hasattr(module, "in_features"):
-                lora += inputs.lora_rank * (module.in_features + module.out_features)
+    added = sum(p.numel() for n, p in model.named_parameters() if is_added_parameter(n) and "lora_" not in n)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.decoder.model.layers)
     params = {"decoder": decoder, "encoder": encoder, "gca+projection": added}
     if lora:
@@ -128,6 +125,8 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
     if inputs.offload_params:
         plan.cpu_gib_per_node += 2 * total / inputs.nodes / GIB
     plan.rows["gathered working set (2 largest layers)"] = 2 * 2 * largest / GIB
+    if inputs.decoder == "lora" and EXPERTS in inputs.lora_targets:
+        plan.rows["expert weights with LoRA folded in"] = expert_lora_bytes(inputs, model) / GIB
     plan.rows |= activation_rows(inputs, model)
     plan.rows["CUDA context, NCCL, fragmentation"] = CUDA_OVERHEAD_GIB
     if inputs.decoder == "full" and inputs.encoder == "full":
@@ -138,6 +137,17 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
             cpu_offload_params=inputs.offload_params)
         plan.deepspeed_estimate_gib = gpu / GIB
     return plan
+
+
+def expert_lora_bytes(inputs: PlanInput, model) -> int:
+    """PEFT applies expert LoRA by building W + B@A for all of a layer's experts at each forward (bf16); the
+    grouped matmul keeps that copy for backward, which also builds its gradient. With checkpointing one layer's
+    copy and gradient are alive at a time, without it every layer's copy waits for backward."""
+    layers = model.decoder.model.layers
+    per_layer = max(sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n and "lora_" not in n)
+                    for layer in layers)
+    copies = 2 if inputs.gradient_checkpointing else len(layers) + 1
+    return 2 * copies * per_layer
 
 
 def activation_rows(inputs: PlanInput, model) -> dict[str, float]:

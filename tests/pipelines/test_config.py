@@ -52,3 +52,11 @@ def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
         assert expected in message, expected
     stage2 = "\n".join(StageConfig(stage=2).problems())
     assert "stage 2 trains on commit shards" in stage2 and "--data.train_path" in stage2
+
+
+def test_expert_lora_is_a_flag_for_moe_pairs_only():
+    flags = ["--model.lora_targets", "q_proj,k_proj,v_proj,o_proj,experts"]
+    config = parse_config(["--model.pair", "tiny-moe", *flags], DEFAULT)
+    assert config.model.lora_targets.split(",")[-1] == "experts"
+    with pytest.raises(ValueError, match="'experts' is LoRA on Qwen3-MoE experts, and pair 'tiny' is dense"):
+        parse_config(flags, DEFAULT)

@@ -2,7 +2,7 @@ import pytest
 
 from jobs.plan import main as plan_main
 from pipelines.config import ModelConfig, ScalingSettings, StageConfig
-from pipelines.planning import PlanInput, plan_memory
+from pipelines.planning import GIB, PlanInput, plan_memory
 
 
 def test_prod_pair_with_lora_fits_two_h100_nodes():
@@ -11,6 +11,21 @@ def test_prod_pair_with_lora_fits_two_h100_nodes():
     assert abs(plan.params["decoder"] - 30.5e9) / 30.5e9 < 0.01
     # 48 layers x (q, k, v, o) LoRA at rank 64 over the 30B-A3B's attention shapes; its experts are fused weights
     assert plan.params["decoder LoRA"] == 48 * 64 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
+
+
+def test_expert_lora_is_one_pair_per_expert_and_needs_checkpointing_on_prod():
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    plain = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, lora_targets=attention))
+    experts = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, lora_targets=attention + ("experts",)))
+    e, h, i, r = 128, 2048, 768, 16  # the counts come from PEFT's adapters injected on the meta device
+    assert experts.params["decoder LoRA"] - plain.params["decoder LoRA"] == 48 * (e * r * (h + 2 * i) + e * r * (i + h))
+    # each forward builds W + B@A for a layer's experts (bf16); checkpointing keeps one copy and its gradient
+    assert experts.rows["expert weights with LoRA folded in"] * GIB == 2 * 2 * e * (2 * i * h + h * i)
+    assert "expert weights with LoRA folded in" not in plain.rows
+    assert experts.fits and not plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, gradient_checkpointing=False,
+                                                      lora_targets=attention + ("experts",))).fits
+    with pytest.raises(ValueError, match="'experts' needs a Qwen3-MoE decoder"):
+        plan_memory(PlanInput(pair="scale", lora_targets=attention + ("experts",)))
 
 
 def test_full_fine_tune_of_scale_on_one_gpu_does_not_fit_and_agrees_with_deepspeed():

@@ -3,14 +3,18 @@ never resumes from an incomplete checkpoint, and exports an artifact that reload
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from models import AwarenessModel
+from models.awareness import WEIGHTS_NAME
 from pipelines.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.evaluation import score_needles
 
@@ -117,3 +121,20 @@ def test_zero3_trains_the_moe_pair(tmp_path, checkpoint_root, local_ray):
 
     summary = run_stage(small_config(tmp_path, checkpoint_root, "moe", steps=2, pair="tiny-moe"))
     assert summary["error"] is None and summary["steps"] == 2
+
+
+def test_zero3_trains_expert_lora(tmp_path, checkpoint_root, local_ray):
+    """The expert adapters sit inside the sparse block, a ZeRO-3 leaf, so they are gathered with it; they train:
+    their B factors start at zero and are not after two steps."""
+    from pipelines.stage import run_stage
+
+    config = small_config(tmp_path, checkpoint_root, "moe-lora", steps=2, pair="tiny-moe")
+    config.model = dataclasses.replace(config.model, decoder="lora", encoder="frozen",
+                                       lora_targets="q_proj,k_proj,v_proj,o_proj,experts")
+    summary = run_stage(config)
+    assert summary["error"] is None and summary["steps"] == 2
+    saved = load_file(Path(summary["export"]) / WEIGHTS_NAME)
+    expert_b = {n: t for n, t in saved.items() if ".mlp.experts." in n and "lora_B" in n}
+    assert len(expert_b) == 4 * 2 and all(t.abs().sum() > 0 for t in expert_b.values())
+    reloaded = AwarenessModel.from_pretrained(summary["export"])  # without DeepSpeed
+    assert all(torch.equal(reloaded.get_parameter(n), t) for n, t in expert_b.items())
