@@ -107,13 +107,20 @@ class QwenTokenizer:
         return backend.encode(text, add_special_tokens=False).ids
 
     def encode_parts(self, parts: list[str]) -> list[int]:
-        """A template: each part that is exactly a special-token string becomes that token, the rest is text."""
+        """A template: each part that is exactly a special-token string becomes that token; the text between is
+        encoded as one text, so a prompt's ids are those of its text (what a served model gets from the string:
+        `"Fix it."` then `"\n"` is one `.\n` token, not two)."""
         ids: list[int] = []
-        for part in parts:
-            if part in SPECIAL_IDS:
-                ids.append(SPECIAL_IDS[part])
-            elif part:
-                ids.extend(self.encode_text(part))
+        text: list[str] = []
+        for part in [*parts, None]:
+            if part is None or part in SPECIAL_IDS:
+                if text:
+                    ids.extend(self.encode_text("".join(text)))
+                    text = []
+                if part is not None:
+                    ids.append(SPECIAL_IDS[part])
+            else:
+                text.append(part)
         return ids
 
     def decode(self, ids: list[int]) -> str:

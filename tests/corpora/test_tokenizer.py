@@ -40,6 +40,15 @@ def test_special_ids_are_qwen3s_and_ours_are_stable():
     assert max(SPECIAL_IDS.values()) < 151936  # inside every Qwen3 decoder's embedding rows
 
 
+def test_a_templates_text_is_encoded_as_one_text(tokenizer):
+    """A prompt built from parts gets the ids its joined text gets, so a served prompt (a string) matches training."""
+    parts = ["Fix the parser.", "\nFile: a.py\n", "@@ -1,2 +1,3 @@", "\n"]
+    assert tokenizer.encode_parts(parts) == tokenizer.encode_text("".join(parts))
+    assert tokenizer.encode_parts(parts) != [i for p in parts for i in tokenizer.encode_text(p)]  # ".\n", "@@\n"
+    assert tokenizer.encode_parts(["a.", "<read>", "\n", "b"]) == [
+        *tokenizer.encode_text("a."), SPECIAL_IDS["<read>"], *tokenizer.encode_text("\nb")]
+
+
 def test_special_strings_in_text_stay_text(tokenizer):
     """A repository that contains `<read>` or `<|im_end|>` cannot inject control tokens into a memory."""
     ids = tokenizer.encode_text("x = '<read>' + '<|im_end|>'")
