@@ -146,6 +146,29 @@ def cached_tokenizer(checkpoint: str | None = None) -> QwenTokenizer:
     return QwenTokenizer(checkpoint)
 
 
+def tokenizers_tokenizer():
+    """The offline tokenizer as a `tokenizers.Tokenizer`, i.e. what a Qwen3 checkpoint's tokenizer.json holds: the
+    same ranks as byte-level BPE (transformers' TikTokenConverter; `ignore_merges`, so a whole pre-token found in the
+    vocabulary is one token, as in tiktoken), Qwen's regex, NFC, and every special token at its id here. For the
+    random-weight checkpoints with Qwen3's vocabulary, which have no tokenizer of their own. All added tokens are
+    `special`, so `encode_special_tokens=True` reads them as text, exactly as `encode_text` does (a real checkpoint's
+    tokenizer.json may mark some added tokens, e.g. `<think>`, non-special, which that switch does not cover)."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            return load_ranks(tiktoken_url)
+
+    tok = Converter(vocab_file=None, pattern=QWEN_PATTERN).converted()  # None: load_ranks' dashscope copy
+    tok.normalizer = normalizers.NFC()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_IDS])  # in id order
+    if any(tok.token_to_id(t) != i for t, i in SPECIAL_IDS.items()) or tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"converted tokenizer has {tok.get_vocab_size()} ids, expected {VOCAB_SIZE}")
+    return tok
+
+
 def check_special_ids(tok) -> None:
     """A checkpoint's tokenizer must put Qwen3's added tokens (and ours, if it has them) at our ids."""
     wrong = [f"{t}: {tok.token_to_id(t)} != {i}" for t, i in SPECIAL_IDS.items()
