@@ -3,13 +3,18 @@
 It holds only the small exported artifact (GCA, projection, LoRA); `load_context` rebuilds the model from the base
 checkpoints that artifact names (`AwarenessModel.from_pretrained`), so no copy of the base weights is logged.
 Text goes through the decoder checkpoint's own `tokenizer.json` (real Qwen3 checkpoints carry one; Qwen3-Embedding
-shares its vocabulary, so memory chunks use it too). The random-weight pairs carry none: for them the registry
-writes `needle_tokenizer()`, a WordLevel tokenizer over stage 0's needle vocabulary, beside the generated checkpoint,
-so a needle question is text too (`k117 =` -> `4 0 7`).
+shares its vocabulary, so memory chunks use it too). The random-weight pairs carry none: the registry writes one
+beside the generated checkpoint, chosen by its vocabulary: Qwen3's (tiny-text, trained on corpus shards) gets the
+corpora's offline Qwen3 tokenizer converted to tokenizer.json; the 512-id needle pairs get `needle_tokenizer()`, a
+WordLevel tokenizer over stage 0's needle vocabulary, so a needle question is text too (`k117 =` -> `4 0 7`).
+The question is a template (special-token strings in it are control tokens, as the corpus prompts' parts are);
+memory chunks are plain text (special-token strings stay text, as the corpus builder encodes chunks).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +42,10 @@ def needle_tokenizer():
 
 
 def ensure_tokenizer(decoder_dir: str | Path) -> Path:
-    """The decoder checkpoint's tokenizer.json; for a random-weight checkpoint, the needle tokenizer written there."""
+    """The decoder checkpoint's tokenizer.json; for a random-weight checkpoint, one written there by its vocabulary
+    size: the Qwen3 tokenizer when the vocabulary holds Qwen3's ids (and ours), else the needle tokenizer."""
     from models.pairs import RANDOM_WEIGHTS_MARKER
+    from pipelines.corpora.tokenizer import VOCAB_SIZE, tokenizers_tokenizer
 
     decoder_dir = Path(decoder_dir)
     path = decoder_dir / TOKENIZER_FILE
@@ -48,7 +55,11 @@ def ensure_tokenizer(decoder_dir: str | Path) -> Path:
                 f"{decoder_dir} has no {TOKENIZER_FILE}: the pyfunc model turns text into ids with the decoder "
                 f"checkpoint's tokenizer; copy the checkpoint's tokenizer.json there"
             )
-        needle_tokenizer().save(str(path))
+        vocab = json.loads((decoder_dir / "config.json").read_text())["vocab_size"]
+        tokenizer = tokenizers_tokenizer() if vocab >= VOCAB_SIZE else needle_tokenizer()
+        partial = path.with_suffix(f".{os.getpid()}.tmp")  # a concurrent loader never reads half a file
+        tokenizer.save(str(partial))
+        partial.replace(path)
     return path
 
 
@@ -61,12 +72,17 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         from models import AwarenessModel
 
         self.model = AwarenessModel.from_pretrained(context.artifacts["export"]).eval()
-        self.tokenizer = Tokenizer.from_file(str(Path(self.model.config.decoder) / TOKENIZER_FILE))
+        path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
+        self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
+        self.text_tokenizer = Tokenizer.from_file(path)  # memory chunks: special-token strings are text
+        self.text_tokenizer.encode_special_tokens = True
         settings = context.model_config or {}
         self.max_new_tokens = int(settings.get("max_new_tokens", 32))
         eos = settings.get("eos_token")
         self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else self.model.decoder.generation_config.eos_token_id
         self.pad_token_id = self.tokenizer.token_to_id(settings.get("pad_token") or "<pad>") or 0
+        # False for corpus-trained models: their answers may be made of agentic tokens (<plan>, <read>, <edit>)
+        self.skip_special_tokens = bool(settings.get("skip_special_tokens", True))
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
         max_new_tokens = int((params or {}).get("max_new_tokens") or self.max_new_tokens)
@@ -75,7 +91,7 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def encode(self, question: str, memory: list[str]) -> dict[str, torch.Tensor]:
         """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded."""
         prompt = torch.tensor([self.tokenizer.encode(question).ids])
-        chunks = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
+        chunks = [self.text_tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
         if not chunks:
             return {"input_ids": prompt}
         width = max(len(c) for c in chunks)
@@ -89,7 +105,13 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         inputs = self.encode(question, memory)
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
-        return self.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:].tolist(), skip_special_tokens=True)
+        return self.decode(out[0, inputs["input_ids"].shape[1]:].tolist())
+
+    def decode(self, ids: list[int]) -> str:
+        """The answer's text: its ids up to the first end-of-answer token."""
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        end = next((i for i, token in enumerate(ids) if token in eos), len(ids))
+        return self.tokenizer.decode(ids[:end], skip_special_tokens=self.skip_special_tokens)
 
 
 def _rows(model_input) -> list[tuple[str, list[str]]]:

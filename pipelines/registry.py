@@ -31,8 +31,7 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
         export = Path(_download_export(client, run_id, tmp))
         config = AwarenessConfig.load(export)
         ensure_tokenizer(config.decoder)
-        settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params),
-                    "eos_token": "<eos>" if run.data.params.get("model.pair", "").startswith(("tiny", "small")) else None}
+        settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
         model_dir = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(
             str(model_dir), python_model=str(Path(__file__).with_name("pyfunc_entry.py")), artifacts={"export": str(export)},
@@ -82,6 +81,16 @@ def _answer_length(params: dict[str, str]) -> int:
     """Needle runs answer value_digits + EOS; otherwise a generic default."""
     digits, corpus = params.get("needle.value_digits"), params.get("data.train_path", "None")
     return int(digits) + 1 if digits and corpus in ("None", "") else 32
+
+
+def _answer_end(params: dict[str, str]) -> dict[str, Any]:
+    """How answers end and read: corpus rows end every target with <|im_end|> and may answer in agentic tokens
+    (<plan>, <read>, <edit>), kept in the text; needles end with <eos>; a real pair's own checkpoint decides."""
+    from pipelines.corpora.tokenizer import EOS
+
+    if params.get("data.train_path", "None") not in ("None", ""):
+        return {"eos_token": EOS, "skip_special_tokens": False}
+    return {"eos_token": "<eos>" if params.get("model.pair", "").startswith(("tiny", "small")) else None}
 
 
 def _ensure_registered_model(client, name: str) -> None:

@@ -87,15 +87,17 @@ def check_memory_plan(config: StageConfig) -> None:
 
 
 def check_cpus_left_for_data(config: StageConfig) -> None:
-    """Ray Data's read tasks need a CPU the training workers have not reserved, or the stream waits forever."""
+    """Ray Data's read tasks each ask for a whole CPU the training workers have not reserved, or the stream waits
+    forever."""
     import ray
 
     total = ray.cluster_resources().get("CPU", 0)
     reserved = config.scaling.num_workers * config.scaling.cpus_per_worker
-    if reserved >= total:
+    if total - reserved < 1:
         raise ValueError(
             f"the {config.scaling.num_workers} training workers reserve {reserved:g} of the cluster's {total:g} CPUs, "
-            f"leaving none for Ray Data to read the shards: lower scaling.cpus_per_worker (e.g. 0.5) or add CPUs"
+            f"leaving less than the 1 CPU a Ray Data read task needs: lower scaling.cpus_per_worker (e.g. 0.5) or "
+            f"add CPUs"
         )
 
 

@@ -36,18 +36,24 @@ class SweepConfig:
     placements: list[str] | None = None
     lr_min: float = 1e-4  # learning rate, log-uniform in [lr_min, lr_max]
     lr_max: float = 3e-3
-    metric: str = "needle_val_loss"  # reported at every evaluation (train.eval_every)
+    metric: str | None = None  # reported at every evaluation (train.eval_every); None: validation_metric(base)
     mode: str = "min"
     grace_period: int = 2  # evaluations a trial gets before ASHA may stop it
     reduction_factor: int = 2
     trial_cpus: float = 0.1  # the trial's own function; its Train workers reserve scaling.cpus_per_worker each
+    data_cpus: float = 1.0  # left unreserved for Ray Data when trials read corpus shards (a read task takes 1 CPU)
     max_concurrent: int = 0  # 0: as many as the cluster's CPUs (or GPUs) hold at once
     seed: int = 0  # the search's random state: the same seed draws the same trials
     registered_model: str | None = "awareness"  # None: do not register the best trial
     alias: str = "candidate"
 
+    def for_base(self, base: StageConfig) -> "SweepConfig":
+        """This sweep with its metric resolved for the base config."""
+        return dataclasses.replace(self, metric=self.metric or validation_metric(base))
+
     def problems(self, base: StageConfig) -> list[str]:
         p = []
+        metric = self.metric or validation_metric(base)
         depth = PAIRS[base.model.pair].decoder_config["num_hidden_layers"] if base.model.pair in PAIRS else None
         for spec in self.placement_specs(base) if depth else []:
             try:
@@ -67,7 +73,13 @@ class SweepConfig:
         evaluations = base.train.max_steps // base.train.eval_every
         if evaluations < 1:
             p.append(f"train.max_steps ({base.train.max_steps}) < train.eval_every ({base.train.eval_every}): "
-                     f"trials would never report {self.metric}")
+                     f"trials would never report {metric}")
+        if base.data.train_path and not base.data.val_path:
+            p.append(f"trials on corpus shards report {metric} on data.val_path: pass --data.val_path DIR/val "
+                     f"(jobs/build_corpus.py's held-out split)")
+        if base.data.train_path and self.data_cpus < 1:
+            p.append(f"data_cpus must be at least 1 when trials read corpus shards (each Ray Data read task asks "
+                     f"for a whole CPU), got {self.data_cpus}")
         if self.trial_cpus <= 0 or self.trial_cpus >= 1:
             p.append(f"trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
                      f"on small machines), got {self.trial_cpus}")
@@ -78,6 +90,16 @@ class SweepConfig:
             return list(self.placements)
         depth = PAIRS[base.model.pair].decoder_config["num_hidden_layers"]
         return ["upper_third", "upper_half", "every_k:4", "last:4", f"{depth // 2},{depth - 1}"]
+
+
+def validation_metric(base: StageConfig) -> str:
+    """What trials are ranked on: the corpus validation loss (pipelines.streams.evaluate_corpus) when they train on
+    shards, else the needle validation loss."""
+    return "val_loss" if base.data.train_path else "needle_val_loss"
+
+
+def accuracy_metric(base: StageConfig) -> str:
+    return "token_accuracy" if base.data.train_path else "needle_accuracy"
 
 
 # ------------------------------------------------------------------------------------------------- the trial
@@ -132,6 +154,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     problems = sweep.problems(base) + base.problems()
     if problems:
         raise ValueError("invalid sweep:\n  - " + "\n  - ".join(problems))
+    sweep = sweep.for_base(base)
     base = prepare_paths(base)  # tiny checkpoints written once, before trials race to write them
     tracking_uri = resolve_tracking_uri(base.tracking.tracking_uri)
     base = dataclasses.replace(base, tracking=dataclasses.replace(base.tracking, tracking_uri=tracking_uri))
@@ -169,21 +192,25 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
 
 
 def max_concurrent_trials(sweep: SweepConfig, base: StageConfig) -> int:
-    """Trials that fit at once: the cluster's CPUs (GPUs) over what one trial and its Train workers reserve. More
-    would start trials whose workers can never be placed (WorkerGroupStartupTimeoutError, retried forever)."""
+    """Trials that fit at once: the cluster's CPUs (GPUs) over what one trial and its Train workers reserve, after
+    `data_cpus` kept free for Ray Data when trials read corpus shards. More would start trials whose workers can
+    never be placed (WorkerGroupStartupTimeoutError, retried forever), or whose data tasks never get a CPU."""
     import ray
 
     if sweep.max_concurrent > 0:
         return sweep.max_concurrent
     s, resources = base.scaling, ray.cluster_resources()
-    by_cpu = resources.get("CPU", 1) / (sweep.trial_cpus + s.num_workers * s.cpus_per_worker)
+    data = sweep.data_cpus if base.data.train_path else 0.0
+    by_cpu = (resources.get("CPU", 1) - data) / (sweep.trial_cpus + s.num_workers * s.cpus_per_worker)
     by_gpu = resources.get("GPU", 0) / s.num_workers if s.use_gpu else math.inf
     fits = int(min(by_cpu, by_gpu) + 1e-9)
     if fits < 1:
         raise ValueError(
             f"one trial needs {sweep.trial_cpus} + {s.num_workers} x {s.cpus_per_worker} CPUs"
-            f"{f' and {s.num_workers} GPUs' if s.use_gpu else ''}, the cluster has {resources.get('CPU', 0)} CPUs "
-            f"and {resources.get('GPU', 0)} GPUs: lower scaling.num_workers or scaling.cpus_per_worker"
+            f"{f' and {s.num_workers} GPUs' if s.use_gpu else ''}"
+            f"{f' plus {data:g} CPU left for Ray Data' if data else ''}"
+            f", the cluster has {resources.get('CPU', 0)} CPUs and {resources.get('GPU', 0)} GPUs: lower "
+            f"scaling.num_workers or scaling.cpus_per_worker"
         )
     return min(fits, sweep.num_samples)
 
@@ -198,6 +225,7 @@ def open_sweep_run(sweep: SweepConfig, base: StageConfig, tracking_uri: str) -> 
 def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str, Any]]:
     """One row per trial: its hyper-parameters, last evaluation, cost, and its final export (when it finished)."""
     rows = []
+    accuracy = accuracy_metric(base)
     depth = PAIRS[base.model.pair].decoder_config["num_hidden_layers"]
     cpus = sweep.trial_cpus + base.scaling.num_workers * base.scaling.cpus_per_worker
     for result in results:
@@ -209,7 +237,8 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         rows.append({
             "trial_id": m.get("trial_id") or Path(result.path).name, "lora_rank": c["lora_rank"],
             "placement": c["gca_layers"], "gca_layers": resolve_gca_layers(c["gca_layers"], depth), "lr": c["lr"],
-            sweep.metric: m.get(sweep.metric), "needle_accuracy": m.get("needle_accuracy"), "steps": steps,
+            sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
+            "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,
             "stopped_early": steps < base.train.max_steps and result.error is None,
             "seconds": round(seconds, 1), "cpu_seconds": round(seconds * cpus, 1),
             "export": export if export and Path(export).is_dir() else None,
@@ -242,7 +271,7 @@ def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri:
 def finish_sweep(sweep: SweepConfig, base: StageConfig, parent: Tracker, rows: list[dict[str, Any]], wall: float,
                  concurrency: int, tracking_uri: str) -> dict[str, Any]:
     """Prints and logs the table and its plot, registers the best finished trial, closes the parent run."""
-    table = format_table(rows, sweep.metric)
+    table = format_table(rows, sweep.metric, accuracy_metric(base))
     print(table, flush=True)
     best = best_row(rows, sweep)
     parent.log_table({k: [str(r[k]) if isinstance(r[k], list) else r[k] for r in rows] for k in rows[0]},
@@ -279,14 +308,15 @@ def best_row(rows: list[dict[str, Any]], sweep: SweepConfig) -> dict[str, Any] |
     return min(finished, key=lambda r: sign * r[sweep.metric])
 
 
-def format_table(rows: list[dict[str, Any]], metric: str) -> str:
-    """Markdown, one line per trial, sorted by rank then placement."""
-    columns = ["lora_rank", "placement", "gca_layers", "lr", metric, "needle_accuracy", "steps", "stopped_early",
-               "seconds", "cpu_seconds", "trial_id"]
+def format_table(rows: list[dict[str, Any]], metric: str, accuracy: str = "needle_accuracy") -> str:
+    """Markdown, one line per trial, sorted by rank then placement; no_memory_val_loss beside the metric says what
+    reading the memory is worth."""
+    columns = ["lora_rank", "placement", "gca_layers", "lr", metric, accuracy, "no_memory_val_loss", "steps",
+               "stopped_early", "seconds", "cpu_seconds", "trial_id"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in sorted(rows, key=lambda r: (r["lora_rank"], r["placement"])):
-        cells = [f"{r[c]:.3g}" if isinstance(r[c], float) and c not in ("seconds", "cpu_seconds") else str(r[c])
-                 for c in columns]
+        cells = [f"{r.get(c):.3g}" if isinstance(r.get(c), float) and c not in ("seconds", "cpu_seconds")
+                 else str(r.get(c)) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -319,23 +349,53 @@ def plot_sweep(rows: list[dict[str, Any]], metric: str):
     return figure
 
 
+def default_base(pair: str | None, stage: int) -> StageConfig:
+    """The trials' stage config before command-line overrides, the decoder in LoRA (its rank is swept). `pair`
+    None: the stage's own default pair (tiny for stage 0, the stage job's for 1-2)."""
+    if stage == 0:
+        return needle_base(pair or "tiny")
+    if stage in (1, 2):
+        return corpus_base(pair, stage)
+    raise ValueError(f"--stage {stage}: stages are 0, 1 and 2")
 
-def default_base(pair: str, stage: int) -> StageConfig:
-    """The trials' stage config before command-line overrides: the decoder trains through LoRA (its rank is swept),
-    GCA in full; random pairs also train their encoder (it knows nothing). CPU-sized: one Train worker per trial
-    on 0.9 CPU, so a 2-core machine runs two trials at once; GPU clusters override scaling.*."""
+
+def needle_base(pair: str) -> StageConfig:
+    """Stage 0: GCA in full; random pairs also train their encoder (it knows nothing). CPU-sized: one Train worker
+    per trial on 0.9 CPU, so a 2-core machine runs two trials at once; GPU clusters override scaling.*."""
     from pipelines.config import ModelConfig, RunSettings, ScalingSettings, TrainConfig
 
-    if stage != 0:
-        raise ValueError(f"--stage {stage}: only stage 0 has a training job on this branch (jobs/stage0.py); stage 1 "
-                         f"and 2 sweeps need their jobs' configs here once they exist")
     random = PAIRS[pair].random_weights if pair in PAIRS else False
     return StageConfig(
-        stage=stage,
+        stage=0,
         model=ModelConfig(pair=pair, decoder="lora", encoder="full" if random else "frozen", gca="full",
                           encoder_attention="bidirectional" if random else None),
         train=TrainConfig(max_steps=400, memories_per_step=8, lr=1e-3, warmup_steps=20, log_every=50, eval_every=50,
                           checkpoint_every=400),
         scaling=ScalingSettings(num_workers=1, cpus_per_worker=0.9),
         run=RunSettings(name="sweep", max_failures=0, keep_checkpoints=1),
+    )
+
+
+def corpus_base(pair: str | None, stage: int) -> StageConfig:
+    """Stages 1-2: the stage job's own default (jobs/stage1.py or stage2.py: its schedule, data budget, variants,
+    frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
+    reserves 0.5 with its own function, and on 2 cores two run at once beside the CPU kept for Ray Data
+    (SweepConfig.data_cpus). The corpus is the jobs' --data.train_path / --data.val_path (required)."""
+    import importlib
+
+    from models import get_pair
+    from pipelines.corpora.tokenizer import VOCAB_SIZE
+
+    job = importlib.import_module(f"jobs.stage{stage}").DEFAULT  # the job's config is the one source of its defaults
+    pair = pair or job.model.pair
+    vocab = get_pair(pair).decoder_config["vocab_size"]
+    if vocab < VOCAB_SIZE:
+        raise ValueError(f"--pair {pair}: its decoder has {vocab} token ids, but commit corpora hold Qwen3 token ids "
+                         f"(up to {VOCAB_SIZE - 1}): use tiny-text (the tiny shapes with Qwen3's vocabulary) or a "
+                         f"real pair")
+    return dataclasses.replace(
+        job,
+        model=dataclasses.replace(job.model, pair=pair, decoder="lora"),
+        scaling=dataclasses.replace(job.scaling, num_workers=1, cpus_per_worker=0.4),
+        run=dataclasses.replace(job.run, name="sweep", max_failures=0, keep_checkpoints=1),
     )

@@ -130,13 +130,20 @@ class QwenTokenizer:
         return self._lengths
 
     def encode_parts(self, parts: list[str]) -> list[int]:
-        """A template: each part that is exactly a special-token string becomes that token, the rest is text."""
+        """A template: each part that is exactly a special-token string becomes that token; the text between is
+        encoded as one text, so a prompt's ids are those of its text (what a served model gets from the string:
+        `"Fix it."` then `"\n"` is one `.\n` token, not two)."""
         ids: list[int] = []
-        for part in parts:
-            if part in SPECIAL_IDS:
-                ids.append(SPECIAL_IDS[part])
-            elif part:
-                ids.extend(self.encode_text(part))
+        text: list[str] = []
+        for part in [*parts, None]:
+            if part is None or part in SPECIAL_IDS:
+                if text:
+                    ids.extend(self.encode_text("".join(text)))
+                    text = []
+                if part is not None:
+                    ids.append(SPECIAL_IDS[part])
+            else:
+                text.append(part)
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -160,6 +167,29 @@ class QwenTokenizer:
 def cached_tokenizer(checkpoint: str | None = None) -> QwenTokenizer:
     """One tokenizer per worker process (building the offline one reads 151,643 ranks, ~0.4 s)."""
     return QwenTokenizer(checkpoint)
+
+
+def tokenizers_tokenizer():
+    """The offline tokenizer as a `tokenizers.Tokenizer`, i.e. what a Qwen3 checkpoint's tokenizer.json holds: the
+    same ranks as byte-level BPE (transformers' TikTokenConverter; `ignore_merges`, so a whole pre-token found in the
+    vocabulary is one token, as in tiktoken), Qwen's regex, NFC, and every special token at its id here. For the
+    random-weight checkpoints with Qwen3's vocabulary, which have no tokenizer of their own. All added tokens are
+    `special`, so `encode_special_tokens=True` reads them as text, exactly as `encode_text` does (a real checkpoint's
+    tokenizer.json may mark some added tokens, e.g. `<think>`, non-special, which that switch does not cover)."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            return load_ranks(tiktoken_url)
+
+    tok = Converter(vocab_file=None, pattern=QWEN_PATTERN).converted()  # None: load_ranks' dashscope copy
+    tok.normalizer = normalizers.NFC()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_IDS])  # in id order
+    if any(tok.token_to_id(t) != i for t, i in SPECIAL_IDS.items()) or tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"converted tokenizer has {tok.get_vocab_size()} ids, expected {VOCAB_SIZE}")
+    return tok
 
 
 def check_special_ids(tok) -> None:

@@ -83,6 +83,7 @@ def test_token_columns_match_text(rows, tokenizer):
         assert row["input_ids"][-1] == SPECIAL_IDS[EOS]
         assert tokenizer.decode(row["input_ids"]) == row["prompt"] + row["target"] + EOS
         assert tokenizer.decode(row["input_ids"][:n_prompt]) == row["prompt"]
+        assert row["input_ids"][:n_prompt] == tokenizer.encode_text(row["prompt"])  # a served prompt gets these ids
         assert [tokenizer.encode_text(m) for m in row["memory"]] == row["memory_input_ids"]
         if "<read>" in row["target"]:
             assert SPECIAL_IDS["<read>"] in row["input_ids"][n_prompt:]

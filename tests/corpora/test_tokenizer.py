@@ -9,8 +9,8 @@ import pytest
 import tiktoken
 from tokenizers import normalizers
 
-from pipelines.corpora.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS,
-                                         QwenTokenizer, dashscope_ranks_path, load_ranks)
+from pipelines.corpora.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS, VOCAB_SIZE,
+                                         QwenTokenizer, dashscope_ranks_path, load_ranks, tokenizers_tokenizer)
 
 
 def real_texts(package_roots) -> list[str]:
@@ -38,6 +38,15 @@ def test_special_ids_are_qwen3s_and_ours_are_stable():
     assert SPECIAL_IDS["</think>"] == 151668
     assert [SPECIAL_IDS[t] for t in AGENT_SPECIAL] == list(range(151669, 151669 + len(AGENT_SPECIAL)))
     assert max(SPECIAL_IDS.values()) < 151936  # inside every Qwen3 decoder's embedding rows
+
+
+def test_a_templates_text_is_encoded_as_one_text(tokenizer):
+    """A prompt built from parts gets the ids its joined text gets, so a served prompt (a string) matches training."""
+    parts = ["Fix the parser.", "\nFile: a.py\n", "@@ -1,2 +1,3 @@", "\n"]
+    assert tokenizer.encode_parts(parts) == tokenizer.encode_text("".join(parts))
+    assert tokenizer.encode_parts(parts) != [i for p in parts for i in tokenizer.encode_text(p)]  # ".\n", "@@\n"
+    assert tokenizer.encode_parts(["a.", "<read>", "\n", "b"]) == [
+        *tokenizer.encode_text("a."), SPECIAL_IDS["<read>"], *tokenizer.encode_text("\nb")]
 
 
 def test_special_strings_in_text_stay_text(tokenizer):
@@ -70,6 +79,44 @@ def test_checkpoint_tokenizer_matches_offline(checkpoint_dir, tokenizer, package
     parts = ["Q?\n", "<read>", "x.py [chunk 1]", "</read>", "<think>"]
     assert hf.encode_parts(parts) == tokenizer.encode_parts(parts)
     assert hf.decode(hf.encode_parts(parts)) == "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def converted_dir(tmp_path_factory):
+    """tokenizers_tokenizer() saved as tokenizer.json: what the registry writes beside tiny-text's decoder."""
+    directory = tmp_path_factory.mktemp("tiny-qwen3-text")
+    tokenizers_tokenizer().save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def converted(converted_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(converted_dir / "tokenizer.json"))
+
+
+def test_tokenizer_json_gives_the_offline_ids_and_text(converted, converted_dir, tokenizer, package_roots):
+    """Memory text (special-token strings read as text, `encode_special_tokens`), templates (every special token at
+    its id) and decoding: the same as the tiktoken tokenizer, on real source."""
+    from tokenizers import Tokenizer
+
+    assert converted.get_vocab_size() == VOCAB_SIZE
+    assert {t: converted.token_to_id(t) for t in SPECIAL_IDS} == SPECIAL_IDS
+    as_text = Tokenizer.from_str(converted.to_str())
+    as_text.encode_special_tokens = True
+    texts = real_texts(package_roots) + ["x = '<read>' + '<|im_end|>' # <think>\n"]
+    for text in texts:
+        ids = tokenizer.encode_text(text)
+        assert as_text.encode(text, add_special_tokens=False).ids == ids
+        assert converted.decode(ids, skip_special_tokens=False) == unicodedata.normalize("NFC", text)
+    assert not set(as_text.encode(texts[-1]).ids) & set(SPECIAL_IDS.values())
+    source = texts[0][:2000]
+    parts = [part for special in SPECIAL_IDS for part in (special, source[: len(special) * 7])]  # every special token
+    ids = tokenizer.encode_parts(parts)
+    assert converted.encode("".join(parts)).ids == ids and set(SPECIAL_IDS.values()) <= set(ids)
+    assert converted.decode(ids, skip_special_tokens=False) == tokenizer.decode(ids) == "".join(parts)
+    assert QwenTokenizer(converted_dir).encode_parts(parts) == ids  # the corpus builder accepts it as a checkpoint
 
 
 def test_missing_checkpoint_tokenizer_is_a_clear_error(tmp_path):

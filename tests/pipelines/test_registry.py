@@ -98,3 +98,21 @@ def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):
     (tmp_path / "Qwen3-0.6B").mkdir()
     with pytest.raises(FileNotFoundError, match="copy the checkpoint's tokenizer.json"):
         ensure_tokenizer(tmp_path / "Qwen3-0.6B")
+
+
+def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
+    """tiny-text holds Qwen3's ids: the Qwen3 tokenizer (the corpora's, as tokenizer.json); the needle pairs the
+    needle words."""
+    from tokenizers import Tokenizer
+
+    from models import PAIRS, write_random_checkpoints
+    from pipelines.corpora.tokenizer import SPECIAL_IDS, VOCAB_SIZE, QwenTokenizer
+
+    text_decoder, _ = write_random_checkpoints(PAIRS["tiny-text"], tmp_path)
+    needle_decoder, _ = write_random_checkpoints(PAIRS["tiny"], tmp_path)
+    qwen = Tokenizer.from_file(str(ensure_tokenizer(text_decoder)))
+    assert qwen.get_vocab_size() == VOCAB_SIZE and qwen.token_to_id("<|im_end|>") == SPECIAL_IDS["<|im_end|>"]
+    question = "Grow a.py to 9 functions\nFile: a.py\n"
+    assert qwen.encode(question).ids == QwenTokenizer().encode_text(question)
+    needle = Tokenizer.from_file(str(ensure_tokenizer(needle_decoder)))
+    assert needle.encode("k117 = 4 0 7 ;").ids == [1, 117, 2, 14, 10, 17, 3]

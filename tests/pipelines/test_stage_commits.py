@@ -16,24 +16,30 @@ from tests.corpora.test_commits import body, commit, sh
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
+def build_commit_corpus(tmp_path: Path) -> Path:
+    """A 5-commit git history made here -> jobs/build_corpus.py --stage 2 -> the split it wrote (one repository is
+    held out whole, so the corpus has train or val, not both): tests train and validate on it."""
     repo = tmp_path / "repo"
     repo.mkdir()
     sh(repo, "init", "-q")
     commit(repo, "start", {"a.py": body(5), "b.py": body(3, "b")})
     for n in range(6, 10):
         commit(repo, f"Grow a.py to {n} functions", {"a.py": body(n)})
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     build = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--source",
                             str(repo), "--out", str(tmp_path / "corpus"), "--num-cpus", "1"],
-                           capture_output=True, text=True, env=env, timeout=300)
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
-    split = next(s for s in ("train", "val") if (tmp_path / "corpus" / s).is_dir())
-    rows = pq.read_table(tmp_path / "corpus" / split).to_pylist()
+    return next(tmp_path / "corpus" / s for s in ("train", "val") if (tmp_path / "corpus" / s).is_dir())
+
+
+def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
+    split = build_commit_corpus(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rows = pq.read_table(split).to_pylist()
     assert {r["variant"] for r in rows} >= {"hinted", "imperative"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "stage1.py"), "--data.train_path", str(tmp_path / "corpus" / split),
-         "--data.val_path", str(tmp_path / "corpus" / split), "--data.max_tokens", "1024", "--data.max_chunks", "4",
+        [sys.executable, str(ROOT / "jobs" / "stage1.py"), "--data.train_path", str(split),
+         "--data.val_path", str(split), "--data.max_tokens", "1024", "--data.max_chunks", "4",
          "--data.val_examples", "4", "--train.max_steps", "2", "--train.memories_per_step", "2",
          "--train.frozen_decoder_steps", "1", "--train.eval_every", "2", "--train.checkpoint_every", "2",
          "--train.log_every", "1", "--model.checkpoint_root", str(checkpoint_root),

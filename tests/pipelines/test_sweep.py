@@ -154,8 +154,43 @@ def test_sweep_config_collects_every_problem():
         assert text in problems, text
     assert SweepConfig().problems(base) == []
     assert SweepConfig().placement_specs(base) == ["upper_third", "upper_half", "every_k:4", "last:4", "2,3"]
-    with pytest.raises(ValueError, match="only stage 0"):
-        default_base("tiny", 1)
+    assert SweepConfig().for_base(base).metric == "needle_val_loss"
+
+
+def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
+    from jobs import stage1, stage2
+    from pipelines.tuning import SweepConfig, default_base
+
+    for stage, job in ((1, stage1.DEFAULT), (2, stage2.DEFAULT)):
+        base = default_base(None, stage)
+        assert base.stage == stage and base.model.pair == job.model.pair == "tiny-text" and base.model.decoder == "lora"
+        assert base.train == job.train and base.data == job.data  # the job's schedule and data budget, not a copy
+        assert (base.scaling.num_workers, base.scaling.cpus_per_worker) == (1, 0.4)
+        assert "jobs/build_corpus.py --stage 2" in "\n".join(base.problems())  # no corpus given yet
+    with pytest.raises(ValueError, match="512 token ids.*tiny-text"):
+        default_base("tiny", 1)  # the needle vocabulary cannot hold a commit corpus's Qwen3 ids
+    shards = tmp_path / "train"
+    shards.mkdir()
+    base = default_base(None, 1)
+    with_train = dataclasses_replace_data(base, train_path=str(shards))
+    assert SweepConfig().for_base(with_train).metric == "val_loss"
+    assert "--data.val_path" in "\n".join(SweepConfig().problems(with_train))
+    assert SweepConfig().problems(dataclasses_replace_data(base, train_path=str(shards), val_path=str(shards))) == []
+
+
+def test_concurrency_keeps_a_cpu_for_ray_data(monkeypatch, tmp_path):
+    import ray
+
+    from pipelines.tuning import SweepConfig, default_base, max_concurrent_trials
+
+    needles, corpus = default_base("tiny", 0), dataclasses_replace_data(default_base(None, 1), train_path=str(tmp_path))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert max_concurrent_trials(SweepConfig(), needles) == 2  # 2 / (0.1 + 0.9)
+    assert max_concurrent_trials(SweepConfig(), corpus) == 2  # (2 - 1) / (0.1 + 0.4)
+    with pytest.raises(ValueError, match="plus 1 CPU left for Ray Data"):
+        max_concurrent_trials(SweepConfig(), dataclasses_replace_scaling(corpus, num_workers=2, cpus_per_worker=0.5))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    assert max_concurrent_trials(SweepConfig(num_samples=20), corpus) == 14  # (8 - 1) / 0.5
 
 
 def test_table_and_best_trial():
@@ -169,7 +204,8 @@ def test_table_and_best_trial():
          "needle_val_loss": 1.0, "needle_accuracy": 0.1, "steps": 4, "stopped_early": True, "seconds": 5.0,
          "cpu_seconds": 5.0, "export": None, "error": None, "mlflow_run_id": "r2"},
     ]
-    assert best_row(rows, SweepConfig())["trial_id"] == "a"  # b is lower but was stopped: nothing to register
+    best = best_row(rows, SweepConfig(metric="needle_val_loss"))
+    assert best["trial_id"] == "a"  # b is lower but was stopped: nothing to register
     lines = format_table(rows, "needle_val_loss").splitlines()
     assert lines[2].startswith("| 8 | last:1 | [3] |") and lines[3].startswith("| 16 | upper_half | [2, 3] |")
 
@@ -178,3 +214,15 @@ def dataclasses_replace_decoder(base, decoder: str):
     import dataclasses
 
     return dataclasses.replace(base, model=dataclasses.replace(base.model, decoder=decoder))
+
+
+def dataclasses_replace_data(base, **fields):
+    import dataclasses
+
+    return dataclasses.replace(base, data=dataclasses.replace(base.data, **fields))
+
+
+def dataclasses_replace_scaling(base, **fields):
+    import dataclasses
+
+    return dataclasses.replace(base, scaling=dataclasses.replace(base.scaling, **fields))
