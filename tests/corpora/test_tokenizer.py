@@ -81,6 +81,16 @@ def test_checkpoint_tokenizer_matches_offline(checkpoint_dir, tokenizer, package
     assert hf.decode(hf.encode_parts(parts)) == "".join(parts)
 
 
+def test_checkpoint_tokenizer_chunks_like_offline(checkpoint_dir, tokenizer, package_roots):
+    """The chunker finds token ends from each backend's byte lengths; both backends cut the same chunks."""
+    from pipelines.corpora import chunking
+
+    hf = QwenTokenizer(checkpoint_dir)
+    assert (hf.token_byte_lengths()[:151643] == tokenizer.token_byte_lengths()[:151643]).all()
+    for text in real_texts(package_roots)[::11]:
+        assert chunking.chunk_file("f.py", text, hf) == chunking.chunk_file("f.py", text, tokenizer)
+
+
 @pytest.fixture(scope="module")
 def converted_dir(tmp_path_factory):
     """tokenizers_tokenizer() saved as tokenizer.json: what the registry writes beside tiny-text's decoder."""
