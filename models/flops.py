@@ -35,6 +35,7 @@ from typing import Literal, Mapping
 
 import torch
 from torch import nn
+from torch.utils import flop_counter as _counter
 
 PARTS = ("encoder", "gca", "decoder", "lm_head")
 
@@ -232,3 +233,28 @@ def _approx_6nt(model: nn.Module, decoder_tokens: int, memory_tokens: int, encod
         n_decoder += decoder.get_output_embeddings().weight.numel()  # the LM head, listed once as the embedding
     n_encoder = without_embeddings(model.memory_encoder) if encoded else 0
     return 6.0 * n_decoder * decoder_tokens + 6.0 * n_encoder * memory_tokens
+
+
+def flop_counter(**kwargs) -> _counter.FlopCounterMode:
+    """torch's FlopCounterMode, counting fused SDPA backward by this module's convention (the four gradient
+    products, not the scores the kernel recomputes: that is hardware work, HFU) and knowing the CPU flash kernel,
+    which it otherwise skips. Attention is still counted dense (all pairs, whatever the mask): compare with
+    training_flops(causal="full"). With gradient checkpointing it also counts the recomputed forward."""
+    aten = torch.ops.aten
+    fused_backward = [aten._scaled_dot_product_efficient_attention_backward,
+                      aten._scaled_dot_product_flash_attention_backward,
+                      aten._scaled_dot_product_cudnn_attention_backward,
+                      aten._scaled_dot_product_flash_attention_for_cpu_backward]
+    mapping = {op: _sdpa_backward_without_recompute for op in fused_backward}
+    mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_forward
+    return _counter.FlopCounterMode(display=False, custom_mapping=mapping, **kwargs)
+
+
+def _sdpa_forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    return _counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward_without_recompute(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    b, heads, q_len, head_dim = query_shape
+    scores = 2 * b * heads * q_len * key_shape[2] * head_dim
+    return _counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - scores

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, build_pair
-from models.flops import training_flops
+from models.flops import flop_counter, training_flops
 from pipelines.config import ModelConfig
 from pipelines.training import prepare_model
 
@@ -79,6 +79,19 @@ def test_gca_mlp_identity_projection_and_odd_head_dim_match_flop_counter():
     model = AwarenessModel(decoder, MemoryEncoder(encoder, attention="bidirectional"), "upper_half", gca_mlp=True)
     assert isinstance(model.memory_projection, torch.nn.Identity)
     assert_matches_counter(prepare_model(model, ModelConfig()), batch_for(model))
+
+
+def test_flop_counter_counts_the_fused_kernels_as_the_math_backend(checkpoint_root):
+    """models.flops.flop_counter (what benchmarks/gpu_mfu.py cross-checks a GPU step with) on the fused CPU flash
+    kernel, which plain FlopCounterMode skips, and whose backward it counts without the score recomputation."""
+    model = prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root), ModelConfig(pair="tiny")).train()
+    batch = batch_for(model)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), flop_counter() as counter:
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+    ops = {str(op) for op in counter.get_flop_counts()["Global"]}
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward" in ops
+    assert counter.get_total_flops() == sum(counted(model, batch))
+    assert counter.get_total_flops() == pytest.approx(training_flops(model, batch, causal="full").total, rel=1e-3)
 
 
 def test_causal_attention_counts_the_unmasked_pairs(checkpoint_root):
