@@ -169,7 +169,8 @@ def main() -> None:
     print("\nModel FLOPs of the pair's step by part (GFLOP, forward / backward): " + ", ".join(
         f"{part} {f.forward[part] / 1e9:.4g} / {f.backward[part] / 1e9:.4g}" for part in PARTS))
     for name, (counted, analytic) in zip(("pair", "decoder alone"), checks):
-        note = " (counted includes the checkpointing recomputation)" if args.gradient_checkpointing else ""
+        note = (" (counted includes checkpointing's recomputed forward, and the first layer's input gradients"
+                " transformers' checkpointed layers take)") if args.gradient_checkpointing else ""
         print(f"FlopCounterMode, {name} step: {counted / 1e9:.6g} GFLOP counted vs {analytic / 1e9:.6g} analytic "
               f"with dense attention, ratio {counted / analytic:.4f}{note}")
 
