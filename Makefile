@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo generate test test-slow bench corpus
+.PHONY: install demo generate test test-slow bench bench-gpu corpus
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -33,6 +33,9 @@ bench: install
 	$(PY) benchmarks/gca_overhead.py
 	$(PY) benchmarks/train_throughput.py
 	$(PY) benchmarks/corpus_throughput.py
+
+bench-gpu: install   # on a CUDA machine, with a CUDA torch: make bench-gpu TORCH="torch>=2.8"
+	$(PY) benchmarks/gpu_mfu.py
 
 corpus: install   # a stage-0 corpus of this repository's own code and docs
 	$(PY) jobs/build_corpus.py --stage 0 --source . --out outputs/corpus0

@@ -4,6 +4,7 @@ Imports torch and transformers only (no ray, deepspeed or mlflow), so it runs an
 """
 
 from models.awareness import AwarenessConfig, AwarenessModel, AwarenessOutput
+from models.flops import StepFlops, training_flops
 from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, gca_parameter_count
 from models.memory import MemoryEncoder
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
@@ -27,11 +28,13 @@ __all__ = [
     "Qwen3EncoderDecoderConfig",
     "Qwen3EncoderModel",
     "Qwen3ForSeq2SeqLM",
+    "StepFlops",
     "apply_lora",
     "build_pair",
     "gca_parameter_count",
     "get_pair",
     "resolve_gca_layers",
     "set_trainable",
+    "training_flops",
     "write_random_checkpoints",
 ]

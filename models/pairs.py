@@ -176,10 +176,14 @@ def build_pair(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
+    random_init: bool = False,
 ) -> AwarenessModel:
     """Builds a named pair.
 
     - device="meta": the real architecture without memory or weights (parameter counts, memory plans).
+    - random_init=True: the real architecture with the model classes' own random initialisation (from `seed`),
+      built directly on `device` in `dtype`; no checkpoint is read or written (throughput and memory measurements
+      of real shapes, e.g. benchmarks/gpu_mfu.py).
     - otherwise the pair's checkpoints are loaded from `checkpoint_root` (or $AWARENESS_CHECKPOINT_ROOT), where
       they live as `<root>/Qwen3-8B`, `<root>/Qwen3-Embedding-8B`, ...; tiny pairs write random checkpoints
       there first (default root: ~/.cache/awareness), so they go through the same loading code as real ones.
@@ -189,8 +193,9 @@ def build_pair(
     """
     spec = get_pair(name)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
-    if torch.device(device).type == "meta":
-        return _build_on_meta(spec, gca_layers=gca_layers, encoder_attention=attention, gca_mlp=gca_mlp, dtype=dtype)
+    if torch.device(device).type == "meta" or random_init:
+        return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
+                                   gca_mlp=gca_mlp, dtype=dtype, seed=seed)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
     if spec.random_weights:
         decoder_dir, encoder_dir = write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
@@ -209,11 +214,16 @@ def build_pair(
     )
 
 
-def _build_on_meta(spec: PairSpec, *, gca_layers, encoder_attention, gca_mlp, dtype) -> AwarenessModel:
+def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention, gca_mlp, dtype, seed) -> AwarenessModel:
+    """The pair from its configs on `device`: shapes only on meta, randomly initialised elsewhere."""
     dcfg = decoder_config(spec)
-    with torch.device("meta"):
-        decoder = (Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM)(dcfg)
-        encoder = Qwen3Model(encoder_config(spec))
-    if dtype is not None:
-        decoder, encoder = decoder.to(dtype), encoder.to(dtype)
+    decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
+    on_meta = torch.device(device).type == "meta"
+    if not on_meta:
+        torch.manual_seed(seed)
+    with torch.device(device):  # parameters are created (and initialised) where they will live
+        decoder = decoder_cls._from_config(dcfg, dtype=dtype, attn_implementation="sdpa")
+        encoder = Qwen3Model._from_config(encoder_config(spec), dtype=dtype, attn_implementation="sdpa")
+    if spec.encoder_from_decoder and not on_meta:
+        _initialise_from(encoder, decoder.model)
     return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp)

@@ -96,6 +96,12 @@ def build_model(cfg: ModelConfig) -> AwarenessModel:
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp,
                        encoder_checkpoint=cfg.encoder_checkpoint)
+    return prepare_model(model, cfg)
+
+
+def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
+    """The training configuration on a built pair: LoRA adapters, initial added weights, what trains, the encoder's
+    gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU)."""
     targets = tuple(cfg.lora_targets.split(","))
     plan = LoraPlan(
         decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
