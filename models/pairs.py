@@ -139,6 +139,7 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
     torch.manual_seed(seed)
     decoder = decoder_cls(dcfg)
+    torch.manual_seed(seed + 1)  # the encoder's own stream: pairs sharing an encoder directory write the same one
     encoder = Qwen3Model(encoder_config(spec))
     if spec.encoder_from_decoder:
         _initialise_from(encoder, decoder.model)
@@ -223,6 +224,8 @@ def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention
         torch.manual_seed(seed)
     with torch.device(device):  # parameters are created (and initialised) where they will live
         decoder = decoder_cls._from_config(dcfg, dtype=dtype, attn_implementation="sdpa")
+        if not on_meta:
+            torch.manual_seed(seed + 1)  # as write_random_checkpoints: the encoder's own stream
         encoder = Qwen3Model._from_config(encoder_config(spec), dtype=dtype, attn_implementation="sdpa")
     if spec.encoder_from_decoder and not on_meta:
         _initialise_from(encoder, decoder.model)
