@@ -141,6 +141,16 @@ class AwarenessModel(nn.Module):
     def gca_blocks(self) -> dict[int, GatedCrossAttention]:
         return {i: self.decoder.model.layers[i].cross_attention for i in self.gca_layers}
 
+    @torch.no_grad()
+    def set_gates(self, value: float) -> None:
+        """Every GCA block's attention gate (and MLP gate, if any) to `value`. Gates at 0 leave the decoder exactly
+        as it was; a small open gate avoids the closed gate's saddle (at 0 the gate and the block's weights get
+        gradients only through each other) where there is no pretrained behaviour to protect, e.g. random pairs."""
+        for block in self.gca_blocks().values():
+            block.gate.fill_(value)
+            if getattr(block, "mlp_gate", None) is not None:
+                block.mlp_gate.fill_(value)
+
     def gate_values(self) -> dict[int, float]:
         """|tanh(gate)| of each GCA layer's attention: how much each layer reads the memory."""
         return {i: float(block.gate.detach().float().tanh().abs()) for i, block in self.gca_blocks().items()}

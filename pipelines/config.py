@@ -26,6 +26,7 @@ class ModelConfig:
     gca_layers: str = "upper_third"  # placement spec (see models.placement)
     encoder_attention: str | None = None  # causal | bidirectional; None: the pair's default
     gca_mlp: bool = False  # a gated MLP after each cross-attention
+    gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged
     decoder: str = "lora"  # frozen | lora | full
     encoder: str = "frozen"  # frozen | lora | full
     gca: str = "full"  # full | lora

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,7 @@ def summarise(config: StageConfig, result, tracker: Tracker) -> dict[str, Any]:
         "needle_accuracy": metrics.get("needle_accuracy"),
         "no_memory_accuracy": metrics.get("no_memory_accuracy"),
         "gate_abs_mean": metrics.get("gate_abs_mean"),
+        "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)),  # what the gates started at, to compare
         **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "examples_seen": metrics.get("examples_seen"),

@@ -110,6 +110,8 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
     )
     if plan.decoder or plan.gca or plan.encoder:
         apply_lora(model, plan)
+    if cfg.gca_gate_init:
+        model.set_gates(cfg.gca_gate_init)
     if cfg.init_from:
         model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME)
     set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)

@@ -34,9 +34,7 @@ def tiny_moe(checkpoint_root) -> AwarenessModel:
 
 def open_gates(model: AwarenessModel, value: float = 0.7) -> AwarenessModel:
     """Sets every GCA gate non-zero, so the memory matters."""
-    with torch.no_grad():
-        for block in model.gca_blocks().values():
-            block.gate.fill_(value)
+    model.set_gates(value)
     return model
 
 

@@ -60,3 +60,18 @@ def test_expert_lora_is_a_flag_for_moe_pairs_only():
     assert config.model.lora_targets.split(",")[-1] == "experts"
     with pytest.raises(ValueError, match="'experts' is LoRA on Qwen3-MoE experts, and pair 'tiny' is dense"):
         parse_config(flags, DEFAULT)
+
+
+def test_gate_init_opens_the_gates_before_training_and_an_export_overrides_it(tmp_path):
+    """stage 0's random default starts with open gates (a closed gate is a saddle); a loaded export's gates win."""
+    import math
+
+    from pipelines.training import build_model
+
+    closed = build_model(ModelConfig(pair="tiny"))
+    assert set(closed.gate_values().values()) == {0.0}
+    opened = build_model(ModelConfig(pair="tiny", gca_gate_init=0.3))
+    assert all(abs(v - math.tanh(0.3)) < 1e-6 for v in opened.gate_values().values())
+    closed.save_pretrained(tmp_path / "export")
+    loaded = build_model(ModelConfig(pair="tiny", gca_gate_init=0.3, init_from=str(tmp_path / "export")))
+    assert set(loaded.gate_values().values()) == {0.0}

@@ -16,6 +16,7 @@ def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
                              str(tmp_path / "ray")], cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(json.dumps(summary))  # shown by `pytest -rA`: the numbers the README reports
     assert summary["needle_accuracy"] >= 0.9, summary
     assert summary["no_memory_accuracy"] <= 0.2, summary
-    assert summary["gate_abs_mean"] > 0.05, summary
+    assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
