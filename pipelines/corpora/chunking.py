@@ -48,13 +48,18 @@ def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
     data = text.encode("utf-8")
     if not data:
         return []
-    ids = np.asarray(tokenizer.encode_text(text), dtype=np.int64)
-    ends = np.cumsum(tokenizer.token_byte_lengths()[ids])  # byte offset where each token ends
+    ids_list = tokenizer.encode_text(text)
+    ends = np.cumsum(tokenizer.token_byte_lengths()[np.asarray(ids_list, dtype=np.int64)])  # where each token ends
     raw = np.frombuffer(data, dtype=np.uint8)
     line_starts = np.concatenate([[0], np.flatnonzero(raw == NEWLINE) + 1])
     line_starts = line_starts[line_starts < len(data)]
     # Candidate cuts: k tokens before, where token k-1 ends at the start of a non-blank line.
-    at_line = ends[np.isin(ends, line_starts[1:])] if len(line_starts) > 1 else ends[:0]
+    starts = line_starts[1:]
+    if len(starts):  # both sorted: a token end is a line start where searchsorted finds it
+        found = starts[np.minimum(np.searchsorted(starts, ends), len(starts) - 1)] == ends
+        at_line = ends[found]
+    else:
+        at_line = ends[:0]
     at_line = at_line[(raw[at_line] != NEWLINE) & (raw[at_line] != CR)]
     cut_tokens = np.searchsorted(ends, at_line) + 1
     cut_lines = np.searchsorted(line_starts, at_line)  # 0-based line that starts there
@@ -64,7 +69,6 @@ def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
         priority = (raw[np.maximum(at_line - 2, 0)] == NEWLINE).astype(np.int64)  # previous line blank
 
     cut_tokens, priority, ends_list = cut_tokens.tolist(), priority.tolist(), ends.tolist()  # bisect beats numpy
-    ids_list = ids.tolist()  # calls on the few hundred chunks of a file
     line_list = line_starts.tolist()
     chunks: list[Chunk] = []
     start = 0

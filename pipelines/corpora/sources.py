@@ -79,7 +79,7 @@ def read_text(path: str, limits: Limits, root: str | None = None) -> tuple[str |
     repository must not make the build read (and publish in its shards) files elsewhere on the machine."""
     try:
         os.stat(path)  # follows symlinks: a loop raises ELOOP
-        if root is not None and os.path.isdir(root):
+        if root is not None and os.path.islink(path) and os.path.isdir(root):  # walks never enter linked dirs
             real, base = os.path.realpath(path), os.path.realpath(root)
             if os.path.commonpath([real, base]) != base:
                 return None, "symlink_outside_source"
