@@ -106,6 +106,14 @@ def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, 
     return json.dumps(stats)
 
 
+def build_unit(names: list[dict], *, out: str, make_records: Callable, make_rows: Callable, settings,
+               checkpoint: str | None) -> str:
+    """One repository, start to end (what a Ray task runs, callable without Ray): records -> rows -> Parquet."""
+    tokenizer = cached_tokenizer(checkpoint)
+    records = [rec for item in names for rec in make_records(item, tokenizer, settings)]
+    return write_unit(records, out=out, make_rows=make_rows, settings=settings, checkpoint=checkpoint)
+
+
 def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable, make_rows: Callable,
               settings, progress: Callable[[str], None] = print) -> dict:
     """The shared pipeline of both stages: items (names only) -> records -> per-repository rows and shards."""
@@ -123,22 +131,17 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
         by_unit[item["unit"]].append(item)
 
     def unit_batch(batch: dict) -> pa.Table:
-        """One repository per task: records (read, parse, chunk, tokenize), then rows written as Parquet."""
-        tokenizer = cached_tokenizer(checkpoint)
-        stats = []
-        for names in batch["items"]:
-            records = [rec for item in json.loads(names) for rec in make_records(item, tokenizer, settings)]
-            stats.append(write_unit(records, out=str(out), make_rows=make_rows, settings=settings,
-                                    checkpoint=checkpoint))
-        return pa.table({"stats": stats})
+        """One task: a group of repositories."""
+        return pa.table({"stats": [build_unit(names, out=str(out), make_records=make_records, make_rows=make_rows,
+                                              settings=settings, checkpoint=checkpoint)
+                                   for group in batch["units"] for names in json.loads(group)]})
 
-    # Repositories are the unit of parallelism (no shuffle: a hash shuffle reserves a CPU for its operator and
-    # buffers every record, which on a small machine halves the record makers and holds the corpus at once).
-    # Larger repositories first (bytes where the listing knows them), so the longest task does not start last.
-    units_in = sorted(by_unit.values(), key=lambda names: (sum(i.get("bytes", 0) for i in names), len(names)),
-                      reverse=True)
-    ds = ray.data.from_items([{"items": json.dumps(names)} for names in units_in],
-                             override_num_blocks=max(1, len(units_in)))
+    # Repositories are the unit of work and of the split (no shuffle: a hash shuffle reserves a CPU for its
+    # operator and buffers every record, which on a small machine halves the record makers and holds the corpus
+    # at once); small ones share a task, since each Ray Data task costs tens of milliseconds of scheduling.
+    cpus = config.workers or (int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else os.cpu_count())
+    groups = task_groups(list(by_unit.values()), cpus)
+    ds = ray.data.from_items([{"units": json.dumps(group)} for group in groups], override_num_blocks=len(groups))
     ds = ds.map_batches(unit_batch, batch_size=1, batch_format="numpy", concurrency=config.workers)
     units = []
     for row in ds.iter_rows():  # one small statistics row per repository
@@ -149,6 +152,25 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
     manifest = make_manifest(config, units, time.time() - started)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def task_groups(units: list[list[dict]], cpus: int, tasks_per_cpu: int = 4) -> list[list[list[dict]]]:
+    """Repositories (lists of items) grouped into about `tasks_per_cpu * cpus` tasks of similar weight (bytes where
+    the listing knows them, else items), heaviest first, so the longest task does not start last and the tail is
+    small tasks. A repository heavier than the target is a task of its own; one is never split."""
+    def weight(names: list[dict]) -> int:
+        return sum(i.get("bytes", 0) for i in names) or len(names)
+
+    units = sorted(units, key=weight, reverse=True)
+    target = sum(map(weight, units)) / max(1, tasks_per_cpu * cpus)
+    groups, current, current_weight = [], [], 0
+    for names in units:
+        current.append(names)
+        current_weight += weight(names)
+        if current_weight >= target:
+            groups.append(current)
+            current, current_weight = [], 0
+    return groups + [current] if current else groups
 
 
 def rows_of(batch: dict) -> list[dict]:

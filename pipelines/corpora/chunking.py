@@ -12,9 +12,10 @@ re-tokenizes the `memory` column gets `memory_input_ids`. Only a line longer tha
 from __future__ import annotations
 
 import bisect
+import functools
 import random
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class Chunk:
     start_line: int  # 1-based, inclusive
     end_line: int
     text: str  # header + body
-    ids: list[int]
+    ids: np.ndarray = field(compare=False)  # int32; compare with `same_chunks`
 
 
 def header(path: str, index: int) -> str:
@@ -48,50 +49,77 @@ def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
     data = text.encode("utf-8")
     if not data:
         return []
-    ids_list = tokenizer.encode_text(text)
-    ends = np.cumsum(tokenizer.token_byte_lengths()[np.asarray(ids_list, dtype=np.int64)])  # where each token ends
+    ids = tokenizer.encode_array(text)
+    ends = np.cumsum(tokenizer.token_byte_lengths()[ids])  # the byte offset where each token ends
     raw = np.frombuffer(data, dtype=np.uint8)
-    line_starts = np.concatenate([[0], np.flatnonzero(raw == NEWLINE) + 1])
-    line_starts = line_starts[line_starts < len(data)]
-    # Candidate cuts: k tokens before, where token k-1 ends at the start of a non-blank line.
-    starts = line_starts[1:]
-    if len(starts):  # both sorted: a token end is a line start where searchsorted finds it
-        found = starts[np.minimum(np.searchsorted(starts, ends), len(starts) - 1)] == ends
-        at_line = ends[found]
-    else:
-        at_line = ends[:0]
-    at_line = at_line[(raw[at_line] != NEWLINE) & (raw[at_line] != CR)]
-    cut_tokens = np.searchsorted(ends, at_line) + 1
-    cut_lines = np.searchsorted(line_starts, at_line)  # 0-based line that starts there
+    newline = raw == NEWLINE
+    lines_before = np.concatenate(([0], np.cumsum(newline, dtype=np.int32)))  # [b]: 0-based line of byte b
+    # Candidate cuts, after token k-1: it ends where a non-blank line starts (a line break just before, no line
+    # break or CR at it). The last token ends the file and is never a cut.
+    inner = ends[:-1]
+    cut_index = np.flatnonzero(newline[inner - 1] & (raw[inner] != NEWLINE) & (raw[inner] != CR))
+    at_line = inner[cut_index]
     if boundaries:
-        priority = np.fromiter((boundaries.get(int(n), 0) for n in cut_lines), dtype=np.int64, count=len(cut_lines))
+        priority = np.fromiter((boundaries.get(n, 0) for n in lines_before[at_line].tolist()), dtype=np.int64,
+                               count=len(at_line))
     else:
         priority = (raw[np.maximum(at_line - 2, 0)] == NEWLINE).astype(np.int64)  # previous line blank
 
-    cut_tokens, priority, ends_list = cut_tokens.tolist(), priority.tolist(), ends.tolist()  # bisect beats numpy
-    line_list = line_starts.tolist()
+    cut_tokens, priority = (cut_index + 1).tolist(), priority.tolist()  # bisect on lists beats numpy per call
+    header_ids = HeaderIds(path, tokenizer)
     chunks: list[Chunk] = []
-    start = 0
-    while start < len(ids_list):
-        head = header(path, len(chunks))
-        head_ids = tokenizer.encode_text(head)
+    start, n = 0, len(ids)
+    while start < n:
+        index = len(chunks)
+        head_ids = header_ids(index)
         budget = max(chunk_tokens - len(head_ids), 1)
-        stop = len(ids_list) if len(ids_list) - start <= budget else best_token_cut(start, budget, cut_tokens, priority)
+        stop = n if n - start <= budget else best_token_cut(start, budget, cut_tokens, priority)
         if stop is None:  # no line starts within the budget: cut inside the line, at a character boundary
             stop = start + budget
-            while stop > start + 1 and 0x80 <= data[ends_list[stop - 1]] < 0xC0:
+            while stop > start + 1 and 0x80 <= data[ends[stop - 1]] < 0xC0:
                 stop -= 1
-        b0 = ends_list[start - 1] if start else 0
-        b1 = ends_list[stop - 1]
-        body = data[b0:b1].decode("utf-8")
-        chunk_ids = head_ids + ids_list[start:stop]
+        b0 = int(ends[start - 1]) if start else 0
+        b1 = int(ends[stop - 1])
+        head, body = header(path, index), data[b0:b1].decode("utf-8")
         if body[:1] in ("\n", "\r"):  # only a file's first chunk can start with a line break: it would merge
-            chunk_ids = tokenizer.encode_text(head + body)  # with the header's, so encode the seam as a reader does
-        first = bisect.bisect_right(line_list, b0)  # 1-based line of the first byte
-        last = bisect.bisect_right(line_list, b1 - 1)
-        chunks.append(Chunk(path, len(chunks), first, last, head + body, chunk_ids))
+            chunk_ids = tokenizer.encode_array(head + body)  # with the header's, so encode the seam as a reader does
+        else:
+            chunk_ids = np.concatenate((head_ids, ids[start:stop]))
+        chunks.append(Chunk(path, index, int(lines_before[b0]) + 1, int(lines_before[b1 - 1]) + 1, head + body,
+                            chunk_ids))
         start = stop
     return chunks
+
+
+class HeaderIds:
+    """The ids of a file's chunk headers without encoding each: `### {path}`, then ` [chunk {i}]\n` from a
+    process-wide cache. Their seam is a pre-tokenizer boundary unless the path ends in whitespace (Qwen's regex
+    joins a space run to what follows); such paths, and any other whose chunk-0 header the parts do not
+    reproduce, are encoded whole."""
+
+    def __init__(self, path: str, tokenizer):
+        self.path, self.tokenizer = path, tokenizer
+        self.prefix = tokenizer.encode_array(f"### {path}")
+        if not path[-1:].isalnum() and not np.array_equal(self.joined(0), tokenizer.encode_array(header(path, 0))):
+            self.prefix = None
+
+    def joined(self, index: int) -> np.ndarray:
+        return np.concatenate((self.prefix, header_suffix_ids(self.tokenizer, index)))
+
+    def __call__(self, index: int) -> np.ndarray:
+        if self.prefix is None:
+            return self.tokenizer.encode_array(header(self.path, index))
+        return self.joined(index)
+
+
+@functools.lru_cache(maxsize=8192)
+def header_suffix_ids(tokenizer, index: int) -> np.ndarray:
+    return tokenizer.encode_array(f" [chunk {index}]\n")
+
+
+def same_chunks(a: list[Chunk], b: list[Chunk]) -> bool:
+    """Equal chunk lists, token ids included."""
+    return a == b and all(np.array_equal(x.ids, y.ids) for x, y in zip(a, b))
 
 
 def best_token_cut(start: int, budget: int, cut_tokens: list[int], priority: list[int]) -> int | None:

@@ -16,6 +16,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from pipelines.corpora import chunking, docs, needles, sources, syntax
 from pipelines.corpora.chunking import Chunk
 from pipelines.corpora.rows import make_row
@@ -115,8 +117,7 @@ def unit_chunks(records: list[dict]) -> list[Chunk]:
     out = []
     for r in records:
         for i, (text, ids, (s, e)) in enumerate(zip(r["chunk_texts"], r["chunk_ids"], r["chunk_lines"])):
-            ids = ids if isinstance(ids, list) else [int(x) for x in ids]  # lists unless they crossed Arrow
-            out.append(Chunk(r["path"], i, int(s), int(e), text, ids))
+            out.append(Chunk(r["path"], i, int(s), int(e), text, np.asarray(ids, dtype=np.int32)))
     return out
 
 
@@ -188,7 +189,7 @@ def needle_rows(pool: list[Chunk], unit: str, source: str, tokenizer, settings: 
         texts = [c.text for c in haystack]
         sentences, question, answer, _ = needles.make_needles(variant, rng, "".join(texts))
         where = needles.insert_needles(texts, sentences, depth, rng)
-        ids = [tokenizer.encode_text(t) if i in where else c.ids for i, (t, c) in enumerate(zip(texts, haystack))]
+        ids = [tokenizer.encode_array(t) if i in where else c.ids for i, (t, c) in enumerate(zip(texts, haystack))]
         holder = haystack[where[0]]
         read = chunking.chunk_name(holder.path, holder.index)
         agentic = rng.random() < settings.agentic_fraction

@@ -75,4 +75,4 @@ def test_needles_once_per_key_at_recorded_depth(package_roots, tokenizer):
         assert asked.group(1).rstrip("?") in first_needle  # the asked needle sits in the chunk at `depth`
         if row["variant"] in ("single", "multikey"):
             assert f"is: {row['answer']}." in first_needle
-        assert [tokenizer.encode_text(m) for m in row["memory"]] == row["memory_input_ids"]
+        assert [tokenizer.encode_text(m) for m in row["memory"]] == [list(map(int, m)) for m in row["memory_input_ids"]]
