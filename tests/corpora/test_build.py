@@ -112,3 +112,22 @@ def test_job_stage2_prints_a_json_summary(tmp_path):
     assert summary["rejects"] == {"no_parent": 1, "multi_file": 1}
     assert sum(summary["rows"]["train"].values()) + sum(summary["rows"].get("val", {}).values()) == 4
     assert "[corpus]" in proc.stderr
+
+
+def test_task_groups_cover_every_repository_once_heaviest_first():
+    """Small repositories share a Ray task, a heavy one is a task alone and never split, the heaviest go first."""
+    from pipelines.corpora.build import task_groups
+
+    def repo(name, *sizes):
+        return [{"unit": name, "path": f"f{i}", "bytes": b} for i, b in enumerate(sizes)]
+
+    units = [repo("big", 6000, 4000), *(repo(f"small{i}", 10 * i + 5) for i in range(40)), repo("mid", 2000, 1000)]
+    groups = task_groups(units, cpus=2)
+    names = [[names[0]["unit"] for names in group] for group in groups]
+    assert sorted(n for group in names for n in group) == sorted(u[0]["unit"] for u in units)  # each once
+    assert names[0] == ["big"] and names[1] == ["mid"]
+    assert 4 <= len(groups) <= 8  # about 4 tasks per CPU: 2 alone, the 40 small ones in a few
+    weights = [sum(i["bytes"] for names in group for i in names) for group in groups]
+    assert max(weights[2:]) < weights[0]
+    commits = [[{"unit": f"repo{i}", "commit": str(k)} for k in range(i + 1)] for i in range(3)]  # no sizes: counts
+    assert [[n[0]["unit"] for n in g] for g in task_groups(commits, cpus=4)] == [["repo2"], ["repo1"], ["repo0"]]

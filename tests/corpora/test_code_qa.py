@@ -131,6 +131,17 @@ def test_chunk_ids_are_the_texts_tokens_at_awkward_seams(tokenizer):
     assert len(at_lines) > 10 and all(c.ids.tolist() == tokenizer.encode_text(c.text) for c in at_lines)
 
 
+
+@pytest.mark.parametrize("path", ["a.py", "docs/ÜBER café.md", "x/Makefile", "v1.2/3", "weird/name ", "tabs\t",
+                                  "it's", "a+b++", "ends.in.dot.", "日本/語.txt", "e\u0301"])
+def test_chunk_headers_are_their_texts_tokens_for_any_path(path, tokenizer):
+    """Header ids are built from a path part and a cached ` [chunk k]` part; whatever the path ends in, every
+    chunk's ids are still what re-tokenizing its text gives."""
+    chunks = chunking.chunk_file(path, "x = 1\n\n" * 400, tokenizer, chunk_tokens=64)
+    assert len(chunks) > 10
+    assert all(c.ids.tolist() == tokenizer.encode_text(c.text) for c in chunks)
+
+
 LANGS = {
     "web/app.js": "export function addUser(name, age = 3) {\n  return name;\n}\nclass Store {\n  put(key) {}\n}\n",
     "web/types.ts": "interface Shape { area(): number }\nfunction scale(s: Shape, k: number): number {\n  return k;\n}\n",
