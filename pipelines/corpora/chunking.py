@@ -50,45 +50,62 @@ def chunk_file(path: str, text: str, tokenizer, *, chunk_tokens: int = 512,
     if not data:
         return []
     ids = tokenizer.encode_array(text)
-    ends = np.cumsum(tokenizer.token_byte_lengths()[ids])  # the byte offset where each token ends
+    ends = np.cumsum(tokenizer.token_byte_lengths()[ids], dtype=np.int64)  # the byte offset where each token ends
     raw = np.frombuffer(data, dtype=np.uint8)
-    newline = raw == NEWLINE
-    lines_before = np.concatenate(([0], np.cumsum(newline, dtype=np.int32)))  # [b]: 0-based line of byte b
+    breaks = np.flatnonzero(raw == NEWLINE)  # a byte's 0-based line = the line breaks before it
     # Candidate cuts, after token k-1: it ends where a non-blank line starts (a line break just before, no line
     # break or CR at it). The last token ends the file and is never a cut.
     inner = ends[:-1]
-    cut_index = np.flatnonzero(newline[inner - 1] & (raw[inner] != NEWLINE) & (raw[inner] != CR))
+    cut_index = np.flatnonzero((raw[inner - 1] == NEWLINE) & (raw[inner] != NEWLINE) & (raw[inner] != CR))
     at_line = inner[cut_index]
     if boundaries:
-        priority = np.fromiter((boundaries.get(n, 0) for n in lines_before[at_line].tolist()), dtype=np.int64,
-                               count=len(at_line))
+        lines = np.searchsorted(breaks, at_line).tolist()
+        priority = np.fromiter((boundaries.get(n, 0) for n in lines), dtype=np.int64, count=len(lines))
     else:
         priority = (raw[np.maximum(at_line - 2, 0)] == NEWLINE).astype(np.int64)  # previous line blank
+    cut_tokens = cut_index + 1
+    cuts = [cut_tokens.tolist()] + [cut_tokens[priority == level].tolist() for level in range(1, 3)]
 
-    cut_tokens, priority = (cut_index + 1).tolist(), priority.tolist()  # bisect on lists beats numpy per call
     header_ids = HeaderIds(path, tokenizer)
-    chunks: list[Chunk] = []
+    spans, heads = [], []  # token [start, stop) of each chunk's body, its header ids
     start, n = 0, len(ids)
     while start < n:
-        index = len(chunks)
-        head_ids = header_ids(index)
-        budget = max(chunk_tokens - len(head_ids), 1)
-        stop = n if n - start <= budget else best_token_cut(start, budget, cut_tokens, priority)
+        heads.append(header_ids(len(spans)))
+        budget = max(chunk_tokens - len(heads[-1]), 1)
+        stop = n if n - start <= budget else best_token_cut(start, budget, cuts)
         if stop is None:  # no line starts within the budget: cut inside the line, at a character boundary
             stop = start + budget
             while stop > start + 1 and 0x80 <= data[ends[stop - 1]] < 0xC0:
                 stop -= 1
-        b0 = int(ends[start - 1]) if start else 0
-        b1 = int(ends[stop - 1])
+        spans.append((start, stop))
+        start = stop
+    token_spans = np.asarray(spans)
+    byte_ends = ends[token_spans[:, 1] - 1]
+    byte_starts = np.concatenate(([0], byte_ends[:-1]))
+    first_lines = np.searchsorted(breaks, byte_starts) + 1  # 1-based
+    last_lines = np.searchsorted(breaks, byte_ends - 1) + 1
+    chunks: list[Chunk] = []
+    for index, ((start, stop), head_ids, b0, b1, first, last) in enumerate(zip(
+            spans, heads, byte_starts.tolist(), byte_ends.tolist(), first_lines.tolist(), last_lines.tolist())):
         head, body = header(path, index), data[b0:b1].decode("utf-8")
         if body[:1] in ("\n", "\r"):  # only a file's first chunk can start with a line break: it would merge
             chunk_ids = tokenizer.encode_array(head + body)  # with the header's, so encode the seam as a reader does
         else:
             chunk_ids = np.concatenate((head_ids, ids[start:stop]))
-        chunks.append(Chunk(path, index, int(lines_before[b0]) + 1, int(lines_before[b1 - 1]) + 1, head + body,
-                            chunk_ids))
-        start = stop
+        chunks.append(Chunk(path, index, first, last, head + body, chunk_ids))
     return chunks
+
+
+def best_token_cut(start: int, budget: int, cuts: list[list[int]]) -> int | None:
+    """The latest cut of the highest priority in (start + budget / 4, start + budget], else the latest cut in
+    (start, start + budget]; None if there is none. cuts[0]: every cut, cuts[p]: those of priority p, sorted."""
+    limit, floor = start + budget, start + budget // 4
+    for level in range(len(cuts) - 1, 0, -1):
+        i = bisect.bisect_right(cuts[level], limit)
+        if i and cuts[level][i - 1] > floor:
+            return cuts[level][i - 1]
+    i = bisect.bisect_right(cuts[0], limit)
+    return cuts[0][i - 1] if i and cuts[0][i - 1] > start else None
 
 
 class HeaderIds:
@@ -120,21 +137,6 @@ def header_suffix_ids(tokenizer, index: int) -> np.ndarray:
 def same_chunks(a: list[Chunk], b: list[Chunk]) -> bool:
     """Equal chunk lists, token ids included."""
     return a == b and all(np.array_equal(x.ids, y.ids) for x, y in zip(a, b))
-
-
-def best_token_cut(start: int, budget: int, cut_tokens: list[int], priority: list[int]) -> int | None:
-    """The latest highest-priority cut in (start + budget / 4, start + budget], else the latest cut after start."""
-    lo = bisect.bisect_right(cut_tokens, start)
-    hi = bisect.bisect_right(cut_tokens, start + budget)
-    if hi <= lo:
-        return None
-    best, best_priority = cut_tokens[hi - 1], 0
-    for k in range(hi - 1, max(lo, bisect.bisect_right(cut_tokens, start + budget // 4)) - 1, -1):
-        if priority[k] > best_priority:
-            best, best_priority = cut_tokens[k], priority[k]
-            if best_priority >= 2:
-                break
-    return best
 
 
 def chunks_covering(chunks: list[Chunk], path: str, start_line: int, end_line: int) -> list[Chunk]:

@@ -125,7 +125,7 @@ class QwenTokenizer:
         """Bytes each id decodes to (special tokens: their string's), so a chunker can find where a token ends in
         the text without decoding: `cumsum(lengths[ids])` are the tokens' end offsets."""
         if self._lengths is None:
-            lengths = np.zeros(VOCAB_SIZE, dtype=np.int64)
+            lengths = np.zeros(VOCAB_SIZE, dtype=np.int32)
             if self.checkpoint:
                 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
