@@ -12,6 +12,9 @@ from pipelines.tracking import resolve_tracking_uri
 DEFAULT_NAME = "awareness"
 MODEL_ARTIFACT = "pyfunc"  # where the pyfunc model is logged inside the run
 LINEAGE_TAGS = ("pair", "stage", "base.decoder", "base.encoder", "data.manifest_hash", "git.commit")
+# The model's own code travels with it (MLflow `code_paths`, put on sys.path at load): a serving machine needs the
+# pip requirements and the base checkpoints, not this repository.
+CODE_PATHS = tuple(str(Path(__file__).resolve().parents[1] / package) for package in ("models", "pipelines"))
 
 
 def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DEFAULT_NAME, alias: str = "candidate",
@@ -34,8 +37,9 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
         settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
         model_dir = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(
-            str(model_dir), python_model=str(Path(__file__).with_name("pyfunc_entry.py")), artifacts={"export": str(export)},
-            signature=signature(), model_config=settings, pip_requirements=_requirements(),
+            str(model_dir), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
+            artifacts={"export": str(export)}, signature=signature(), model_config=settings,
+            pip_requirements=_requirements(), code_paths=list(CODE_PATHS),
         )
         client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
     _ensure_registered_model(client, name)
@@ -103,13 +107,16 @@ def _ensure_registered_model(client, name: str) -> None:
 
 
 def _requirements() -> list[str]:
-    """Stated, not inferred (inference imports and times every module): the package and its model stack."""
+    """Stated, not inferred (inference imports and times every module): what the model's code imports at load."""
+    import numpy
+    import peft
     import tokenizers
     import torch
     import transformers
 
     return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
-            f"tokenizers=={tokenizers.__version__}", "peft", "safetensors", "awareness"]
+            f"tokenizers=={tokenizers.__version__}", f"peft=={peft.__version__}", "safetensors",
+            f"numpy=={numpy.__version__}"]
 
 
 def describe(version) -> dict[str, Any]:

@@ -84,6 +84,47 @@ def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow
     assert inputs["memory_attention_mask"].all() and inputs["input_ids"].tolist() == example["input_ids"][:1, :PROMPT_LEN].tolist()
 
 
+def test_registered_model_loads_without_this_repository(registered, mlflow_server, tmp_path, monkeypatch):
+    """The model carries its code and states real requirements (not this package, which is not on PyPI): loaded in
+    a fresh process where neither the repository nor its editable install is importable, it answers as here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+
+    from pipelines.registry import CODE_PATHS
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{NAME}@candidate", dst_path=str(tmp_path / "m"))
+    requirements = open(os.path.join(local, "requirements.txt")).read()
+    assert "awareness" not in requirements and "peft==" in requirements and "torch==" in requirements
+    assert sorted(os.listdir(os.path.join(local, "code"))) == sorted(os.path.basename(p) for p in CODE_PATHS)
+    example = make_example(NeedleSpec(), seed=11, index=0)
+    tokenizer = needle_tokenizer()
+    question = {"question": tokenizer.decode(example["input_ids"][0, 1:PROMPT_LEN].tolist()),
+                "memory": [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]}
+    script = (
+        "import json, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path\n"
+        "                    if not getattr(f, '__module__', '').startswith('__editable__')]  # no editable install\n"
+        "import mlflow\n"
+        f"model = mlflow.pyfunc.load_model({local!r})\n"
+        "import models, pipelines\n"
+        f"print(json.dumps({{'answer': model.predict(json.loads({json.dumps(question)!r})),\n"
+        "                  'code': [models.__file__, pipelines.__file__]}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(path.startswith(os.path.join(local, "code")) for path in result["code"])
+    here = mlflow.pyfunc.load_model(local).predict(question)
+    assert result["answer"] == here
+
+
 def test_registering_a_run_without_an_export_says_so(mlflow_server):
     from mlflow.tracking import MlflowClient
 
