@@ -55,19 +55,11 @@ def stable_seed(*parts) -> int:
 
 def file_records(item: dict, tokenizer, settings: Stage0Settings) -> list[dict]:
     """One record per file (or per JSONL line): chunks and facts, or the reason it was rejected."""
-    root, rel, source, unit = item["root"], item["path"], item["source"], item["unit"]
-    kind = sources.kind_of(rel)
-    full = os.path.join(root, rel) if os.path.isdir(root) else root
-    text, reason = sources.read_text(full, settings.limits, root)
-    if reason:
-        return [record(item, rel, kind, reject=reason)]
+    rel, kind, text, rejected = read_item(item, settings)
+    if rejected:
+        return rejected
     if kind == "jsonl":
-        out = []
-        for line, doc, why in sources.jsonl_documents(text, settings.limits.text_field):
-            path = f"{rel}#L{line}"
-            out.append(record(item, path, "markdown", reject=why) if why else
-                       document_record(item, path, doc, tokenizer, settings))
-        return out
+        return jsonl_records(item, rel, text, tokenizer, settings)
     if kind in syntax.GRAMMARS:
         tree = syntax.parse(kind, text.encode("utf-8"))
         cuts = syntax.boundaries(tree)
@@ -82,20 +74,36 @@ def file_records(item: dict, tokenizer, settings: Stage0Settings) -> list[dict]:
 def chunk_records(item: dict, tokenizer, settings: Stage0Settings, *, syntax_cuts: bool = True) -> list[dict]:
     """Chunks only (no facts): for memory-only builds, e.g. a repository's memory store or encoder pretraining.
     syntax_cuts=False cuts code at paragraph breaks instead of tree-sitter nodes, skipping the parse (which costs
-    about as much as tokenizing)."""
-    root, rel = item["root"], item["path"]
-    kind = sources.kind_of(rel)
-    full = os.path.join(root, rel) if os.path.isdir(root) else root
-    text, reason = sources.read_text(full, settings.limits, root)
-    if reason:
-        return [record(item, rel, kind, reject=reason)]
+    several times the tokenizing)."""
+    rel, kind, text, rejected = read_item(item, settings)
+    if rejected:
+        return rejected
     if kind == "jsonl":  # one document per line, chunked as file_records does
-        return file_records(item, tokenizer, settings)
+        return jsonl_records(item, rel, text, tokenizer, settings)
     if kind == "html":
         text = docs.html_to_text(text)
     cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8"))) if syntax_cuts and kind in syntax.GRAMMARS else None
     chunks = chunking.chunk_file(rel, text, tokenizer, chunk_tokens=settings.chunk_tokens, boundaries=cuts)
     return [record(item, rel, kind, chunks=chunks, text=text)]
+
+
+def read_item(item: dict, settings: Stage0Settings) -> tuple[str, str | None, str, list[dict]]:
+    """A listed file's path, kind and text, or (as the last element) the reject record that stands for it."""
+    root, rel = item["root"], item["path"]
+    kind = sources.kind_of(rel)
+    full = os.path.join(root, rel) if os.path.isdir(root) else root
+    text, reason = sources.read_text(full, settings.limits, root)
+    return rel, kind, text, [record(item, rel, kind, reject=reason)] if reason else []
+
+
+def jsonl_records(item: dict, rel: str, text: str, tokenizer, settings: Stage0Settings) -> list[dict]:
+    """One document record per JSONL line, or a reject record for a malformed line."""
+    out = []
+    for line, doc, why in sources.jsonl_documents(text, settings.limits.text_field):
+        path = f"{rel}#L{line}"
+        out.append(record(item, path, "markdown", reject=why) if why else
+                   document_record(item, path, doc, tokenizer, settings))
+    return out
 
 
 def document_record(item, path, text, tokenizer, settings):
