@@ -70,12 +70,12 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         from tokenizers import Tokenizer
 
         from models import AwarenessModel
+        from pipelines.corpora.tokenizer import text_tokenizer
 
         self.model = AwarenessModel.from_pretrained(context.artifacts["export"]).eval()
         path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
         self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
-        self.text_tokenizer = Tokenizer.from_file(path)  # memory chunks: special-token strings are text
-        self.text_tokenizer.encode_special_tokens = True
+        self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text
         settings = context.model_config or {}
         self.max_new_tokens = int(settings.get("max_new_tokens", 32))
         eos = settings.get("eos_token")

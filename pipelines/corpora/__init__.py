@@ -23,6 +23,14 @@ Read with `ray.data.read_parquet("OUT/train")` (the training job: `ray.train.get
 `input_ids`/`labels` and each memory chunk in the collate function.
 """
 
-from pipelines.corpora.build import REJECT_SCHEMA, ROW_SCHEMA, BuildConfig, build_corpus
-
 __all__ = ["BuildConfig", "build_corpus", "ROW_SCHEMA", "REJECT_SCHEMA"]
+
+
+def __getattr__(name: str):
+    """The build's names, imported on first use: `pipelines.corpora.tokenizer` alone (as the served model needs it)
+    must not pull in Ray Data, pyarrow and the tree-sitter grammars."""
+    if name in __all__:
+        from pipelines.corpora import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

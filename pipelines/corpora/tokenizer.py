@@ -21,9 +21,7 @@ import importlib.util
 import unicodedata
 from pathlib import Path
 
-import fastokens
 import numpy as np
-import tiktoken
 
 # Qwen's pre-tokenizer (transformers/models/qwen2/tokenization_qwen2.py PRETOKENIZE_REGEX): single digits.
 QWEN_PATTERN = (
@@ -100,9 +98,10 @@ class QwenTokenizer:
 
                 tok = Tokenizer.from_file(str(Path(self.checkpoint) / "tokenizer.json"))
                 check_special_ids(tok)
-                tok.encode_special_tokens = True  # special-token strings in text are text (as in encode_ordinary)
-                self._backend = tok
+                self._backend = text_tokenizer(tok)
             else:
+                import fastokens
+
                 load_ranks()  # checks the file holds Qwen's 151,643 ranks before fastokens reads it
                 self._backend = fastokens.Tokenizer.from_tiktoken(str(dashscope_ranks_path()), pattern=QWEN_PATTERN,
                                                                   special_tokens={})
@@ -162,6 +161,8 @@ class QwenTokenizer:
         ids = [int(i) for i in ids]
         if not self.checkpoint:
             if self._decoder is None:
+                import tiktoken
+
                 self._decoder = tiktoken.Encoding("qwen3", pat_str=QWEN_PATTERN, mergeable_ranks=load_ranks(),
                                                   special_tokens=SPECIAL_IDS)
             return self._decoder.decode(ids)
@@ -185,13 +186,27 @@ def cached_tokenizer(checkpoint: str | None = None) -> QwenTokenizer:
     return QwenTokenizer(checkpoint)
 
 
+def text_tokenizer(tok):
+    """A `tokenizers.Tokenizer` that reads every string as text, as `encode_text` does: no added token matches inside
+    it. `encode_special_tokens` covers only added tokens marked special, and Qwen3's own tokenizer.json leaves some
+    unmarked (`<think>`, `<tool_call>`, ...), which would otherwise become control tokens inside a mined file or a
+    memory chunk; they are marked here (no id changes). For templates, use the tokenizer as loaded."""
+    from tokenizers import AddedToken
+
+    unmarked = [t for t in tok.get_added_tokens_decoder().values() if not t.special]
+    tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                       normalized=t.normalized, special=True) for t in unmarked])
+    tok.encode_special_tokens = True
+    return tok
+
+
 def tokenizers_tokenizer():
     """The offline tokenizer as a `tokenizers.Tokenizer`, i.e. what a Qwen3 checkpoint's tokenizer.json holds: the
     same ranks as byte-level BPE (transformers' TikTokenConverter; `ignore_merges`, so a whole pre-token found in the
     vocabulary is one token, as in tiktoken), Qwen's regex, NFC, and every special token at its id here. For the
     random-weight checkpoints with Qwen3's vocabulary, which have no tokenizer of their own. All added tokens are
-    `special`, so `encode_special_tokens=True` reads them as text, exactly as `encode_text` does (a real checkpoint's
-    tokenizer.json may mark some added tokens, e.g. `<think>`, non-special, which that switch does not cover)."""
+    `special`, so `encode_special_tokens=True` reads them as text, exactly as `encode_text` does (for a real
+    checkpoint's tokenizer.json, which leaves some unmarked, `text_tokenizer` marks them)."""
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 

@@ -145,6 +145,38 @@ def test_tokenizer_json_gives_the_offline_ids_and_text(converted, converted_dir,
     assert QwenTokenizer(converted_dir).encode_parts(parts) == ids  # the corpus builder accepts it as a checkpoint
 
 
+QWEN3_UNMARKED = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def test_added_tokens_a_checkpoint_leaves_unmarked_stay_text(tmp_path, tokenizer, package_roots):
+    """Qwen3's own tokenizer.json marks `<think>`, `<tool_call>`, ... as not special; `encode_special_tokens` alone
+    would let them match inside a mined file. The corpus builder and the served model still read them as text."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from pipelines.corpora.tokenizer import text_tokenizer
+
+    spec = json.loads(tokenizers_tokenizer().to_str())
+    for token in spec["added_tokens"]:
+        token["special"] = token["content"] not in QWEN3_UNMARKED
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    raw = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.encode_special_tokens = True
+    text = "def f():\n    return '<think>' + \"<tool_call>\" + '<|im_end|>'  # <|file_sep|></think>\n"
+    assert SPECIAL_IDS["<think>"] in raw.encode(text, add_special_tokens=False).ids  # the hazard is real
+    checkpoint = QwenTokenizer(tmp_path)
+    served = text_tokenizer(Tokenizer.from_file(str(tmp_path / "tokenizer.json")))
+    for sample in [text, *real_texts(package_roots)[::13]]:
+        ids = tokenizer.encode_text(sample)
+        assert checkpoint.encode_text(sample) == ids == served.encode(sample, add_special_tokens=False).ids
+    assert not set(tokenizer.encode_text(text)) & set(SPECIAL_IDS.values())
+    parts = ["Q?\n", "<think>", "plan", "</think>", "<read>", "a.py [chunk 0]", "</read>"]
+    assert checkpoint.encode_parts(parts) == tokenizer.encode_parts(parts)  # templates still place them by id
+    assert served.get_vocab_size() == VOCAB_SIZE and served.token_to_id("<think>") == SPECIAL_IDS["<think>"]
+
+
 def test_missing_checkpoint_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         QwenTokenizer(tmp_path)
