@@ -33,7 +33,9 @@ def free_port() -> int:
 def head_node(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     port, dashboard = free_port(), free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           # as in an activated venv: the job's `python` entrypoint is this interpreter, not the system's
+           "PATH": f"{ray_bin.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     temp_dir = Path("/tmp") / f"ray-test-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
