@@ -173,11 +173,6 @@ def task_groups(units: list[list[dict]], cpus: int, tasks_per_cpu: int = 4) -> l
     return groups + [current] if current else groups
 
 
-def rows_of(batch: dict) -> list[dict]:
-    keys = list(batch)
-    return [{k: batch[k][i] for k in keys} for i in range(len(batch[keys[0]]))]
-
-
 def make_manifest(config: BuildConfig, units: list[dict], seconds: float) -> dict:
     rows, rejects, variants = defaultdict(Counter), Counter(), Counter()
     tokens = defaultdict(lambda: [0, 0, 0])  # split -> [rows, sum, max]
