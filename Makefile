@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
-	$(PY) -m pipelines.prebuild
+	$(PY) -m pipelines.train.prebuild
 	touch $(STAMP)
 
 demo: install

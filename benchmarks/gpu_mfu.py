@@ -5,7 +5,7 @@
     python benchmarks/gpu_mfu.py --device cpu --pair tiny --peak-tflops 0.2 --seq 256 --chunks 4 --chunk-len 64 \\
         --micro-batch 2 --repeats 3                                                                   # a CPU smoke
 
-The step is the pipeline's training configuration (`pipelines.training.prepare_model` with ModelConfig's defaults:
+The step is the pipeline's training configuration (`pipelines.train.model.prepare_model` with ModelConfig's defaults:
 decoder LoRA rank 16 on every projection, GCA blocks and memory projection trained in full, encoder frozen),
 forward + backward + gradient clipping + torch AdamW (fused on CUDA), on random weights of the pair's real
 architecture built directly on the device in the chosen dtype (`build_pair(random_init=True)`, no checkpoint I/O;
@@ -30,8 +30,8 @@ import torch
 
 from models import build_pair, training_flops
 from models.flops import PARTS, flop_counter
-from pipelines.config import ModelConfig
-from pipelines.training import prepare_model
+from pipelines.train.config import ModelConfig
+from pipelines.train.model import prepare_model
 from timing import timed_side_by_side
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0  # H200 too; H100 PCIe: 756; A100: 312

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from pipelines.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
-from pipelines.needle import PROMPT_LEN, make_batch
-from pipelines.training import build_model
+from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+from pipelines.data.synthetic_needles import PROMPT_LEN, make_batch
+from pipelines.train.model import build_model
 
 
 def stage_config(pair: str, steps: int, storage: str) -> StageConfig:
@@ -58,7 +58,7 @@ def plain_pytorch(config: StageConfig, warmup: int = 5) -> float:
 def ray_zero3(config: StageConfig) -> float:
     """Median seconds per step through run_stage: 2 workers, ZeRO-3 over gloo (start-up, evaluation and
     checkpointing excluded)."""
-    from pipelines.stage import run_stage, shutdown_ray
+    from pipelines.train.driver import run_stage, shutdown_ray
 
     summary = run_stage(config)
     shutdown_ray()

@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
-from pipelines.corpora import BuildConfig, build_corpus
-from pipelines.corpora.sources import Limits
-from pipelines.corpora.tasks import Stage0Settings
+from pipelines.data.corpora import BuildConfig, build_corpus
+from pipelines.data.corpora.sources import Limits
+from pipelines.data.corpora.tasks import Stage0Settings
 
 
 def parse(argv: list[str] | None) -> tuple[BuildConfig, int | None]:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
 
     config, num_cpus = parse(argv)
-    from pipelines.corpora.sources import check_sources
+    from pipelines.data.corpora.sources import check_sources
 
     try:
         check_sources(config.sources)  # a missing path fails here, before Ray starts

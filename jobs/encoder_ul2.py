@@ -13,23 +13,15 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.config import RunSettings, TrainConfig
-from pipelines.stage import shutdown_ray
-from pipelines.tracking import summary_json
-from pipelines.ul2 import Ul2Config, Ul2DataConfig, parse_ul2_config, run_ul2
-
-# The embedded default: a tiny random Qwen3 (the `tiny` pair's decoder) with a byte-level tokenizer, trained on
-# this repository's own sources; everything trains in full. A few minutes on 2 CPU cores.
-DEFAULT = Ul2Config(
-    data=Ul2DataConfig(seq_len=128),
-    train=TrainConfig(max_steps=200, memories_per_step=16, lr=2e-3, warmup_steps=10, log_every=10,
-                      checkpoint_every=100),
-    run=RunSettings(name="encoder-ul2-tiny"),
-)
+from pipelines.cli import parse_config
+from pipelines.tracking.tracker import summary_json
+from pipelines.train.driver import shutdown_ray
+from pipelines.train.presets import ENCODER_UL2
+from pipelines.train.ul2 import run_ul2
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_ul2_config(argv, DEFAULT, description=__doc__)
+    config = parse_config(argv, ENCODER_UL2, description=__doc__)
     summary = run_ul2(config)
     shutdown_ray()  # flushes the workers' forwarded logs, so the summary is the last line
     print(summary_json(summary), flush=True)

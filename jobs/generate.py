@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from models import AwarenessModel, build_pair
-from pipelines.generation import generate_with_memories
+from pipelines.evaluate.generation import generate_with_memories
 
 
 @dataclass

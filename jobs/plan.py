@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import fields
 
-from pipelines.planning import PlanInput, plan_memory
+from pipelines.train.plan import PlanInput, plan_memory
 
 
 def parse_args(argv: list[str] | None = None) -> PlanInput:

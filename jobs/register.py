@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from pipelines.registry import DEFAULT_NAME, describe, promote, register_run
-from pipelines.tracking import summary_json
+from pipelines.tracking.registry import DEFAULT_NAME, describe, promote, register_run
+from pipelines.tracking.tracker import summary_json
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -15,19 +15,9 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.config import DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrainConfig
-from pipelines.jobs import run_job
+from pipelines.train.driver import run_job
+from pipelines.train.presets import STAGE1
 
-# tiny-text: the tiny shapes with Qwen3's vocabulary, so a laptop trains on real shards; pass --model.pair for more.
-DEFAULT = StageConfig(
-    stage=1,
-    model=ModelConfig(pair="tiny-text", gca_layers="upper_third", decoder="lora", encoder="frozen", gca="full"),
-    data=DataConfig(variants="hinted,imperative", max_tokens=2048, max_chunks=16, chunk_len=512),
-    train=TrainConfig(max_steps=1000, memories_per_step=8, lr=2e-4, warmup_steps=30, frozen_decoder_steps=100,
-                      eval_every=200, checkpoint_every=200, log_every=20),
-    scaling=ScalingSettings(cpus_per_worker=0.5),  # leaves CPUs for Ray Data's read tasks on a laptop
-    run=RunSettings(name="stage1"),
-)
 
 if __name__ == "__main__":
-    sys.exit(run_job(sys.argv[1:], DEFAULT, __doc__))
+    sys.exit(run_job(sys.argv[1:], STAGE1, __doc__))

@@ -12,18 +12,9 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.config import DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrainConfig
-from pipelines.jobs import run_job
+from pipelines.train.driver import run_job
+from pipelines.train.presets import STAGE2
 
-DEFAULT = StageConfig(
-    stage=2,
-    model=ModelConfig(pair="tiny-text", gca_layers="upper_third", decoder="lora", encoder="frozen", gca="full"),
-    data=DataConfig(variants=None, max_tokens=4096, max_chunks=32, chunk_len=512),
-    train=TrainConfig(max_steps=2000, memories_per_step=8, lr=1e-4, warmup_steps=50, eval_every=250,
-                      checkpoint_every=250, log_every=20),
-    scaling=ScalingSettings(cpus_per_worker=0.5),  # leaves CPUs for Ray Data's read tasks on a laptop
-    run=RunSettings(name="stage2"),
-)
 
 if __name__ == "__main__":
-    sys.exit(run_job(sys.argv[1:], DEFAULT, __doc__))
+    sys.exit(run_job(sys.argv[1:], STAGE2, __doc__))

@@ -17,10 +17,10 @@ import argparse
 import dataclasses
 import sys
 
-from pipelines.config import parse_config
-from pipelines.stage import shutdown_ray
-from pipelines.tracking import summary_json
-from pipelines.tuning import SweepConfig, default_base, run_sweep
+from pipelines.cli import parse_config
+from pipelines.train.driver import shutdown_ray
+from pipelines.tracking.tracker import summary_json
+from pipelines.tune.sweep import SweepConfig, default_base, run_sweep
 
 
 def parse(argv: list[str] | None) -> tuple[SweepConfig, list[str], str | None, int]:

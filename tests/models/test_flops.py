@@ -13,8 +13,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, build_pair
 from models.flops import flop_counter, training_flops
-from pipelines.config import ModelConfig
-from pipelines.training import prepare_model
+from pipelines.train.config import ModelConfig
+from pipelines.train.model import prepare_model
 
 B, T, C, L = 2, 24, 3, 16  # decoder rows x tokens, memory chunks x chunk length
 

@@ -1,0 +1,36 @@
+"""Corpora for the stage jobs, built on Ray Data (`jobs/build_corpus.py`).
+
+Output rows (Parquet, `OUT/train`, `OUT/val`; schema `ROW_SCHEMA`):
+
+    task              code_qa | doc_qa | needle | commit
+    variant           direct | agentic (Q&A); single | multikey | multivalue | hop2 | hop3 (needle);
+                      raw | hinted | imperative | planning (commit)
+    kind              the question kind (defines, params, method_of, returns, raises, callers, constant, section,
+                      definition), or direct | agentic for needles, or the commit's change type
+    prompt, target    text; target ends before <|im_end|>, which the token columns append
+    answer            the bare answer (targets may add `<read>chunk</read>` or a plan around it)
+    memory            list<str>: memory chunks, each starting with `### <path> [chunk <k>]`
+    source, unit      the --source name and the repository (train/val split unit)
+    evidence          struct {path, start_line, end_line}: where the answer stands (path relative to the source)
+    depth             needles: where the asked needle sits (0 = first chunk, 1 = last); null otherwise
+    memory_chunks, memory_tokens
+    diff              commits: the unified diff (for evaluation); "" otherwise
+    input_ids         list<int32>: prompt + target + <|im_end|>
+    labels            list<int32>: -100 over the prompt, then the target ids
+    memory_input_ids  list<list<int32>>: one unpadded token list per memory chunk (= tokenizer(memory[k]))
+
+Read with `ray.data.read_parquet("OUT/train")` (the training job: `ray.train.get_dataset_shard("train")`); pad
+`input_ids`/`labels` and each memory chunk in the collate function.
+"""
+
+__all__ = ["BuildConfig", "build_corpus", "ROW_SCHEMA", "REJECT_SCHEMA"]
+
+
+def __getattr__(name: str):
+    """The build's names, imported on first use: `pipelines.data.tokenizer` alone (as the served model needs it)
+    must not pull in Ray Data, pyarrow and the tree-sitter grammars."""
+    if name in __all__:
+        from pipelines.data.corpora import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

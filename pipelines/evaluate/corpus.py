@@ -1,0 +1,48 @@
+"""Corpus evaluation: validation loss and next-token accuracy with the memory and with it withheld."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipelines.data.packing import PackingSpec, collate_packed, pack_examples, rows_from_columns
+
+
+@torch.no_grad()
+def evaluate_corpus(model, shard, spec: PackingSpec) -> dict[str, float]:
+    """Validation loss and next-token accuracy on the targets, with the memory and with it withheld: the gap is
+    what reading the memory is worth."""
+    if shard is None:
+        return {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(5, dtype=torch.float64)  # loss sum, tokens, correct, loss sum without memory, correct
+    batches = list(shard.iter_batches(batch_size=8, batch_format="numpy"))  # val_examples caps it; same on every rank
+    # Under ZeRO-3 every forward gathers parameters from all ranks, so all ranks run the same number of forwards:
+    # a rank without a batch of its own in the last round repeats one and does not count it.
+    rounds = -(-len(batches) // world)
+    for index in (r * world + rank for r in range(rounds)):
+        counted = index < len(batches)
+        batch = collate_packed(pack_examples(rows_from_columns(batches[index if counted else 0]), spec), spec)
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        target, valid = labels[:, 1:], labels[:, 1:] != -100
+        with_memory = model(**batch).logits.float()[:, :-1]
+        without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        without = without.logits.float()[:, :-1]
+        if not counted:
+            continue
+        totals[1] += int(valid.sum())
+        for logits, loss_at, correct_at in ((with_memory, 0, 2), (without, 3, 4)):
+            totals[loss_at] += float(torch.nn.functional.cross_entropy(logits[valid], target[valid], reduction="sum"))
+            totals[correct_at] += int((logits.argmax(-1)[valid] == target[valid]).sum())
+    model.train(was_training)
+    dist.all_reduce(totals)
+    tokens = max(totals[1].item(), 1)
+    return {
+        "val_loss": totals[0].item() / tokens,
+        "token_accuracy": totals[2].item() / tokens,
+        "no_memory_val_loss": totals[3].item() / tokens,
+        "no_memory_token_accuracy": totals[4].item() / tokens,
+    }

@@ -1,0 +1,123 @@
+"""Needle evaluation: exact-match accuracy with the memory and with it withheld, by depth and memory size.
+
+The distributed functions score this worker's share of the held-out memories and sum the counts over all workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models import AwarenessModel
+from pipelines.data.synthetic_needles import NeedleSpec, answer_span, make_batch
+
+
+@dataclass
+class NeedleScores:
+    correct: int
+    total: int
+    loss_sum: float  # summed answer-token cross-entropy
+    tokens: int
+    depth_correct: list[int]  # per depth bin
+    depth_total: list[int]
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.total, 1)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.tokens, 1)
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.correct, self.total, self.loss_sum, self.tokens, *self.depth_correct,
+                             *self.depth_total], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, bins: int) -> "NeedleScores":
+        v = t.tolist()
+        return cls(int(v[0]), int(v[1]), v[2], int(v[3]), [int(x) for x in v[4 : 4 + bins]],
+                   [int(x) for x in v[4 + bins :]])
+
+
+@torch.no_grad()
+def score_needles(
+    model: AwarenessModel,
+    spec: NeedleSpec,
+    seed: int,
+    indices: list[int],
+    *,
+    with_memory: bool = True,
+    batch_memories: int = 16,
+    depth_bins: int = 4,
+) -> NeedleScores:
+    """Exact match of all value digits. Teacher-forced argmax at each answer position equals greedy decoding for
+    exact match: greedy emits the right digits exactly when each is the argmax given the right ones before it."""
+    was_training = model.training
+    model.eval()
+    device = model.device
+    span = answer_span(spec)
+    scores = NeedleScores(0, 0, 0.0, 0, [0] * depth_bins, [0] * depth_bins)
+    for start in range(0, len(indices), batch_memories):
+        batch = make_batch(spec, seed, indices[start : start + batch_memories])
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        memory = batch["memory_input_ids"].to(device) if with_memory else None
+        logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (B*Q, T, V)
+        answer_logits = logits[:, span]  # the logits that predict the value digits
+        answer = ids[:, span.start + 1 : span.stop + 1]
+        exact = (answer_logits.argmax(-1) == answer).all(-1).cpu()
+        scores.correct += int(exact.sum())
+        scores.total += exact.numel()
+        shifted_labels = labels[:, 1:]
+        valid = shifted_labels != -100
+        token_loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1][valid], shifted_labels[valid], reduction="sum"
+        )
+        scores.loss_sum += float(token_loss)
+        scores.tokens += int(valid.sum())
+        bins = (batch["depth"] * depth_bins).long().clamp(max=depth_bins - 1)
+        for b, ok in zip(bins.tolist(), exact.tolist(), strict=True):
+            scores.depth_total[b] += 1
+            scores.depth_correct[b] += int(ok)
+    model.train(was_training)
+    return scores
+
+
+HEATMAP_DISTRACTORS = (0, 2, 6, 14)  # memory sizes for the final needle heatmap, in filler chunks added
+
+
+def _summed(scores: NeedleScores) -> NeedleScores:
+    total = scores.as_tensor()
+    dist.all_reduce(total)
+    return NeedleScores.from_tensor(total, bins=len(scores.depth_total))
+
+
+def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
+                     world: int) -> dict[str, float]:
+    """Held-out needles (memories `seed`, 0..val_memories-1), with the memory and with it withheld."""
+    indices = list(range(rank, val_memories, world))
+    metrics = {}
+    for label, with_memory in (("needle", True), ("no_memory", False)):
+        scores = _summed(score_needles(model, spec, seed, indices, with_memory=with_memory))
+        metrics[f"{label}_accuracy"] = scores.accuracy
+        metrics[f"{label}_val_loss"] = scores.loss
+        if with_memory:
+            for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
+                metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
+    return metrics
+
+
+def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
+                   world: int) -> dict[str, Any]:
+    """Needle accuracy by depth and memory size, on held-out memories (the needle-in-a-haystack picture)."""
+    indices = list(range(rank, val_memories, world))
+    columns = []
+    for distractors in HEATMAP_DISTRACTORS:
+        scores = _summed(score_needles(model, dataclasses.replace(spec, distractors=distractors), seed, indices))
+        columns.append([c / max(n, 1) for c, n in zip(scores.depth_correct, scores.depth_total, strict=True)])
+    sizes = [dataclasses.replace(spec, distractors=d).chunks * spec.chunk_len for d in HEATMAP_DISTRACTORS]
+    return {"memory_tokens": sizes, "accuracy_by_depth": [list(row) for row in zip(*columns)]}

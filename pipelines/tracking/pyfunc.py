@@ -1,0 +1,140 @@
+"""The MLflow pyfunc model: question + memory chunk texts in, generated answer text out.
+
+It holds only the small exported artifact (GCA, projection, LoRA); `load_context` rebuilds the model from the base
+checkpoints that artifact names (`AwarenessModel.from_pretrained`), so no copy of the base weights is logged.
+Text goes through the decoder checkpoint's own `tokenizer.json` (real Qwen3 checkpoints carry one; Qwen3-Embedding
+shares its vocabulary, so memory chunks use it too). The random-weight pairs carry none: the registry writes one
+beside the generated checkpoint, chosen by its vocabulary: Qwen3's (tiny-text, trained on corpus shards) gets the
+corpora's offline Qwen3 tokenizer converted to tokenizer.json; the 512-id needle pairs get `needle_tokenizer()`, a
+WordLevel tokenizer over stage 0's needle vocabulary, so a needle question is text too (`k117 =` -> `4 0 7`).
+The question is a template (special-token strings in it are control tokens, as the corpus prompts' parts are);
+memory chunks are plain text (special-token strings stay text, as the corpus builder encodes chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import torch
+
+TOKENIZER_FILE = "tokenizer.json"
+NEEDLE_SPECIALS = {"<pad>": 0, "<bos>": 1, "=": 2, ";": 3, "<eos>": 4, "<unk>": 5}
+
+
+def needle_tokenizer():
+    """pipelines.data.synthetic_needles's ids as words: `<bos>` `k117` `=` digits `;` `<eos>`, filler `w300`..; `<bos>` prepended."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from pipelines.data.synthetic_needles import FILLER, KEYS, VALUES
+
+    vocab = dict(NEEDLE_SPECIALS)
+    vocab |= {str(v - VALUES.start): v for v in VALUES}  # values read as numbers 0..89
+    vocab |= {f"k{k}": k for k in KEYS} | {f"w{w}": w for w in FILLER}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tokenizer.add_special_tokens(["<pad>", "<bos>", "<eos>", "<unk>"])
+    return tokenizer
+
+
+def ensure_tokenizer(decoder_dir: str | Path) -> Path:
+    """The decoder checkpoint's tokenizer.json; for a random-weight checkpoint, one written there by its vocabulary
+    size: the Qwen3 tokenizer when the vocabulary holds Qwen3's ids (and ours), else the needle tokenizer."""
+    from models.pairs import RANDOM_WEIGHTS_MARKER
+    from pipelines.data.tokenizer import VOCAB_SIZE, tokenizers_tokenizer
+
+    decoder_dir = Path(decoder_dir)
+    path = decoder_dir / TOKENIZER_FILE
+    if not path.is_file():
+        if not (decoder_dir / RANDOM_WEIGHTS_MARKER).is_file():
+            raise FileNotFoundError(
+                f"{decoder_dir} has no {TOKENIZER_FILE}: the pyfunc model turns text into ids with the decoder "
+                f"checkpoint's tokenizer; copy the checkpoint's tokenizer.json there"
+            )
+        vocab = json.loads((decoder_dir / "config.json").read_text())["vocab_size"]
+        tokenizer = tokenizers_tokenizer() if vocab >= VOCAB_SIZE else needle_tokenizer()
+        partial = path.with_suffix(f".{os.getpid()}.tmp")  # a concurrent loader never reads half a file
+        tokenizer.save(str(partial))
+        partial.replace(path)
+    return path
+
+
+class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
+    """predict(rows of {question: str, memory: list[str]}) -> list of answers (greedy, memory read through GCA)."""
+
+    def load_context(self, context) -> None:
+        from tokenizers import Tokenizer
+
+        from models import AwarenessModel
+        from pipelines.data.tokenizer import text_tokenizer
+
+        self.model = AwarenessModel.from_pretrained(context.artifacts["export"]).eval()
+        path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
+        self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
+        self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text
+        settings = context.model_config or {}
+        self.max_new_tokens = int(settings.get("max_new_tokens", 32))
+        eos = settings.get("eos_token")
+        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else self.model.decoder.generation_config.eos_token_id
+        self.pad_token_id = self.tokenizer.token_to_id(settings.get("pad_token") or "<pad>") or 0
+        # False for corpus-trained models: their answers may be made of agentic tokens (<plan>, <read>, <edit>)
+        self.skip_special_tokens = bool(settings.get("skip_special_tokens", True))
+
+    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
+        max_new_tokens = int((params or {}).get("max_new_tokens") or self.max_new_tokens)
+        return [self.answer(question, list(memory), max_new_tokens) for question, memory in _rows(model_input)]
+
+    def encode(self, question: str, memory: list[str]) -> dict[str, torch.Tensor]:
+        """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded."""
+        prompt = torch.tensor([self.tokenizer.encode(question).ids])
+        chunks = [self.text_tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
+        if not chunks:
+            return {"input_ids": prompt}
+        width = max(len(c) for c in chunks)
+        ids = torch.full((1, len(chunks), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((1, len(chunks), width), dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            ids[0, i, : len(chunk)], mask[0, i, : len(chunk)] = torch.tensor(chunk), 1
+        return {"input_ids": prompt, "memory_input_ids": ids, "memory_attention_mask": mask}
+
+    def answer(self, question: str, memory: list[str], max_new_tokens: int) -> str:
+        inputs = self.encode(question, memory)
+        out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        return self.decode(out[0, inputs["input_ids"].shape[1]:].tolist())
+
+    def decode(self, ids: list[int]) -> str:
+        """The answer's text: its ids up to the first end-of-answer token."""
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        end = next((i for i, token in enumerate(ids) if token in eos), len(ids))
+        return self.tokenizer.decode(ids[:end], skip_special_tokens=self.skip_special_tokens)
+
+
+def _rows(model_input) -> list[tuple[str, list[str]]]:
+    """A DataFrame with columns question and memory, a dict, or a list of dicts."""
+    if hasattr(model_input, "to_dict"):
+        model_input = model_input.to_dict(orient="records")
+    if isinstance(model_input, dict):
+        model_input = [model_input]
+    rows = []
+    for row in model_input:
+        if "question" not in row:
+            raise ValueError(f"each input needs a 'question' (text) and a 'memory' (list of chunk texts); got {sorted(row)}")
+        memory = row.get("memory")
+        rows.append((str(row["question"]), [] if memory is None else [str(m) for m in memory]))
+    return rows
+
+
+def signature():
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec(DataType.string, "question"), ColSpec(Array(DataType.string), "memory")]),
+        outputs=Schema([ColSpec(DataType.string)]),
+        params=ParamSchema([ParamSpec("max_new_tokens", DataType.long, 0)]),
+    )

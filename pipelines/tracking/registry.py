@@ -1,0 +1,124 @@
+"""The MLflow model registry: a training run's exported artifact becomes a version of a registered model, with its
+lineage as version tags and the alias `candidate`; promotion moves the alias `production`."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipelines.tracking.tracker import resolve_tracking_uri
+
+DEFAULT_NAME = "awareness"
+MODEL_ARTIFACT = "pyfunc"  # where the pyfunc model is logged inside the run
+LINEAGE_TAGS = ("pair", "stage", "base.decoder", "base.encoder", "data.manifest_hash", "git.commit")
+# The model's own code travels with it (MLflow `code_paths`, put on sys.path at load): a serving machine needs the
+# pip requirements and the base checkpoints, not this repository.
+CODE_PATHS = tuple(str(Path(__file__).resolve().parents[2] / package) for package in ("models", "pipelines"))
+
+
+def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DEFAULT_NAME, alias: str = "candidate",
+                 sweep_run_id: str | None = None, max_new_tokens: int | None = None):
+    """Logs the run's `export/` artifact as a pyfunc model into that run and registers it. Returns the
+    ModelVersion. The model references the base checkpoints the export names; they must exist where it is loaded."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from models import AwarenessConfig
+    from pipelines.tracking.pyfunc import ensure_tokenizer, signature
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        export = Path(_download_export(client, run_id, tmp))
+        config = AwarenessConfig.load(export)
+        ensure_tokenizer(config.decoder)
+        settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
+        model_dir = Path(tmp) / MODEL_ARTIFACT
+        mlflow.pyfunc.save_model(
+            str(model_dir), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
+            artifacts={"export": str(export)}, signature=signature(), model_config=settings,
+            pip_requirements=_requirements(), code_paths=list(CODE_PATHS),
+        )
+        client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
+    _ensure_registered_model(client, name)
+    tags = lineage_tags(run, config, sweep_run_id)
+    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}", run_id=run_id,
+                                          tags=tags, description=f"run {run.info.run_name} ({run_id})")
+    client.set_registered_model_alias(name, alias, version.version)
+    return version
+
+
+def promote(version: str | int, *, tracking_uri: str | None = None, name: str = DEFAULT_NAME,
+            alias: str = "production"):
+    """Points `alias` (production) at `version`; the version it pointed at before keeps its other aliases."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(resolve_tracking_uri(tracking_uri))
+    found = client.get_model_version(name, str(version))  # raises with MLflow's message when it does not exist
+    client.set_registered_model_alias(name, alias, found.version)
+    return found
+
+
+def lineage_tags(run, config, sweep_run_id: str | None) -> dict[str, str]:
+    tags = {k: run.data.tags[k] for k in LINEAGE_TAGS if k in run.data.tags}
+    tags |= {"run_id": run.info.run_id, "base.decoder": config.decoder, "base.encoder": config.encoder,
+             "gca_layers": ",".join(map(str, config.gca_layers))}
+    sweep = sweep_run_id or run.data.tags.get("sweep.run_id") or run.data.tags.get("mlflow.parentRunId")
+    if sweep:
+        tags["sweep_run_id"] = sweep
+    return tags
+
+
+def _download_export(client, run_id: str, directory: str) -> str:
+    names = {a.path for a in client.list_artifacts(run_id)}
+    if "export" not in names:
+        raise FileNotFoundError(
+            f"MLflow run {run_id} has no 'export' artifact (it has {sorted(names)}): register a run that trained to "
+            f"its last step (a stage job's run, or a sweep trial that was not stopped early)"
+        )
+    return client.download_artifacts(run_id, "export", directory)
+
+
+def _answer_length(params: dict[str, str]) -> int:
+    """Needle runs answer value_digits + EOS; otherwise a generic default."""
+    digits, corpus = params.get("needle.value_digits"), params.get("data.train_path", "None")
+    return int(digits) + 1 if digits and corpus in ("None", "") else 32
+
+
+def _answer_end(params: dict[str, str]) -> dict[str, Any]:
+    """How answers end and read: corpus rows end every target with <|im_end|> and may answer in agentic tokens
+    (<plan>, <read>, <edit>), kept in the text; needles end with <eos>; a real pair's own checkpoint decides."""
+    from pipelines.data.tokenizer import EOS
+
+    if params.get("data.train_path", "None") not in ("None", ""):
+        return {"eos_token": EOS, "skip_special_tokens": False}
+    return {"eos_token": "<eos>" if params.get("model.pair", "").startswith(("tiny", "small")) else None}
+
+
+def _ensure_registered_model(client, name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="Qwen3 decoders reading an encoder memory through GCA")
+
+
+def _requirements() -> list[str]:
+    """Stated, not inferred (inference imports and times every module): what the model's code imports at load."""
+    import numpy
+    import peft
+    import tokenizers
+    import torch
+    import transformers
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}", f"peft=={peft.__version__}", "safetensors",
+            f"numpy=={numpy.__version__}"]
+
+
+def describe(version) -> dict[str, Any]:
+    return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
+            "aliases": list(getattr(version, "aliases", []) or [])}

@@ -1,0 +1,263 @@
+"""Typed configs for the stage jobs: one dataclass per concern, a config file plus command-line overrides, and a
+validation that collects every problem into one message. Converted to a dict only at the Ray Train boundary."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models import PAIRS
+from models.placement import resolve_gca_layers
+from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
+from pipelines.cli import from_typed_dict
+from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
+
+
+@dataclass
+class ModelConfig:
+    pair: str = "tiny"  # a name from models.PAIRS
+    checkpoint_root: str | None = None  # where real pairs' checkpoints live; None: $AWARENESS_CHECKPOINT_ROOT
+    gca_layers: str = "upper_third"  # placement spec (see models.placement)
+    encoder_attention: str | None = None  # causal | bidirectional; None: the pair's default
+    gca_mlp: bool = False  # a gated MLP after each cross-attention
+    gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged
+    decoder: str = "lora"  # frozen | lora | full
+    encoder: str = "frozen"  # frozen | lora | full
+    gca: str = "full"  # full | lora
+    lora_rank: int = 16  # decoder LoRA rank
+    lora_alpha: float | None = None  # None: 2 * rank
+    lora_targets: str = ",".join(ATTENTION + MLP)  # decoder projections that get LoRA; MoE pairs: add `experts`
+    encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
+    gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
+    encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
+    gradient_checkpointing: bool = False
+    encoder_checkpoint: str | None = None  # e.g. jobs/encoder_ul2.py's export/encoder: replaces the pair's encoder
+    init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
+
+
+@dataclass
+class NeedleConfig:
+    """Stage 0's embedded synthetic task (used when data.train_path is not set)."""
+
+    facts: int = 8
+    questions: int = 8
+    value_digits: int = 3
+    value_range: int = 10
+    chunk_len: int = 24
+    distractors: int = 2
+    val_memories: int = 64  # held-out memories for needle accuracy
+    seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
+
+    def spec(self) -> NeedleSpec:
+        return NeedleSpec(facts=self.facts, questions=self.questions, value_digits=self.value_digits,
+                          value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors)
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = None  # Parquet shards from jobs/build_corpus.py (OUT/train); None: synthetic needles
+    val_path: str | None = None  # (OUT/val): validation loss and token accuracy, with and without the memory
+    variants: str | None = None  # comma-separated prompt variants to keep (e.g. hinted,imperative); None: all
+    max_tokens: int = 1024  # decoder tokens per packed row
+    max_chunks: int = 16  # memory chunks per packed row
+    chunk_len: int = 512  # tokens per memory chunk
+    pad_id: int = 0  # padded positions are masked; the id only has to exist in both vocabularies
+    val_examples: int = 256  # validation examples scored at each evaluation
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    memories_per_step: int = 16  # global batch, in memories (each carries needle.questions questions)
+    grad_accum: int = 1
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    frozen_decoder_steps: int = 0  # the plan's warm-up phase: decoder updates start after this many steps
+    log_every: int = 20
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+@dataclass
+class DeepSpeedSettings:
+    zero_stage: int = 3
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
+    offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)
+
+
+@dataclass
+class ScalingSettings:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_node: int = 8  # for the memory plan a GPU run checks first
+    gpu_memory_gib: float = 80.0
+
+
+@dataclass
+class RunSettings:
+    name: str = "awareness-stage0"  # a rerun with the same name and storage_path resumes
+    storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
+    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class TrackingSettings:
+    enabled: bool = True
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
+    experiment: str = "awareness"
+
+
+@dataclass
+class StageConfig:
+    stage: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    needle: NeedleConfig = field(default_factory=NeedleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
+        return from_typed_dict(cls, data, "")
+
+    def problems(self) -> list[str]:
+        """Every problem with this config, each naming the field and what would be accepted."""
+        p: list[str] = []
+        m, t = self.model, self.train
+        if m.pair not in PAIRS:
+            p.append(f"model.pair {m.pair!r} is not one of {sorted(PAIRS)}")
+        else:
+            depth = PAIRS[m.pair].decoder_config["num_hidden_layers"]
+            try:
+                resolve_gca_layers(m.gca_layers, depth)
+            except ValueError as e:
+                p.append(f"model.gca_layers: {e}")
+        for name in ("decoder", "encoder", "gca"):
+            if getattr(m, name) not in TRAIN_MODES:
+                p.append(f"model.{name} must be one of {TRAIN_MODES}, got {getattr(m, name)!r}")
+        if m.encoder_attention not in (None, "causal", "bidirectional"):
+            p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
+        targets = m.lora_targets.split(",")
+        unknown = set(targets) - set(GROUP_TARGETS["decoder"])
+        if unknown:
+            p.append(f"model.lora_targets has unknown names {sorted(unknown)}; choose from {GROUP_TARGETS['decoder']}")
+        if EXPERTS in targets and m.pair in PAIRS and PAIRS[m.pair].decoder_config["model_type"] != "qwen3_moe":
+            p.append(f"model.lora_targets: {EXPERTS!r} is LoRA on Qwen3-MoE experts, and pair {m.pair!r} is dense: "
+                     f"target its MLP with {','.join(MLP)}")
+        for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
+            if getattr(m, name) <= 0:
+                p.append(f"model.{name} must be positive")
+        if m.encoder_checkpoint and not (Path(m.encoder_checkpoint) / "config.json").is_file():
+            p.append(f"model.encoder_checkpoint {m.encoder_checkpoint} holds no config.json: pass the export/encoder "
+                     f"directory of a jobs/encoder_ul2.py run (or any Qwen3 checkpoint directory)")
+        if m.init_from and not (Path(m.init_from) / "awareness.safetensors").is_file():
+            p.append(f"model.init_from {m.init_from} holds no awareness.safetensors: pass a finished stage's "
+                     f"export directory (the `export` path in its summary line)")
+        p += [f"needle: {q}" for q in self.needle.spec().problems()]
+        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
+            if getattr(t, name) <= 0:
+                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+            p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+        if self.scaling.num_workers <= 0:
+            p.append("scaling.num_workers must be positive")
+        elif t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
+            p.append(
+                f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})"
+            )
+        d = self.data
+        if d.val_path and not d.train_path:
+            p.append("data.val_path needs data.train_path (the synthetic needles bring their own validation)")
+        for name in ("max_tokens", "max_chunks", "chunk_len", "val_examples"):
+            if getattr(d, name) <= 0:
+                p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+        for name in ("train_path", "val_path"):
+            path = getattr(d, name)
+            if path and "://" not in path and not Path(path).exists():
+                p.append(f"data.{name} {path} does not exist: build the shards with jobs/build_corpus.py --out DIR "
+                         f"and pass DIR/train and DIR/val")
+        if self.stage in (1, 2) and not d.train_path:
+            p.append(f"stage {self.stage} trains on commit shards: build them with `python jobs/build_corpus.py "
+                     f"--stage 2 --source REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
+        if self.needle.val_memories % self.scaling.num_workers:
+            p.append(f"needle.val_memories ({self.needle.val_memories}) must divide over {self.scaling.num_workers} workers")
+        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
+            p.append(f"deepspeed.zero_stage must be 0-3, got {self.deepspeed.zero_stage}")
+        if self.deepspeed.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {self.deepspeed.precision!r}")
+        if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
+            p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
+        return p
+
+    def validate(self) -> "StageConfig":
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+# ------------------------------------------------------------------------------ the encoder-decoder UL2 job
+@dataclass
+class Ul2ModelConfig:
+    checkpoint: str | None = None  # a decoder-only Qwen3 checkpoint directory; None: a tiny random one (CPU default)
+    checkpoint_root: str | None = None  # where the tiny one is written; None: ~/.cache/awareness/random-checkpoints
+    encoder_key_rope: str = "none"  # none (T5Gemma 2, measured better) | encoder_positions
+    encoder_layers: int | None = None  # None: all of the checkpoint's layers
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class Ul2Config:
+    """One typed section per concern, as the stage jobs; train.memories_per_step counts sequences here."""
+
+    model: Ul2ModelConfig = field(default_factory=Ul2ModelConfig)
+    data: Ul2DataConfig = field(default_factory=Ul2DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    run: RunSettings = field(default_factory=lambda: RunSettings(name="encoder-ul2"))
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Ul2Config":
+        return from_typed_dict(cls, data)
+
+    def validate(self) -> "Ul2Config":
+        p, t = [], self.train
+        if self.model.encoder_key_rope not in ("none", "encoder_positions"):
+            p.append(f"model.encoder_key_rope must be none or encoder_positions, got {self.model.encoder_key_rope!r}")
+        if self.model.checkpoint and not Path(self.model.checkpoint).expanduser().is_dir():
+            p.append(f"model.checkpoint {self.model.checkpoint!r} is not a directory: pass a local decoder-only "
+                     f"Qwen3 checkpoint (config.json, *.safetensors, tokenizer.json), or leave it empty for the tiny one")
+        if self.data.mixture not in MIXTURES:
+            p.append(f"data.mixture {self.data.mixture!r} is not one of {sorted(MIXTURES)}")
+        if self.data.seq_len < 16:
+            p.append(f"data.seq_len must be at least 16 tokens, got {self.data.seq_len}")
+        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "checkpoint_every"):
+            if getattr(t, name) <= 0:
+                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
+            p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                     f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
+        if p:
+            raise ValueError("invalid UL2 config:\n  - " + "\n  - ".join(p))
+        return self

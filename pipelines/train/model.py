@@ -1,0 +1,40 @@
+"""Builds the model a stage trains from its model config: the pair, LoRA adapters, initial weights, what trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from models.awareness import WEIGHTS_NAME
+from pipelines.train.config import ModelConfig
+
+
+def build_model(cfg: ModelConfig) -> AwarenessModel:
+    """The pair, its LoRA adapters and what trains, all from the model config."""
+    model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
+                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp,
+                       encoder_checkpoint=cfg.encoder_checkpoint)
+    return prepare_model(model, cfg)
+
+
+def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
+    """The training configuration on a built pair: LoRA adapters, initial added weights, what trains, the encoder's
+    gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU)."""
+    targets = tuple(cfg.lora_targets.split(","))
+    plan = LoraPlan(
+        decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
+        gca=LoraSettings(rank=cfg.gca_lora_rank) if cfg.gca == "lora" else None,
+        encoder=LoraSettings(rank=cfg.encoder_lora_rank) if cfg.encoder == "lora" else None,
+    )
+    if plan.decoder or plan.gca or plan.encoder:
+        apply_lora(model, plan)
+    if cfg.gca_gate_init:
+        model.set_gates(cfg.gca_gate_init)
+    if cfg.init_from:
+        model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME)
+    set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)
+    model.memory_encoder.grad_scale = cfg.encoder_grad_scale
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+

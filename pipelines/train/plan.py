@@ -1,0 +1,176 @@
+"""Will a pair train on a given cluster? A per-GPU memory plan from meta-device parameter counts.
+
+ZeRO-3 in bf16: every parameter is partitioned over all GPUs (2 B each); a trained parameter also carries a bf16
+gradient and fp32 master weights plus Adam's two moments (2 + 12 B), the 12 B on CPU with optimizer offload. On top:
+the gathered working set (the largest layer, or Qwen3-MoE's whole sparse block, which is a ZeRO-3 leaf), activations,
+and the logits (the loss upcasts them to fp32). DeepSpeed's own ZeRO-3 estimator is shown beside ours when the whole
+model trains, the case it models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models import LoraPlan, LoraSettings, apply_lora, build_pair
+from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
+
+GIB = 1024**3
+CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclass
+class PlanInput:
+    pair: str
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    decoder: str = "lora"  # frozen | lora | full
+    encoder: str = "frozen"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ATTENTION + MLP  # add "experts" for LoRA on an MoE pair's experts
+    micro_batch: int = 1  # sequences per GPU per micro-step
+    memories: int | None = None  # memories per GPU per micro-step (several questions can share one); None: one each
+    seq_len: int = 4096
+    memory_tokens: int = 16384
+    gradient_checkpointing: bool = True
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class MemoryPlan:
+    inputs: PlanInput
+    params: dict[str, int]
+    rows: dict[str, float] = field(default_factory=dict)  # GiB per GPU
+    cpu_gib_per_node: float = 0.0
+    deepspeed_estimate_gib: float | None = None
+
+    @property
+    def total_gib(self) -> float:
+        return sum(self.rows.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_gib <= self.inputs.gpu_memory_gib
+
+    def table(self) -> str:
+        i = self.inputs
+        lines = [f"pair {i.pair}: {i.nodes} node(s) x {i.gpus_per_node} GPU(s) of {i.gpu_memory_gib:.0f} GiB, "
+                 f"decoder {i.decoder}, encoder {i.encoder}, LoRA rank {i.lora_rank}, sequence {i.seq_len}, "
+                 f"memory {i.memory_tokens} tokens, micro-batch {i.micro_batch}",
+                 "parameters: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in self.params.items()),
+                 f"| {'per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
+        lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.rows.items()]
+        lines.append(f"| {'total':<44} | {self.total_gib:8.2f} |")
+        if self.deepspeed_estimate_gib is not None:
+            lines.append(f"DeepSpeed's ZeRO-3 estimate of model states (full training): {self.deepspeed_estimate_gib:.2f} GiB/GPU")
+        if self.cpu_gib_per_node:
+            lines.append(f"CPU memory for offloaded states: {self.cpu_gib_per_node:.1f} GiB per node")
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"{verdict}: {self.total_gib:.1f} of {i.gpu_memory_gib:.0f} GiB per GPU")
+        return "\n".join(lines)
+
+
+def plan_for_stage(config) -> MemoryPlan:
+    """The plan of a stage config's GPU run: its pair, train modes, workers and (for stage 0's needles) lengths."""
+    from pipelines.data.synthetic_needles import PROMPT_LEN
+
+    spec, s = config.needle.spec(), config.scaling
+    per_gpu_memories = max(1, config.train.memories_per_step // (s.num_workers * config.train.grad_accum))
+    return plan_memory(PlanInput(
+        pair=config.model.pair, nodes=max(1, -(-s.num_workers // s.gpus_per_node)),
+        gpus_per_node=min(s.num_workers, s.gpus_per_node), gpu_memory_gib=s.gpu_memory_gib,
+        decoder=config.model.decoder, encoder=config.model.encoder, lora_rank=config.model.lora_rank,
+        lora_targets=tuple(config.model.lora_targets.split(",")), micro_batch=per_gpu_memories * spec.questions,
+        memories=per_gpu_memories,
+        seq_len=PROMPT_LEN + spec.value_digits + 1, memory_tokens=spec.chunks * spec.chunk_len,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
+    ))
+
+
+def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
+    """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
+    Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own."""
+    model = build_pair(inputs.pair, device="meta")
+    if inputs.decoder == "lora":
+        apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
+    decoder = sum(p.numel() for n, p in model.decoder.named_parameters() if not is_added_parameter(n))
+    encoder = sum(p.numel() for p in model.memory_encoder.parameters())
+    added = sum(p.numel() for n, p in model.named_parameters() if is_added_parameter(n) and "lora_" not in n)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.decoder.model.layers)
+    params = {"decoder": decoder, "encoder": encoder, "gca+projection": added}
+    if lora:
+        params["decoder LoRA"] = lora
+    return params, largest, model
+
+
+def plan_memory(inputs: PlanInput) -> MemoryPlan:
+    params, largest, model = count_parameters(inputs)
+    n_gpus = inputs.nodes * inputs.gpus_per_node
+    trained = params["gca+projection"] + params.get("decoder LoRA", 0)
+    trained += params["decoder"] if inputs.decoder == "full" else 0
+    trained += params["encoder"] if inputs.encoder == "full" else 0
+    total = sum(params.values())
+    plan = MemoryPlan(inputs, params)
+    on_gpu_param_bytes = 0 if inputs.offload_params else 2 * total
+    plan.rows["parameters (bf16, ZeRO-3 partitioned)"] = on_gpu_param_bytes / n_gpus / GIB
+    plan.rows["gradients of trained parameters (bf16)"] = 2 * trained / n_gpus / GIB
+    optimizer_bytes = 12 * trained / n_gpus
+    if inputs.offload_optimizer:
+        plan.cpu_gib_per_node = 12 * trained / inputs.nodes / GIB
+    else:
+        plan.rows["fp32 master + Adam moments (partitioned)"] = optimizer_bytes / GIB
+    if inputs.offload_params:
+        plan.cpu_gib_per_node += 2 * total / inputs.nodes / GIB
+    plan.rows["gathered working set (2 largest layers)"] = 2 * 2 * largest / GIB
+    if inputs.decoder == "lora" and EXPERTS in inputs.lora_targets:
+        plan.rows["expert weights with LoRA folded in"] = expert_lora_bytes(inputs, model) / GIB
+    plan.rows |= activation_rows(inputs, model)
+    plan.rows["CUDA context, NCCL, fragmentation"] = CUDA_OVERHEAD_GIB
+    if inputs.decoder == "full" and inputs.encoder == "full":
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total, largest, inputs.gpus_per_node, inputs.nodes, cpu_offload=inputs.offload_optimizer,
+            cpu_offload_params=inputs.offload_params)
+        plan.deepspeed_estimate_gib = gpu / GIB
+    return plan
+
+
+def expert_lora_bytes(inputs: PlanInput, model) -> int:
+    """PEFT applies expert LoRA by building W + B@A for all of a layer's experts at each forward (bf16); the
+    grouped matmul keeps that copy for backward, which also builds its gradient. With checkpointing one layer's
+    copy and gradient are alive at a time, without it every layer's copy waits for backward."""
+    layers = model.decoder.model.layers
+    per_layer = max(sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n and "lora_" not in n)
+                    for layer in layers)
+    copies = 2 if inputs.gradient_checkpointing else len(layers) + 1
+    return 2 * copies * per_layer
+
+
+def activation_rows(inputs: PlanInput, model) -> dict[str, float]:
+    """bf16 activations kept for backward, per GPU (SDPA/flash: no s^2 attention scores are stored)."""
+    d = model.decoder.config
+    b, s, m, h, layers = inputs.micro_batch, inputs.seq_len, inputs.memory_tokens, d.hidden_size, d.num_hidden_layers
+    bm = inputs.memories or b  # memories: the memory-side terms scale with these, not with the questions
+    per_layer_full = 34 * b * s * h  # Korthikanti et al. (2022), bf16, without the s^2 term
+    if getattr(d, "num_experts", None):
+        per_layer_full += 2 * 3 * b * s * d.num_experts_per_tok * d.moe_intermediate_size
+    if inputs.gradient_checkpointing:
+        decoder = layers * 2 * b * s * h + per_layer_full  # layer inputs, plus one layer recomputed at a time
+    else:
+        decoder = layers * per_layer_full
+    n_gca = len(model.gca_layers)
+    kv = d.num_key_value_heads * d.head_dim
+    gca = n_gca * (12 * b * s * h + 2 * 2 * bm * m * kv) + 2 * bm * m * h  # queries/outputs, memory K/V, projected memory
+    encoder_h = model.memory_encoder.hidden_size
+    encoder = 2 * bm * m * encoder_h * (1 if inputs.encoder == "frozen" else model.memory_encoder.encoder.config.num_hidden_layers * 17)
+    logits = 10 * b * s * d.vocab_size  # bf16 logits, their fp32 upcast in the loss, and its gradient
+    return {
+        "decoder activations": decoder / GIB,
+        "GCA activations and memory K/V": gca / GIB,
+        "memory encoder states": encoder / GIB,
+        "logits and loss (fp32 upcast)": logits / GIB,
+    }

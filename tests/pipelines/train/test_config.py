@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from pipelines.cli import parse_config
+from pipelines.train.config import ModelConfig, StageConfig, TrainConfig
+
+DEFAULT = StageConfig(model=ModelConfig(pair="tiny"), train=TrainConfig(max_steps=10))
+
+
+def test_file_then_flags_override_the_default(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 50\n  lr: 0.01\nmodel:\n  gca_layers: last:2\n")
+    config = parse_config(["--config", str(path), "--train.lr", "3e-4", "--tracking.tracking_uri", "none",
+                           "--deepspeed.offload_optimizer", "true"], DEFAULT)
+    assert config.train.max_steps == 50 and config.train.lr == 3e-4 and config.model.gca_layers == "last:2"
+    assert config.deepspeed.offload_optimizer is True and config.tracking.tracking_uri is None
+    assert StageConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_every_problem_is_reported_at_once():
+    config = StageConfig(model=ModelConfig(pair="tiny", gca_layers="last:9", decoder="half", lora_targets="qkv"),
+                         train=TrainConfig(max_steps=0, memories_per_step=15))
+    with pytest.raises(ValueError) as error:
+        config.validate()
+    message = str(error.value)
+    for expected in ("model.gca_layers", "outside the decoder's 4 layers", "model.decoder must be one of",
+                     "model.lora_targets has unknown names ['qkv']", "train.max_steps must be positive",
+                     "train.memories_per_step (15) must divide evenly over scaling.num_workers (2)"):
+        assert expected in message
+
+
+def test_unknown_keys_and_wrong_types_are_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  max_step: 5\n")
+    with pytest.raises(ValueError, match="unknown config key 'train.max_step'"):
+        parse_config(["--config", str(path)], DEFAULT)
+    with pytest.raises(ValueError, match="train.max_steps expects"):
+        parse_config(["--train.max_steps", "many"], DEFAULT)
+    with pytest.raises(SystemExit):
+        parse_config(["--train.nope", "1"], DEFAULT)
+
+
+def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
+    from pipelines.train.config import DataConfig
+
+    config = StageConfig(stage=1, model=ModelConfig(encoder_checkpoint=str(tmp_path / "no-encoder"),
+                                                    init_from=str(tmp_path / "no-export")),
+                         data=DataConfig(train_path=str(tmp_path / "missing" / "train"), max_chunks=0))
+    message = "\n".join(config.problems())
+    for expected in ("model.encoder_checkpoint", "export/encoder", "model.init_from", "awareness.safetensors",
+                     "data.train_path", "jobs/build_corpus.py", "data.max_chunks must be positive"):
+        assert expected in message, expected
+    stage2 = "\n".join(StageConfig(stage=2).problems())
+    assert "stage 2 trains on commit shards" in stage2 and "--data.train_path" in stage2
+
+
+def test_expert_lora_is_a_flag_for_moe_pairs_only():
+    flags = ["--model.lora_targets", "q_proj,k_proj,v_proj,o_proj,experts"]
+    config = parse_config(["--model.pair", "tiny-moe", *flags], DEFAULT)
+    assert config.model.lora_targets.split(",")[-1] == "experts"
+    with pytest.raises(ValueError, match="'experts' is LoRA on Qwen3-MoE experts, and pair 'tiny' is dense"):
+        parse_config(flags, DEFAULT)
+
+
+def test_gate_init_opens_the_gates_before_training_and_an_export_overrides_it(tmp_path):
+    """stage 0's random default starts with open gates (a closed gate is a saddle); a loaded export's gates win."""
+    import math
+
+    from pipelines.train.loop import build_model
+
+    closed = build_model(ModelConfig(pair="tiny"))
+    assert set(closed.gate_values().values()) == {0.0}
+    opened = build_model(ModelConfig(pair="tiny", gca_gate_init=0.3))
+    assert all(abs(v - math.tanh(0.3)) < 1e-6 for v in opened.gate_values().values())
+    closed.save_pretrained(tmp_path / "export")
+    loaded = build_model(ModelConfig(pair="tiny", gca_gate_init=0.3, init_from=str(tmp_path / "export")))
+    assert set(loaded.gate_values().values()) == {0.0}

@@ -1,0 +1,56 @@
+import pytest
+
+from jobs.plan import main as plan_main
+from pipelines.train.config import ModelConfig, ScalingSettings, StageConfig
+from pipelines.train.plan import GIB, PlanInput, plan_memory
+
+
+def test_prod_pair_with_lora_fits_two_h100_nodes():
+    plan = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, lora_rank=64))
+    assert plan.fits and 10 < plan.total_gib < 40
+    assert abs(plan.params["decoder"] - 30.5e9) / 30.5e9 < 0.01
+    # 48 layers x (q, k, v, o) LoRA at rank 64 over the 30B-A3B's attention shapes; its experts are fused weights
+    assert plan.params["decoder LoRA"] == 48 * 64 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
+
+
+def test_expert_lora_is_one_pair_per_expert_and_needs_checkpointing_on_prod():
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    plain = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, lora_targets=attention))
+    experts = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, lora_targets=attention + ("experts",)))
+    e, h, i, r = 128, 2048, 768, 16  # the counts come from PEFT's adapters injected on the meta device
+    assert experts.params["decoder LoRA"] - plain.params["decoder LoRA"] == 48 * (e * r * (h + 2 * i) + e * r * (i + h))
+    # each forward builds W + B@A for a layer's experts (bf16); checkpointing keeps one copy and its gradient
+    assert experts.rows["expert weights with LoRA folded in"] * GIB == 2 * 2 * e * (2 * i * h + h * i)
+    assert "expert weights with LoRA folded in" not in plain.rows
+    assert experts.fits and not plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, gradient_checkpointing=False,
+                                                      lora_targets=attention + ("experts",))).fits
+    with pytest.raises(ValueError, match="'experts' needs a Qwen3-MoE decoder"):
+        plan_memory(PlanInput(pair="scale", lora_targets=attention + ("experts",)))
+
+
+def test_full_fine_tune_of_scale_on_one_gpu_does_not_fit_and_agrees_with_deepspeed():
+    plan = plan_memory(PlanInput(pair="scale", nodes=1, gpus_per_node=1, decoder="full", encoder="full"))
+    assert not plan.fits
+    model_states = sum(v for k, v in plan.rows.items() if k.startswith(("parameters", "gradients", "fp32")))
+    assert plan.deepspeed_estimate_gib == pytest.approx(model_states, rel=0.15)  # 16 B vs DeepSpeed's 18 B/param
+
+
+def test_offloading_moves_optimizer_states_to_cpu():
+    on_gpu = plan_memory(PlanInput(pair="dev", gpus_per_node=8, decoder="full"))
+    offloaded = plan_memory(PlanInput(pair="dev", gpus_per_node=8, decoder="full", offload_optimizer=True))
+    assert offloaded.total_gib < on_gpu.total_gib and offloaded.cpu_gib_per_node > 0
+
+
+def test_plan_job_exit_code(capsys):
+    assert plan_main(["--pair", "prod", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    assert plan_main(["--pair", "scale", "--gpus-per-node", "1", "--decoder", "full", "--encoder", "full"]) == 1
+    assert '"fits": false' in capsys.readouterr().out
+
+
+def test_stage_job_refuses_a_plan_that_cannot_fit():
+    from pipelines.train.driver import check_memory_plan
+
+    config = StageConfig(model=ModelConfig(pair="scale", decoder="full", encoder="full"),
+                         scaling=ScalingSettings(num_workers=1, use_gpu=True, gpu_memory_gib=24))
+    with pytest.raises(ValueError, match="(?s)does not fit in GPU memory.*does NOT fit"):
+        check_memory_plan(config)

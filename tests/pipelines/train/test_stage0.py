@@ -1,0 +1,140 @@
+"""The stage-0 job through Ray Train + DeepSpeed ZeRO-3 on 2 CPU workers: runs, resumes, survives failures,
+never resumes from an incomplete checkpoint, and exports an artifact that reloads without DeepSpeed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models import AwarenessModel
+from models.awareness import WEIGHTS_NAME
+from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+from pipelines.evaluate.needle import score_needles
+
+ROOT = Path(__file__).resolve().parents[3]
+M = 8  # memories per step
+
+
+def small_config(tmp_path: Path, checkpoint_root: Path, name: str, steps: int, **model) -> StageConfig:
+    return StageConfig(
+        model=ModelConfig(pair=model.pop("pair", "tiny"), checkpoint_root=str(checkpoint_root), decoder="full",
+                          encoder="full", gca_layers="upper_half", **model),
+        needle=NeedleConfig(facts=4, questions=4, val_memories=8),
+        train=TrainConfig(max_steps=steps, memories_per_step=M, lr=2e-3, warmup_steps=2, log_every=1, eval_every=2,
+                          checkpoint_every=2),
+        run=RunSettings(name=name, storage_path=str(tmp_path / "ray"), max_failures=1),
+        tracking=TrackingSettings(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+    )
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()  # only this test's local instance; never `ray stop`
+
+
+def expected_checksum(steps: int) -> int:
+    return sum(range(steps * M))  # every example index 0 .. steps*M-1 exactly once
+
+
+def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
+    """The entry point as a user runs it, shortened: trains, evaluates, checkpoints, exports, logs to MLflow."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "stage0.py"), "--train.max_steps", "4", "--train.eval_every", "2",
+         "--train.checkpoint_every", "2", "--train.log_every", "2", "--needle.val_memories", "8",
+         "--model.checkpoint_root", str(checkpoint_root), "--run.storage_path", str(tmp_path / "ray")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["error"] is None
+    for key in ("needle_accuracy", "no_memory_accuracy", "gate_abs_mean", "checkpoint", "mlflow_run_id"):
+        assert summary[key] is not None, key
+    assert (Path(summary["export"]) / "awareness_config.json").is_file()
+    assert (tmp_path / "mlflow.db").is_file()  # MLflow's embedded default store, in the working directory
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
+    assert run.data.params["train.max_steps"] == "4" and "needle_accuracy" in run.data.metrics
+    assert run.info.status == "FINISHED"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"gates.png", "needle_heatmap.png", "needle_heatmap.json"} <= artifacts, artifacts
+    heatmap = json.loads(Path(client.download_artifacts(run.info.run_id, "needle_heatmap.json", str(tmp_path))).read_text())
+    assert len(heatmap["memory_tokens"]) == len(heatmap["accuracy_by_depth"][0]) == 4  # depth x memory size
+    assert heatmap["memory_tokens"] == sorted(heatmap["memory_tokens"])
+    assert all(0 <= a <= 1 for row in heatmap["accuracy_by_depth"] for a in row)
+
+
+def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray):
+    from pipelines.train.driver import run_stage
+
+    first = run_stage(small_config(tmp_path, checkpoint_root, "resume", steps=4))
+    assert first["steps"] == 4
+    second = run_stage(small_config(tmp_path, checkpoint_root, "resume", steps=8))  # same name: resumes
+    assert second["steps"] == 8 and second["mlflow_run_id"] == first["mlflow_run_id"]
+    state = json.loads((Path(second["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["index_checksum"] == expected_checksum(8)  # nothing seen twice, nothing skipped
+    assert [row[0] for row in state["gate_history"]] == list(range(1, 9))  # log_every=1: probed every step
+
+
+@pytest.mark.parametrize("fail_at", ["train:3", "save:4"])
+def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, checkpoint_root, local_ray, fail_at):
+    """train:3 dies between checkpoints; save:4 dies after writing its shard but before reporting, so checkpoint 4
+    is incomplete and the run must restart from checkpoint 2."""
+    from pipelines.train.driver import run_stage
+
+    summary = run_stage(small_config(tmp_path, checkpoint_root, f"fail-{fail_at[:5]}", steps=6), fail_at=fail_at)
+    assert summary["error"] is None and summary["steps"] == 6
+    state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["index_checksum"] == expected_checksum(6)
+    assert (tmp_path / "ray" / f"fail-{fail_at[:5]}" / f"injected-failure-{fail_at}").is_file()  # it did fail
+
+
+def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray):
+    from pipelines.train.driver import run_stage
+
+    config = small_config(tmp_path, checkpoint_root, "export", steps=4)
+    summary = run_stage(config)
+    model = AwarenessModel.from_pretrained(summary["export"])
+    scores = score_needles(model, config.needle.spec(), config.needle.seed + 1, list(range(8)))
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(config.tracking.tracking_uri).get_metric_history(summary["mlflow_run_id"], "needle_val_loss")
+    final = [m.value for m in history if m.step == 4]
+    assert final and abs(scores.loss - final[0]) < 1e-4 * max(1.0, final[0])
+    assert scores.accuracy == summary["needle_accuracy"]
+
+
+def test_zero3_trains_the_moe_pair(tmp_path, checkpoint_root, local_ray):
+    from pipelines.train.driver import run_stage
+
+    summary = run_stage(small_config(tmp_path, checkpoint_root, "moe", steps=2, pair="tiny-moe"))
+    assert summary["error"] is None and summary["steps"] == 2
+
+
+def test_zero3_trains_expert_lora(tmp_path, checkpoint_root, local_ray):
+    """The expert adapters sit inside the sparse block, a ZeRO-3 leaf, so they are gathered with it; they train:
+    their B factors start at zero and are not after two steps."""
+    from pipelines.train.driver import run_stage
+
+    config = small_config(tmp_path, checkpoint_root, "moe-lora", steps=2, pair="tiny-moe")
+    config.model = dataclasses.replace(config.model, decoder="lora", encoder="frozen",
+                                       lora_targets="q_proj,k_proj,v_proj,o_proj,experts")
+    summary = run_stage(config)
+    assert summary["error"] is None and summary["steps"] == 2
+    saved = load_file(Path(summary["export"]) / WEIGHTS_NAME)
+    expert_b = {n: t for n, t in saved.items() if ".mlp.experts." in n and "lora_B" in n}
+    assert len(expert_b) == 4 * 2 and all(t.abs().sum() > 0 for t in expert_b.values())
+    reloaded = AwarenessModel.from_pretrained(summary["export"])  # without DeepSpeed
+    assert all(torch.equal(reloaded.get_parameter(n), t) for n, t in expert_b.items())

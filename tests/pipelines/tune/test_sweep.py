@@ -1,0 +1,228 @@
+"""A 2-trial Ray Tune sweep on the tiny pair on 2 CPUs, against a real `mlflow server`: nested runs, the table and
+plot on the parent, the best trial registered as `awareness@candidate`, which answers a needle question."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from models import AwarenessModel
+from pipelines.data.synthetic_needles import BOS, EOS, PROMPT_LEN, NeedleSpec, make_example
+
+FAKE_TOKEN = "hf_FAKEsweepToken0123456789"
+STEPS, EVAL_EVERY = 4, 2
+NEEDLE = ["--needle.val_memories", "8", "--needle.facts", "4", "--needle.questions", "4"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, checkpoint_root, mlflow_server):
+    """Runs the sweep job once for the module's tests. The tracking URI comes from $MLFLOW_TRACKING_URI and carries
+    credentials, and a token sits in the environment the Ray workers inherit: neither may reach a run."""
+    import ray
+
+    from jobs.sweep import main
+
+    tmp = tmp_path_factory.mktemp("sweep")
+    patch = pytest.MonkeyPatch()
+    uri_with_credentials = mlflow_server.uri.replace("http://", f"http://ci:{FAKE_TOKEN}@")
+    patch.setenv("MLFLOW_TRACKING_URI", uri_with_credentials)
+    patch.setenv("HF_TOKEN", FAKE_TOKEN)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = time.perf_counter()
+    try:
+        summary = main([
+            "--pair", "tiny", "--stage", "0", "--num-samples", "2", "--ranks", "8", "16",
+            "--placements", "upper_half", "1,3", "--grace-period", "1", "--name", "tiny-sweep",
+            "--train.max_steps", str(STEPS), "--train.eval_every", str(EVAL_EVERY), "--train.log_every", "2",
+            "--train.checkpoint_every", str(STEPS), *NEEDLE, "--model.checkpoint_root", str(checkpoint_root),
+            "--run.storage_path", str(tmp / "ray"),
+        ])
+    finally:
+        ray.shutdown()  # only this test's local instance; never `ray stop`
+        patch.undo()
+    summary["test_wall_seconds"] = time.perf_counter() - started
+    print(f"tiny sweep: {summary['test_wall_seconds']:.0f} s wall, {summary['max_concurrent_trials']} trials at once")
+    return summary
+
+
+def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    assert sweep["trials"] == 2 and sweep["max_concurrent_trials"] == 2  # 2 x (0.1 + 0.9 CPU) on 2 CPUs
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(sweep["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep"] == "true"
+    finished = [r for r in sweep["table"] if not r["stopped_early"]]
+    assert finished and parent.data.metrics["trials_finished"] == len(finished)  # ASHA never stops the rung's first
+    assert parent.data.metrics["sweep_wall_seconds"] > 0 and parent.data.metrics["sweep_cpu_seconds"] > 0
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert {"sweep/table.md", "sweep/trials.json"} <= artifacts
+    assert "sweep_rank_x_placement.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    table = open(client.download_artifacts(parent.info.run_id, "sweep/table.md")).read()
+    for row in sweep["table"]:
+        assert row["error"] is None and row["needle_val_loss"] is not None
+        assert f"| {row['lora_rank']} | {row['placement']} |" in table
+        child = client.get_run(row["mlflow_run_id"])
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.params["model.lora_rank"] == str(row["lora_rank"])
+        assert child.data.params["model.gca_layers"] == row["placement"]
+        assert child.data.tags["data.manifest_hash"].startswith("synthetic:") and "git.commit" in child.data.tags
+        evaluated = [m.step for m in client.get_metric_history(child.info.run_id, "needle_val_loss")]
+        names = {a.path for a in client.list_artifacts(child.info.run_id)}
+        if row["stopped_early"]:  # ASHA stopped it after an evaluation: its run says so, nothing is exported
+            assert child.info.status == "KILLED" and child.data.tags["sweep.stopped_early"] == "true"
+            # Tune stops a trial asynchronously: its workers may log one more evaluation before the stop arrives
+            assert row["export"] is None and evaluated == list(range(EVAL_EVERY, evaluated[-1] + 1, EVAL_EVERY))
+            assert row["steps"] <= evaluated[-1] <= row["steps"] + EVAL_EVERY
+        else:
+            assert child.info.status == "FINISHED" and row["steps"] == STEPS
+            assert evaluated == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
+            assert {"config.json", "export", "summary.json", "eval"} <= names
+
+
+def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server.uri)
+    run_ids = [sweep["mlflow_run_id"], *(row["mlflow_run_id"] for row in sweep["table"])]
+    for run_id in run_ids:
+        run = client.get_run(run_id)
+        assert FAKE_TOKEN not in json.dumps(run.data.params) + json.dumps(run.data.tags)
+        config = open(client.download_artifacts(run_id, "config.json")).read()
+        assert FAKE_TOKEN not in config
+    assert "<redacted>@127.0.0.1" in client.get_run(run_ids[1]).data.params["tracking.tracking_uri"]
+
+
+def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(sweep, mlflow_server, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from tokenizers import Tokenizer
+
+    client = MlflowClient(mlflow_server.uri)
+    best = sweep["best"]
+    assert best["needle_val_loss"] == min(r["needle_val_loss"] for r in sweep["table"] if not r["stopped_early"])
+    version = client.get_model_version_by_alias("awareness", "candidate")
+    assert version.version == sweep["registered"]["version"] and version.run_id == best["mlflow_run_id"]
+    assert version.tags["sweep_run_id"] == sweep["mlflow_run_id"]
+    assert version.tags["data.manifest_hash"].startswith("synthetic:") and version.tags["git.commit"]
+    assert version.tags["base.decoder"].endswith("tiny-qwen3")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)  # not mlflow.set_tracking_uri: no global left behind
+    pyfunc = mlflow.pyfunc.load_model("models:/awareness@candidate")
+    tokenizer = Tokenizer.from_file(f"{version.tags['base.decoder']}/tokenizer.json")
+    example = make_example(NeedleSpec(facts=4, questions=4), seed=1234 + 1, index=0)  # a held-out memory
+    memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
+    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
+    question = tokenizer.decode(prompt[1:])
+    assert tokenizer.encode(question).ids == prompt and prompt[0] == BOS and len(prompt) == 2
+    assert [tokenizer.encode(text, add_special_tokens=False).ids for text in memory] == example["memory"].tolist()
+
+    answer = pyfunc.predict({"question": question, "memory": memory})
+    model = AwarenessModel.from_pretrained(best["export"]).eval()  # the trial's own export, straight from its run
+    expected = model.generate(torch.tensor([prompt]), memory_input_ids=torch.from_numpy(example["memory"])[None],
+                              memory_attention_mask=torch.ones(1, *example["memory"].shape, dtype=torch.long),
+                              max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    assert answer == [tokenizer.decode(expected[0, PROMPT_LEN:].tolist(), skip_special_tokens=True)]
+    assert len(answer[0].split()) > 0
+
+
+def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    from jobs.register import main
+
+    added = main(["--run-id", sweep["best"]["mlflow_run_id"], "--tracking-uri", mlflow_server.uri])  # any run
+    client = MlflowClient(mlflow_server.uri)
+    assert int(added["version"]) == int(sweep["registered"]["version"]) + 1
+    assert client.get_model_version_by_alias("awareness", "candidate").version == added["version"]
+    main(["--promote", sweep["registered"]["version"], "--tracking-uri", mlflow_server.uri])
+    assert client.get_model_version_by_alias("awareness", "production").version == sweep["registered"]["version"]
+    with pytest.raises(SystemExit, match="no 'export' artifact"):
+        main(["--run-id", sweep["mlflow_run_id"], "--tracking-uri", mlflow_server.uri])  # the parent has none
+
+
+def test_sweep_config_collects_every_problem():
+    from pipelines.tune.sweep import SweepConfig, default_base
+
+    base = default_base("tiny", 0)
+    sweep = SweepConfig(num_samples=0, lora_ranks=[0], placements=["last:9"], lr_min=1e-2, lr_max=1e-3, trial_cpus=1)
+    problems = "\n".join(sweep.problems(dataclasses_replace_decoder(base, "full")))
+    for text in ("num_samples", "lora_ranks", "last:9", "lr_min", "trial_cpus", "model.decoder=lora"):
+        assert text in problems, text
+    assert SweepConfig().problems(base) == []
+    assert SweepConfig().placement_specs(base) == ["upper_third", "upper_half", "every_k:4", "last:4", "2,3"]
+    assert SweepConfig().for_base(base).metric == "needle_val_loss"
+
+
+def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
+    from jobs import stage1, stage2
+    from pipelines.tune.sweep import SweepConfig, default_base
+
+    for stage, job in ((1, stage1.DEFAULT), (2, stage2.DEFAULT)):
+        base = default_base(None, stage)
+        assert base.stage == stage and base.model.pair == job.model.pair == "tiny-text" and base.model.decoder == "lora"
+        assert base.train == job.train and base.data == job.data  # the job's schedule and data budget, not a copy
+        assert (base.scaling.num_workers, base.scaling.cpus_per_worker) == (1, 0.4)
+        assert "jobs/build_corpus.py --stage 2" in "\n".join(base.problems())  # no corpus given yet
+    with pytest.raises(ValueError, match="512 token ids.*tiny-text"):
+        default_base("tiny", 1)  # the needle vocabulary cannot hold a commit corpus's Qwen3 ids
+    shards = tmp_path / "train"
+    shards.mkdir()
+    base = default_base(None, 1)
+    with_train = dataclasses_replace_data(base, train_path=str(shards))
+    assert SweepConfig().for_base(with_train).metric == "val_loss"
+    assert "--data.val_path" in "\n".join(SweepConfig().problems(with_train))
+    assert SweepConfig().problems(dataclasses_replace_data(base, train_path=str(shards), val_path=str(shards))) == []
+
+
+def test_concurrency_keeps_a_cpu_for_ray_data(monkeypatch, tmp_path):
+    import ray
+
+    from pipelines.tune.sweep import SweepConfig, default_base, max_concurrent_trials
+
+    needles, corpus = default_base("tiny", 0), dataclasses_replace_data(default_base(None, 1), train_path=str(tmp_path))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert max_concurrent_trials(SweepConfig(), needles) == 2  # 2 / (0.1 + 0.9)
+    assert max_concurrent_trials(SweepConfig(), corpus) == 2  # (2 - 1) / (0.1 + 0.4)
+    with pytest.raises(ValueError, match="plus 1 CPU left for Ray Data"):
+        max_concurrent_trials(SweepConfig(), dataclasses_replace_scaling(corpus, num_workers=2, cpus_per_worker=0.5))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    assert max_concurrent_trials(SweepConfig(num_samples=20), corpus) == 14  # (8 - 1) / 0.5
+
+
+def test_table_and_best_trial():
+    from pipelines.tune.sweep import SweepConfig, best_row, format_table
+
+    rows = [
+        {"trial_id": "a", "lora_rank": 16, "placement": "upper_half", "gca_layers": [2, 3], "lr": 1e-3,
+         "needle_val_loss": 2.0, "needle_accuracy": 0.5, "steps": 8, "stopped_early": False, "seconds": 10.0,
+         "cpu_seconds": 10.0, "export": "/x", "error": None, "mlflow_run_id": "r1"},
+        {"trial_id": "b", "lora_rank": 8, "placement": "last:1", "gca_layers": [3], "lr": 1e-3,
+         "needle_val_loss": 1.0, "needle_accuracy": 0.1, "steps": 4, "stopped_early": True, "seconds": 5.0,
+         "cpu_seconds": 5.0, "export": None, "error": None, "mlflow_run_id": "r2"},
+    ]
+    best = best_row(rows, SweepConfig(metric="needle_val_loss"))
+    assert best["trial_id"] == "a"  # b is lower but was stopped: nothing to register
+    lines = format_table(rows, "needle_val_loss").splitlines()
+    assert lines[2].startswith("| 8 | last:1 | [3] |") and lines[3].startswith("| 16 | upper_half | [2, 3] |")
+
+
+def dataclasses_replace_decoder(base, decoder: str):
+    import dataclasses
+
+    return dataclasses.replace(base, model=dataclasses.replace(base.model, decoder=decoder))
+
+
+def dataclasses_replace_data(base, **fields):
+    import dataclasses
+
+    return dataclasses.replace(base, data=dataclasses.replace(base.data, **fields))
+
+
+def dataclasses_replace_scaling(base, **fields):
+    import dataclasses
+
+    return dataclasses.replace(base, scaling=dataclasses.replace(base.scaling, **fields))
