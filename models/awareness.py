@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ from models.gca import GatedCrossAttention, GCAMemory, MemoryPadding, MemoryRead
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.placement import resolve_gca_layers
-from models.trainable import LoraPlan, apply_lora, is_added_parameter, merged_state_dict, set_trainable
+from models.trainable import (LoraPlan, TrainMode, apply_lora, is_added_parameter, merged_state_dict, set_trainable,
+                              trainable_modes)
 
 CONFIG_NAME = "awareness_config.json"
 WEIGHTS_NAME = "awareness.safetensors"
@@ -25,28 +26,40 @@ WEIGHTS_NAME = "awareness.safetensors"
 
 @dataclass
 class AwarenessConfig:
-    """What `save_pretrained` records: the base checkpoints and how the model was built on top of them."""
+    """How the model was built: the base checkpoints and what was added on top of them. The config file
+    `save_pretrained` writes holds this plus the LoRA plan and train modes read off the modules at save time
+    (`load_training` reads those back); the live config never holds them, so they cannot go stale."""
 
     decoder: str  # base decoder checkpoint directory (relative paths are relative to the saved directory)
     encoder: str  # base encoder checkpoint directory
     gca_layers: list[int]
     encoder_attention: str = "causal"
     gca_mlp: bool = False
-    lora: dict[str, Any] | None = None  # a LoraPlan as a dict, when adapters were injected
-    trainable: dict[str, str] = field(default_factory=lambda: {"decoder": "frozen", "encoder": "frozen", "gca": "full"})
     format_version: int = 1
 
-    def save(self, directory: Path) -> None:
-        (directory / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=2) + "\n")
+    def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
+        data = asdict(self) | {"lora": lora.to_dict() if lora else None, "trainable": trainable}
+        (directory / CONFIG_NAME).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: Path) -> "AwarenessConfig":
-        path = directory / CONFIG_NAME
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{str(directory)!r} holds no {CONFIG_NAME}: pass a directory written by AwarenessModel.save_pretrained"
-            )
-        return cls(**json.loads(path.read_text()))
+        data = _read_config(directory)
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    @staticmethod
+    def load_training(directory: Path) -> tuple[LoraPlan | None, dict[str, TrainMode]]:
+        """The LoRA plan (None without adapters) and train modes a saved model had."""
+        data = _read_config(directory)
+        return (LoraPlan.from_dict(data["lora"]) if data["lora"] else None), data["trainable"]
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} holds no {CONFIG_NAME}: pass a directory written by AwarenessModel.save_pretrained"
+        )
+    return json.loads(path.read_text())
 
 
 @dataclass
@@ -101,7 +114,7 @@ class AwarenessModel(nn.Module):
         layers = decoder.model.layers
         for i, block in blocks.items():
             layers[i] = MemoryReadingLayer(layers[i], block.to(weight.dtype), i)
-        set_trainable(self, **self.config.trainable)
+        set_trainable(self)
 
     # ----------------------------------------------------------------------------------------------- building
     @classmethod
@@ -297,16 +310,17 @@ class AwarenessModel(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         config = AwarenessConfig(**asdict(self.config))
         if merged:
-            self.decoder.save_pretrained(directory / "decoder", state_dict=merged_state_dict(self.decoder, base_only=True))
-            encoder = self.memory_encoder.encoder
+            decoder, encoder = self.decoder, self.memory_encoder.encoder
+            decoder.save_pretrained(directory / "decoder", state_dict=merged_state_dict(decoder, base_only=True))
             encoder.save_pretrained(directory / "encoder", state_dict=merged_state_dict(encoder, base_only=True))
-            config.decoder, config.encoder, config.lora = "decoder", "encoder", None
-            config.trainable = {"decoder": "frozen", "encoder": "frozen", "gca": "full"}
+            config.decoder, config.encoder = "decoder", "encoder"
+            lora, trainable = None, {"decoder": "frozen", "encoder": "frozen", "gca": "full"}
             state = merged_state_dict(self, base_only=False)
         else:
+            lora, trainable = LoraPlan.of(self), trainable_modes(self)
             state = {n: p for n, p in self.named_parameters() if is_added_parameter(n) or p.requires_grad}
         save_file({n: p.detach().contiguous().cpu() for n, p in state.items()}, str(directory / WEIGHTS_NAME))
-        config.save(directory)
+        config.save(directory, lora=lora, trainable=trainable)
         return directory
 
     @classmethod
@@ -323,6 +337,7 @@ class AwarenessModel(nn.Module):
         moved) and loads the saved weights over them."""
         directory = Path(directory)
         config = AwarenessConfig.load(directory)
+        lora, trainable = AwarenessConfig.load_training(directory)
         model = cls.from_pretrained_pair(
             decoder or _relative_to(directory, config.decoder),
             encoder or _relative_to(directory, config.encoder),
@@ -332,9 +347,9 @@ class AwarenessModel(nn.Module):
             dtype=dtype,
             device=device,
         )
-        if config.lora:
-            apply_lora(model, LoraPlan.from_dict(config.lora))
-        set_trainable(model, **config.trainable)
+        if lora:
+            apply_lora(model, lora)
+        set_trainable(model, **trainable)
         model.config.decoder, model.config.encoder = config.decoder, config.encoder
         model.load_added_weights(directory / WEIGHTS_NAME)
         return model

@@ -9,8 +9,8 @@ Conventions (checked against torch's FlopCounterMode in tests/models/test_flops.
   the q·(q+1)/2 query-key pairs the mask keeps, which is what a causal flash kernel computes. `causal="full"`
   counts all q² pairs instead, as dense SDPA (and FlopCounterMode, whatever the mask) does. Cross-attention over
   the memory and a bidirectional encoder count all pairs either way.
-* Backward, from what actually requires grad (the model's `config.trainable` modes and `config.lora` plan): a
-  matmul y = x·Wᵀ costs its forward once more for the input gradient when x requires grad (something trainable
+* Backward, from what actually requires grad (each group's mode read off requires_grad, the LoRA ranks off the
+  injected PEFT layers: models.trainable's trainable_modes and LoraPlan.of): a matmul y = x·Wᵀ costs its forward once more for the input gradient when x requires grad (something trainable
   lies below it) and once more for the weight gradient when W trains. Frozen weights need no weight gradient, and
   everything below the lowest trainable weight needs no backward at all: a frozen encoder runs forward only, and
   with a frozen decoder only the layers from the first GCA block up run backward. Attention's backward costs one
@@ -36,6 +36,8 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 from torch.utils import flop_counter as _counter
+
+from models.trainable import LoraPlan, trainable_modes
 
 PARTS = ("encoder", "gca", "decoder", "lm_head")
 
@@ -208,14 +210,12 @@ def _gca_block(tally: _Tally, block, group: _Group, rows: int, seq: int, memory:
 
 
 def _groups(model: nn.Module) -> dict[str, _Group]:
-    """Each group's train mode (set_trainable records them) and LoRA ranks per target (apply_lora records the plan)."""
-    modes = model.config.trainable
-    plan = model.config.lora or {}
+    """Each group's train mode and LoRA rank per target, read off the modules themselves."""
+    modes, plan = trainable_modes(model), LoraPlan.of(model)
     groups = {}
     for name in ("decoder", "encoder", "gca"):
-        settings = plan.get(name)
-        ranks = {target: settings["rank"] for target in settings["targets"]} if settings else {}
-        groups[name] = _Group(modes[name], ranks)
+        settings = getattr(plan, name) if plan else None
+        groups[name] = _Group(modes[name], dict.fromkeys(settings.targets, settings.rank) if settings else {})
     return groups
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -10,6 +11,7 @@ from typing import Any, Literal
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer, ParamWrapper
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 TrainMode = Literal["frozen", "lora", "full"]
@@ -68,6 +70,27 @@ class LoraPlan:
 
         return cls(**{group: settings(data.get(group)) for group in ("decoder", "gca", "encoder")})
 
+    @classmethod
+    def of(cls, model: nn.Module) -> "LoraPlan | None":
+        """The plan of the adapters injected into `model` (PEFT keeps each layer's rank, alpha and dropout), or None
+        without LoRA: read off the modules, so nothing beside them has to remember it. Targets are those that
+        matched a module, alpha is the effective number."""
+        found: dict[str, LoraSettings] = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, LoraLayer) or ADAPTER_NAME not in module.r:
+                continue
+            group = parameter_group(name)
+            target = EXPERTS if isinstance(module, ParamWrapper) else name.rsplit(".", 1)[-1]
+            dropout = module.lora_dropout[ADAPTER_NAME]
+            settings = LoraSettings(rank=module.r[ADAPTER_NAME], alpha=module.lora_alpha[ADAPTER_NAME],
+                                    dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0, targets=(target,))
+            known = found.setdefault(group, settings)
+            if (known.rank, known.alpha, known.dropout) != (settings.rank, settings.alpha, settings.dropout):
+                raise ValueError(f"the {group} LoRA layers differ in rank, alpha or dropout ({name}): no LoraPlan "
+                                 f"describes them")
+            known.targets = tuple(t for t in GROUP_TARGETS[group] if t in {*known.targets, target})
+        return cls(**{group: found.get(group) for group in ("decoder", "gca", "encoder")}) if found else None
+
 
 def lora_config(plan: LoraPlan) -> LoraConfig:
     """One PEFT LoraConfig whose regex targets and rank/alpha patterns give each group its own settings; the
@@ -114,7 +137,7 @@ def _alpha(settings: LoraSettings) -> float:
 
 
 def apply_lora(model: nn.Module, plan: LoraPlan) -> LoraConfig:
-    """Injects LoRA adapters into `model` in place (PEFT) and records the plan in its config for reloading."""
+    """Injects LoRA adapters into `model` in place (PEFT); `LoraPlan.of(model)` reads the plan back."""
     if any(isinstance(m, LoraLayer) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters; build a fresh model to apply another plan")
     config = lora_config(plan)
@@ -128,8 +151,6 @@ def apply_lora(model: nn.Module, plan: LoraPlan) -> LoraConfig:
         # On the meta device (memory plans) the adapters are created there too, never allocated.
         low_cpu_mem_usage = any(p.is_meta for p in model.parameters())
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=low_cpu_mem_usage)
-    if hasattr(model, "config"):
-        model.config.lora = plan.to_dict()
     for group, settings in (("decoder", plan.decoder), ("gca", plan.gca), ("encoder", plan.encoder)):
         if settings and not any(parameter_group(n) == group and "lora_" in n for n, _ in model.named_parameters()):
             raise ValueError(f"LoRA targets {settings.targets} matched no {group} module")
@@ -169,39 +190,68 @@ def set_trainable(
     counts = dict.fromkeys(modes, 0)
     for name, param in names.items():
         group = parameter_group(name)
-        is_lora = "lora_" in name
-        mode = modes[group]
-        trains = (mode == "full" and not is_lora) or (
-            mode == "lora" and (is_lora or (group == "gca" and name.endswith("gate")))
-        )
+        trains = _trains(name, group, modes[group])
         param.requires_grad_(trains)
         counts[group] += param.numel() if trains else 0
-    if hasattr(model, "config"):
-        model.config.trainable = modes
     return counts
+
+
+def trainable_modes(model: nn.Module) -> dict[str, TrainMode]:
+    """Each group's mode as set_trainable left it, read off requires_grad (what the optimizer gets), so what is
+    saved or counted is what really trains. Raises when a group's flags fit no mode (set by hand)."""
+    names = [(n, p.requires_grad) for n, p in model.named_parameters()]
+    modes = {}
+    for group in ("decoder", "encoder", "gca"):
+        own = [(n, trains) for n, trains in names if parameter_group(n) == group]
+        has_lora = any("lora_" in n for n, _ in own)
+        fitting = [mode for mode in TRAIN_MODES if (mode != "lora" or has_lora)
+                   and all(trains == _trains(n, group, mode) for n, trains in own)]
+        if not fitting:
+            raise ValueError(f"requires_grad of the {group} parameters fits no train mode of {TRAIN_MODES}: "
+                             f"set it with set_trainable")
+        modes[group] = fitting[0]
+    return modes
+
+
+def _trains(name: str, group: str, mode: TrainMode) -> bool:
+    """`full` trains the base weights, `lora` the adapters (and GCA's gates), `frozen` nothing."""
+    is_lora = "lora_" in name
+    return (mode == "full" and not is_lora) or (mode == "lora" and (is_lora or group == "gca" and name.endswith("gate")))
 
 
 @torch.no_grad()
 def merged_state_dict(module: nn.Module, *, base_only: bool) -> dict[str, torch.Tensor]:
-    """The state dict with LoRA deltas merged into their base weights and PEFT's `.base_layer.` step removed.
+    """The state dict with LoRA merged into the base weights by PEFT and PEFT's `.base_layer.` steps removed.
 
+    Each adapted layer is merged and unloaded as PEFT's merge_and_unload does it, in a copy of that layer alone,
+    so the live model keeps its adapters and its exact base weights (an in-place merge and unmerge would round
+    them in bf16), and only one layer at a time is copied (a copy of the whole model may not fit).
     base_only=True gives the base model as transformers names it (wrapped layers unwrapped, GCA left out), so a
     decoder or encoder saves as a plain checkpoint; base_only=False keeps only what AwarenessModel adds.
     """
-    deltas = {}
+    merged = {}
     for name, sub in module.named_modules():
-        if isinstance(sub, LoraLayer) and ADAPTER_NAME in sub.lora_A:
-            weight = sub.parameter_name if isinstance(sub, ParamWrapper) else "weight"
-            deltas[f"{_without_base_layer(name)}.{weight}"] = sub.get_delta_weight(ADAPTER_NAME)
+        # the outermost wrapper of a layer: expert parameters nest one wrapper per targeted parameter
+        if isinstance(sub, BaseTunerLayer) and not isinstance(module.get_submodule(name.rpartition(".")[0]),
+                                                               BaseTunerLayer):
+            merged |= {f"{name}.{key}": t for key, t in _merged_copy(sub).state_dict().items()}
     state = {}
     for name, tensor in module.state_dict().items():
         if "lora_" in name or is_added_parameter(name) == base_only:
             continue
         key = _without_base_layer(name)
-        if key in deltas:
-            tensor = tensor + deltas[key].to(tensor.dtype)
-        state[key.replace(".decoder_layer.", ".") if base_only else key] = tensor
+        state[key.replace(".decoder_layer.", ".") if base_only else key] = merged.get(key, tensor)
     return state
+
+
+def _merged_copy(layer: BaseTunerLayer) -> nn.Module:
+    """PEFT's per-layer step of merge_and_unload (nested expert wrappers merge through their own method), on a
+    copy of the layer: its base module with the adapter merged in."""
+    layer = copy.deepcopy(layer)
+    if hasattr(layer, "unload_and_optionally_merge_module"):
+        return layer.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=[ADAPTER_NAME])
+    layer.merge(adapter_names=[ADAPTER_NAME])
+    return layer.get_base_layer()
 
 
 def _without_base_layer(name: str) -> str:

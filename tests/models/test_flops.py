@@ -46,6 +46,8 @@ def assert_matches_counter(model: AwarenessModel, batch: dict) -> None:
         for block in model.gca_blocks().values():
             block.gate.fill_(0.5)
     forward, backward = counted(model.train(), batch)
+    # read off the modules (requires_grad, PEFT's layers): nothing is recorded on the config
+    assert not hasattr(model.config, "lora") and not hasattr(model.config, "trainable")
     flops = training_flops(model, batch, causal="full")
     assert backward > 0
     # equal today; the tolerance leaves room for a torch that counts some non-matmul op

@@ -9,6 +9,7 @@ from transformers import Qwen3ForCausalLM
 
 from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, set_trainable
 from models.awareness import WEIGHTS_NAME
+from models.trainable import trainable_modes
 from tests.conftest import open_gates, random_ids
 
 
@@ -44,15 +45,22 @@ def test_round_trip_reproduces_logits_and_holds_no_base_weights(tiny, tmp_path):
     assert config["gca_layers"] == [3] and config["lora"]["gca"]["rank"] == 2
     reloaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
     torch.testing.assert_close(logits(reloaded), logits(tiny), rtol=0, atol=0)
-    assert reloaded.config.trainable == {"decoder": "lora", "encoder": "frozen", "gca": "full"}
+    assert trainable_modes(reloaded) == {"decoder": "lora", "encoder": "frozen", "gca": "full"}
+    assert LoraPlan.of(reloaded) == LoraPlan.of(tiny) and LoraPlan.of(tiny).gca.rank == 2
+    assert not hasattr(reloaded.config, "lora") and not hasattr(reloaded.config, "trainable")
 
 
 def test_merged_export_is_standalone_and_plain_transformers(tiny, checkpoint_root, tmp_path):
     trained_like(tiny)
+    before = {n: t.clone() for n, t in tiny.state_dict().items()}
     out = tiny.save_pretrained(tmp_path / "merged", merged=True)
+    after = tiny.state_dict()  # merged in copies: the live model keeps its adapters and exact base weights
+    assert after.keys() == before.keys() and all(torch.equal(after[n], t) for n, t in before.items())
     reloaded = AwarenessModel.from_pretrained(out).eval()
     torch.testing.assert_close(logits(reloaded), logits(tiny), rtol=1e-5, atol=1e-5)
     assert not any("lora_" in n for n in load_file(out / WEIGHTS_NAME))
+    assert LoraPlan.of(reloaded) is None and trainable_modes(reloaded) == {"decoder": "frozen", "encoder": "frozen",
+                                                                           "gca": "full"}
     # The decoder directory is an ordinary Qwen3 checkpoint: with gates closed the pair equals it exactly.
     plain = Qwen3ForCausalLM.from_pretrained(out / "decoder").eval()
     for block in reloaded.gca_blocks().values():

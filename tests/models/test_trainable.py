@@ -5,7 +5,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from models import LoraPlan, LoraSettings, apply_lora, set_trainable
-from models.trainable import ATTENTION
+from models.trainable import ATTENTION, trainable_modes
 from tests.conftest import open_gates, random_ids
 
 
@@ -24,7 +24,10 @@ def test_lora_groups_get_their_own_modules_and_ranks(tiny):
     assert "decoder.model.layers.3.decoder_layer.self_attn.q_proj" in decoder  # wrapped layers too
     assert len(gca) == 4 and set(gca.values()) == {2}
     assert len(encoder) == 2 * 2 and set(encoder.values()) == {3}
-    assert tiny.config.lora["decoder"]["rank"] == 4
+    plan = LoraPlan.of(tiny)  # read back off PEFT's layers
+    assert (plan.decoder.rank, plan.decoder.alpha, plan.gca.targets, plan.encoder.targets) == (4, 8, ATTENTION,
+                                                                                               ("q_proj", "v_proj"))
+    assert not hasattr(tiny.config, "lora")  # nothing is recorded beside the modules
 
 
 def test_fresh_lora_keeps_the_outputs_and_trains_only_its_group(tiny):
@@ -55,7 +58,14 @@ def test_train_modes(tiny):
     gca = {n for n in trainable if ".cross_attention." in n}
     assert all("lora_" in n or n.endswith(".gate") for n in gca) and any(n.endswith(".gate") for n in gca)
     assert "decoder.model.embed_tokens.weight" in trainable and counts["encoder"] == 0
-    assert tiny.config.trainable == {"decoder": "full", "encoder": "frozen", "gca": "lora"}
+    assert trainable_modes(tiny) == {"decoder": "full", "encoder": "frozen", "gca": "lora"}
+    assert not hasattr(tiny.config, "trainable")
+
+
+def test_modes_set_by_hand_are_refused(tiny):
+    tiny.decoder.model.embed_tokens.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="decoder parameters fits no train mode"):
+        trainable_modes(tiny)
 
 
 def test_bad_train_settings_are_refused(tiny):
