@@ -8,6 +8,7 @@ between its evidence lines.
 
 from __future__ import annotations
 
+import html
 import re
 
 from markdown_it import MarkdownIt
@@ -17,16 +18,21 @@ SENTENCE = re.compile(r"(.+?[.!?])(?:\s|$)", re.S)
 DEFINITION = re.compile(r"^\**`?([A-Z][\w\-]*(?: [\w\-]+){0,3}?)`?\** (?:is|are) (?:a|an|the) [^.]{8,200}\.")
 
 
-def html_to_text(html: str) -> str:
-    """Tags removed, headings as `#` lines, scripts/styles blanked; newlines kept, so line numbers survive."""
-    html = re.sub(r"(?is)<(script|style)\b.*?</\1>", lambda m: "\n" * m.group(0).count("\n"), html)
-    html = re.sub(r"(?is)<h([1-6])\b[^>]*>(.*?)</h\1>",
-                  lambda m: "#" * int(m.group(1)) + " " + re.sub(r"<[^>]+>", "", m.group(2)), html)
-    text = re.sub(r"(?s)<[^>]*>", lambda m: "\n" * m.group(0).count("\n"), html)
-    for entity, char in (("&nbsp;", " "), ("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&#39;", "'"),
-                         ("&amp;", "&")):
-        text = text.replace(entity, char)
-    return text
+def html_to_text(source: str) -> str:
+    """Tags removed, headings as `#` lines, scripts/styles blanked, entities decoded (no-break spaces as spaces);
+    newlines kept, so line numbers survive."""
+    source = re.sub(r"(?is)<(script|style)\b.*?</\1>", lambda m: "\n" * m.group(0).count("\n"), source)
+    source = re.sub(r"(?is)<h([1-6])\b[^>]*>(.*?)</h\1>",
+                    lambda m: "#" * int(m.group(1)) + " " + re.sub(r"<[^>]+>", "", m.group(2)), source)
+    text = re.sub(r"(?s)<[^>]*>", lambda m: "\n" * m.group(0).count("\n"), source)
+    return re.sub(r"&[#\w]+;?", _entity, text)
+
+
+def _entity(match: re.Match) -> str:
+    """One entity decoded (html.unescape), a no-break space as a space; one that decodes to a line break
+    (`&NewLine;`, `&#10;`) stays as written, as it would shift the evidence lines."""
+    char = html.unescape(match.group(0))
+    return match.group(0) if len(f"{char}.".splitlines()) > 1 else char.replace("\xa0", " ")
 
 
 def first_sentence(paragraph: str) -> str | None:

@@ -76,3 +76,8 @@ def test_needles_once_per_key_at_recorded_depth(package_roots, tokenizer):
         if row["variant"] in ("single", "multikey"):
             assert f"is: {row['answer']}." in first_needle
         assert [tokenizer.encode_text(m) for m in row["memory"]] == [list(map(int, m)) for m in row["memory_input_ids"]]
+
+
+def test_html_entities_are_decoded_and_lines_kept():
+    html = "<h2>T&amp;C</h2>\n<p>a&nbsp;b &lt;x&gt; &eacute;&#x27;&#39; &NewLine;</p>\n<p>end</p>"
+    assert docs.html_to_text(html) == "## T&C\na b <x> é'' &NewLine;\nend"
