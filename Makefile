@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo generate test test-slow bench bench-gpu corpus
+.PHONY: install demo generate lint test test-fast test-slow bench bench-gpu corpus
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -23,8 +23,14 @@ demo: install
 generate: install
 	$(PY) jobs/generate.py
 
-test: install
+lint: install   # the import layering contracts in pyproject.toml's [tool.importlinter]
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -m "not slow"
+
+test-fast: install   # models and data without Ray: a quick check while editing
+	$(PY) -m pytest -m "not slow and not ray" tests/models tests/pipelines/data
 
 test-slow: install
 	$(PY) -m pytest -m slow

@@ -96,6 +96,7 @@ def test_data_manifest_hash(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, checkpoint_root):
     """The server dies after the first logged steps: the run trains to the end, keeps its checkpoints, and its
     summary lists what could not be logged."""

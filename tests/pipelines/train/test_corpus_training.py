@@ -96,6 +96,7 @@ def corpus_config(tmp_path, checkpoint_root, steps: int) -> StageConfig:
     )
 
 
+@pytest.mark.ray
 def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.driver import run_stage
 

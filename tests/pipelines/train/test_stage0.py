@@ -18,6 +18,8 @@ from models.awareness import WEIGHTS_NAME
 from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.evaluate.needle import score_needles
 
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
 ROOT = Path(__file__).resolve().parents[3]
 M = 8  # memories per step
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.pipelines.data.corpora.test_commits import body, commit, sh
 
@@ -32,6 +33,7 @@ def build_commit_corpus(tmp_path: Path) -> Path:
     return next(tmp_path / "corpus" / s for s in ("train", "val") if (tmp_path / "corpus" / s).is_dir())
 
 
+@pytest.mark.ray
 def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
     split = build_commit_corpus(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -48,6 +48,7 @@ def sweep(tmp_path_factory, checkpoint_root, mlflow_server):
     return summary
 
 
+@pytest.mark.ray
 def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -83,6 +84,7 @@ def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_s
             assert {"config.json", "export", "summary.json", "eval"} <= names
 
 
+@pytest.mark.ray
 def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -96,6 +98,7 @@ def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
     assert "<redacted>@127.0.0.1" in client.get_run(run_ids[1]).data.params["tracking.tracking_uri"]
 
 
+@pytest.mark.ray
 def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(sweep, mlflow_server, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -129,6 +132,7 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
     assert len(answer[0].split()) > 0
 
 
+@pytest.mark.ray
 def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server):
     from mlflow.tracking import MlflowClient
 

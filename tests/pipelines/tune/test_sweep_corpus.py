@@ -17,6 +17,8 @@ from models import AwarenessModel
 from pipelines.data.tokenizer import EOS, SPECIAL_IDS, QwenTokenizer
 from tests.pipelines.train.test_stage_commits import build_commit_corpus
 
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
 STEPS, EVAL_EVERY = 4, 2
 
 

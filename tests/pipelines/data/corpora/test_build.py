@@ -56,6 +56,7 @@ def built(tmp_path_factory, package_roots, ray_local):
     return tmp / "out", manifest, expected, lines
 
 
+@pytest.mark.ray
 def test_rejects_counted_by_reason_and_nothing_lost(built):
     out, manifest, expected, _ = built
     assert manifest["rejects"] == expected
@@ -70,6 +71,7 @@ def test_rejects_counted_by_reason_and_nothing_lost(built):
     assert not any("not for the corpus" in m for r in rows for m in r["memory"])  # the outside file was not read
 
 
+@pytest.mark.ray
 def test_shards_split_by_repository_with_the_schema(built, ray_local):
     import ray
 
@@ -95,6 +97,7 @@ def test_missing_source_fails_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.ray
 def test_job_stage2_prints_a_json_summary(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
