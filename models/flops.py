@@ -10,8 +10,9 @@ Conventions (checked against torch's FlopCounterMode in tests/models/test_flops.
   counts all q² pairs instead, as dense SDPA (and FlopCounterMode, whatever the mask) does. Cross-attention over
   the memory and a bidirectional encoder count all pairs either way.
 * Backward, from what actually requires grad (each group's mode read off requires_grad, the LoRA ranks off the
-  injected PEFT layers: models.trainable's trainable_modes and LoraPlan.of): a matmul y = x·Wᵀ costs its forward once more for the input gradient when x requires grad (something trainable
-  lies below it) and once more for the weight gradient when W trains. Frozen weights need no weight gradient, and
+  injected PEFT layers: models.trainable's trainable_modes and LoraPlan.of): a matmul y = x·Wᵀ costs its
+  forward once more for the input gradient when x requires grad (something trainable lies below it) and once
+  more for the weight gradient when W trains. Frozen weights need no weight gradient, and
   everything below the lowest trainable weight needs no backward at all: a frozen encoder runs forward only, and
   with a frozen decoder only the layers from the first GCA block up run backward. Attention's backward costs one
   forward product per gradient product it needs (dV, dP, dQ, dK): twice its forward whenever Q, K and V all require

@@ -216,7 +216,8 @@ def trainable_modes(model: nn.Module) -> dict[str, TrainMode]:
 def _trains(name: str, group: str, mode: TrainMode) -> bool:
     """`full` trains the base weights, `lora` the adapters (and GCA's gates), `frozen` nothing."""
     is_lora = "lora_" in name
-    return (mode == "full" and not is_lora) or (mode == "lora" and (is_lora or group == "gca" and name.endswith("gate")))
+    gate = group == "gca" and name.endswith("gate")
+    return (mode == "full" and not is_lora) or (mode == "lora" and (is_lora or gate))
 
 
 @torch.no_grad()

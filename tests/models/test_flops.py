@@ -138,3 +138,13 @@ def test_proto1_forward_is_every_linear_weight_times_its_tokens_plus_attention()
                  + 4 * b * d.num_attention_heads * d.head_dim * t * m * len(model.gca_layers))
     assert flops.forward_total == pytest.approx(linear + attention, rel=1e-12)
     assert model.gca_layers == list(range(19, 28)) and d.head_dim * d.num_attention_heads != d.hidden_size
+
+
+def test_a_reloaded_model_counts_as_the_model_it_was_saved_from(checkpoint_root, tmp_path):
+    """The plan and modes travel in the saved config file and are read off the rebuilt modules again."""
+    settings = ModelConfig(pair="tiny", decoder="frozen", gca="lora", encoder="lora", lora_rank=4)
+    model = prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root), settings)
+    reloaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "run"))
+    batch = batch_for(model)
+    assert training_flops(reloaded, batch) == training_flops(model, batch)
+    assert training_flops(reloaded, batch) != training_flops(build_pair("tiny", checkpoint_root=checkpoint_root), batch)
