@@ -13,21 +13,9 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.cli import parse_config
-from pipelines.tracking.tracker import summary_json
-from pipelines.train.driver import shutdown_ray
+from pipelines.train.driver import run_job
 from pipelines.train.presets import ENCODER_UL2
-from pipelines.train.ul2 import run_ul2
-
-
-def main(argv: list[str] | None = None) -> dict:
-    config = parse_config(argv, ENCODER_UL2, description=__doc__)
-    summary = run_ul2(config)
-    shutdown_ray()  # flushes the workers' forwarded logs, so the summary is the last line
-    print(summary_json(summary), flush=True)
-    return summary
 
 
 if __name__ == "__main__":
-    summary = main()
-    sys.exit(1 if summary.get("error") else 0)
+    sys.exit(run_job(sys.argv[1:], ENCODER_UL2, __doc__))

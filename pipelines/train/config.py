@@ -107,6 +107,7 @@ class RunSettings:
     storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
     max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
     keep_checkpoints: int = 2
+    verbose: bool = False  # the workers' and Ray's own output (report dicts, progress bars) on the console too
 
 
 @dataclass

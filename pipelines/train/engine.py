@@ -1,10 +1,9 @@
-"""The DeepSpeed engine a training loop drives: its config, the optimizer and schedule, ZeRO-3 details, and the
-checkpoint/resume/export path every job shares (Ray Train checkpoints hold the engine's shards and the loop state)."""
+"""The DeepSpeed engine the training loop drives: its config, the optimizer and schedule, ZeRO-3 details, and the
+checkpoint/resume path every recipe shares (Ray Train checkpoints hold the engine's shards and the loop state)."""
 
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import warnings
 from dataclasses import asdict
@@ -16,11 +15,11 @@ import ray.train
 import torch
 import torch.distributed as dist
 from deepspeed.utils import set_z3_leaf_modules
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from models import AwarenessModel
-from models.trainable import is_added_parameter, parameter_group
-from pipelines.train.config import StageConfig
+from pipelines.train.config import StageConfig, TrainConfig, Ul2Config
 
 ENGINE_TAG = "engine"
 STATE_FILE = "trainer_state.json"
@@ -36,7 +35,7 @@ def quiet_known_warnings() -> None:
     )
 
 
-def deepspeed_config(config: StageConfig, world: int) -> dict[str, Any]:
+def deepspeed_config(config: StageConfig | Ul2Config, world: int) -> dict[str, Any]:
     t, ds = config.train, config.deepspeed
     bf16 = ds.precision == "bf16" or (ds.precision == "auto" and torch.cuda.is_available())
     zero: dict[str, Any] = {"stage": ds.zero_stage}
@@ -55,25 +54,39 @@ def deepspeed_config(config: StageConfig, world: int) -> dict[str, Any]:
     }
 
 
-def setup_deepspeed(model: AwarenessModel, config: StageConfig):
-    """A torch AdamW with one parameter group per part (GCA, decoder, encoder) and a cosine schedule, handed to
-    DeepSpeed: no DeepSpeed optimizer op to JIT-build. The decoder group's learning rate stays 0 for the plan's
-    warm-up phase (train.frozen_decoder_steps)."""
-    groups: dict[str, list[torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            groups.setdefault(parameter_group(name), []).append(param)
+def setup_deepspeed(model: torch.nn.Module, config, groups: dict[str, list[torch.nn.Parameter]]):
+    """A torch AdamW over the recipe's parameter groups and transformers' warmup + cosine schedule, handed to
+    DeepSpeed: no DeepSpeed optimizer op to JIT-build. Reads only config.train and config.deepspeed."""
     t = config.train
     optimizer = torch.optim.AdamW(
         [{"params": params, "name": name} for name, params in groups.items()], lr=t.lr, weight_decay=t.weight_decay
     )
-    schedules = [_lr_lambda(t, frozen=t.frozen_decoder_steps if name == "decoder" else 0) for name in groups]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedules)
+    scheduler = lr_scheduler(optimizer, t)
     if config.deepspeed.zero_stage == 3:
         mark_zero3_leaf_modules(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                       config=deepspeed_config(config, dist.get_world_size()))
     return engine
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' warmup + cosine to lr * min_lr_ratio for every group, except that the decoder group's learning
+    rate stays 0 for the plan's warm-up phase (train.frozen_decoder_steps)."""
+    cosine = cosine_factor(t)
+    factors = [frozen_for(t.frozen_decoder_steps, cosine) if group["name"] == "decoder" else cosine
+               for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def cosine_factor(t: TrainConfig) -> Callable[[int], float]:
+    """transformers' schedule as a function of the step (its public constructor, read off a one-weight optimizer)."""
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return get_cosine_with_min_lr_schedule_with_warmup(probe, t.warmup_steps, t.max_steps,
+                                                       min_lr_rate=t.min_lr_ratio).lr_lambdas[0]
+
+
+def frozen_for(steps: int, factor: Callable[[int], float]) -> Callable[[int], float]:
+    return lambda step: 0.0 if step < steps else factor(step)
 
 
 def mark_zero3_leaf_modules(model: AwarenessModel) -> None:
@@ -83,52 +96,29 @@ def mark_zero3_leaf_modules(model: AwarenessModel) -> None:
         set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
 
 
-def _lr_lambda(t, frozen: int):
-    def factor(step: int) -> float:
-        if step < frozen:
-            return 0.0
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def save_checkpoint(engine, state, metrics: dict[str, float], *, export: Callable[[Path], None] | None = None,
-                    faults=None) -> None:
+                    hook: Callable[[str, int], None] | None = None) -> None:
     """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
     only once every worker has reported, so one that a dying worker left incomplete is never resumed from.
-    `export(directory)` (final checkpoints) adds what users load; the stage and UL2 loops share this."""
+    `export(directory)` (final checkpoints) adds what users load; `hook("save", step)` runs between the shards and the
+    report (where the fault-tolerance tests fail a worker)."""
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
         if dist.get_rank() == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
         if export is not None:
             export(Path(tmp) / EXPORT_DIR)
-        if faults is not None:
-            faults.maybe_fail("save", state.step)
+        if hook is not None:
+            hook("save", state.step)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
 def restore_checkpoint(engine, state_cls: type):
     """Model, optimizer, scheduler and the loop's state (a `state_cls`, saved as client state "trainer_state") from
-    the latest registered checkpoint, if any. The UL2 job shares it with its own state class."""
+    the latest registered checkpoint, if any."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return state_cls()
     with checkpoint.as_directory() as directory:
         _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG)
     return state_cls(**client_state["trainer_state"])
-
-
-def export_artifact(engine, config: StageConfig, directory: Path) -> None:
-    """The small artifact (GCA, projection, LoRA, any base weight trained in full), gathered from the ZeRO-3 shards
-    and written by rank 0 with AwarenessModel.save_pretrained: it reloads without DeepSpeed."""
-    model: AwarenessModel = engine.module
-    params = [p for n, p in model.named_parameters() if is_added_parameter(n) or p.requires_grad]
-    with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.zero_stage == 3):
-        if dist.get_rank() == 0:
-            model.save_pretrained(directory)
-    dist.barrier()
-

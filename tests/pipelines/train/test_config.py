@@ -67,7 +67,7 @@ def test_gate_init_opens_the_gates_before_training_and_an_export_overrides_it(tm
     """stage 0's random default starts with open gates (a closed gate is a saddle); a loaded export's gates win."""
     import math
 
-    from pipelines.train.loop import build_model
+    from pipelines.train.model import build_model
 
     closed = build_model(ModelConfig(pair="tiny"))
     assert set(closed.gate_values().values()) == {0.0}

@@ -17,6 +17,8 @@ from models import AwarenessModel
 from models.awareness import WEIGHTS_NAME
 from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.evaluate.needle import score_needles
+from pipelines.train.loop import HOOK_ENV
+from tests.pipelines.train import faults
 
 pytestmark = pytest.mark.ray  # every test here starts Ray
 
@@ -37,10 +39,17 @@ def small_config(tmp_path: Path, checkpoint_root: Path, name: str, steps: int, *
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def fault_plan(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults") / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def local_ray(fault_plan):
+    """Workers get the fault hook; it does nothing for runs the plan does not name."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(fault_plan)}})
     yield
     ray.shutdown()  # only this test's local instance; never `ray stop`
 
@@ -60,6 +69,11 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 4 and summary["error"] is None
+    console = result.stdout.splitlines()
+    assert any(line.startswith("step 4/4  loss ") for line in console), console
+    assert any(line.startswith("eval step 2  needle acc ") for line in console), console
+    assert not any("TrainingReport(" in line or "{'loss'" in line for line in console + result.stderr.splitlines())
+    assert "mlflow ui --backend-store-uri" in result.stderr  # the closing sentence
     for key in ("needle_accuracy", "no_memory_accuracy", "gate_abs_mean", "checkpoint", "mlflow_run_id"):
         assert summary[key] is not None, key
     assert (Path(summary["export"]) / "awareness_config.json").is_file()
@@ -91,12 +105,15 @@ def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray)
 
 
 @pytest.mark.parametrize("fail_at", ["train:3", "save:4"])
-def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, checkpoint_root, local_ray, fail_at):
+def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, checkpoint_root, local_ray, fault_plan,
+                                                                     fail_at):
     """train:3 dies between checkpoints; save:4 dies after writing its shard but before reporting, so checkpoint 4
     is incomplete and the run must restart from checkpoint 2."""
     from pipelines.train.driver import run_stage
 
-    summary = run_stage(small_config(tmp_path, checkpoint_root, f"fail-{fail_at[:5]}", steps=6), fail_at=fail_at)
+    name = f"fail-{fail_at[:5]}"
+    faults.plan(fault_plan, name, fail_at, tmp_path / "ray" / name / f"injected-failure-{fail_at}")
+    summary = run_stage(small_config(tmp_path, checkpoint_root, name, steps=6))
     assert summary["error"] is None and summary["steps"] == 6
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == expected_checksum(6)

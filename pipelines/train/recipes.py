@@ -1,0 +1,76 @@
+"""What a job plugs into the one driver, worker loop and engine: its data, model, loss inputs, evaluation, export
+and summary. The stage jobs (pipelines.train.stage) and the UL2 job (pipelines.train.ul2) are the two recipes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pipelines.tracking.tracker import Tracker
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint carries besides the engine's shards: where the data stream stands and what was seen."""
+
+    step: int = 0
+    examples_seen: int = 0  # memories (or sequences) consumed by all workers
+    index_checksum: int = 0  # sum of the example indices consumed: a skipped or repeated example changes it
+    loss_first: float | None = None  # the first step's loss, for the summary (Ray keeps only the last report)
+    gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
+
+
+@dataclass
+class Prepared:
+    """The driver's preparation, handed to the Trainer: its config with resolved paths, Ray Datasets, what the
+    workers need besides the config (`worker`), and the MLflow run's tags."""
+
+    config: Any
+    datasets: dict[str, Any] = field(default_factory=dict)
+    dataset_config: Any = None
+    worker: dict[str, Any] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class Stream(Protocol):
+    def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
+        """A micro-batch, its example count and the sum of its example indices (0 where examples have none)."""
+
+
+class Recipe(Protocol):
+    """One job's parts. Driver side: `prepare`, `summary`; worker side: the rest (it travels pickled)."""
+
+    def parse(self, data: dict[str, Any]) -> Any: ...  # the job's typed config from its dict
+
+    def prepare(self, config: Any) -> Prepared: ...
+
+    def build_model(self, config: Any, worker: dict[str, Any]) -> torch.nn.Module: ...
+
+    def parameter_groups(self, model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]: ...
+
+    def stream(self, config: Any, worker: dict[str, Any], rank: int, world: int, start_step: int) -> Stream: ...
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int: ...
+
+    def probe(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]: ...
+
+    def evaluate(self, engine, config: Any, rank: int, world: int) -> dict[str, float]: ...
+
+    def export(self, engine, config: Any, worker: dict[str, Any], directory: Path) -> None: ...
+
+    def finish(self, engine, config: Any, state: TrainState, tracker: Tracker, rank: int, world: int) -> None: ...
+
+    def summary(self, config: Any, metrics: dict[str, Any], export_dir: str | None,
+                tracker: Tracker) -> dict[str, Any]: ...
+
+
+def trainable_groups(model: torch.nn.Module, group_of) -> dict[str, list[torch.nn.Parameter]]:
+    """The trainable parameters by `group_of(name)`, in the model's order."""
+    groups: dict[str, list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault(group_of(name), []).append(param)
+    return groups

@@ -1,0 +1,199 @@
+"""The stage jobs' recipe (stages 0-2): the Awareness pair, needle or corpus streams, needle or corpus evaluation,
+the small GCA/LoRA export, and the lineage tags a registered model needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+
+from models import AwarenessModel, get_pair, write_random_checkpoints
+from models.pairs import default_tiny_root
+from models.trainable import is_added_parameter, parameter_group
+from pipelines.data.streams import data_config
+from pipelines.evaluate import plots
+from pipelines.evaluate.corpus import evaluate_corpus
+from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
+from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
+from pipelines.tracking.tracker import Tracker
+from pipelines.train.config import StageConfig
+from pipelines.train.engine import EXPORT_DIR
+from pipelines.train.model import build_model
+from pipelines.train.plan import plan_for_stage
+from pipelines.train.recipes import Prepared, TrainState, trainable_groups
+from pipelines.train.streams import make_stream, packing_spec, stage_datasets
+
+CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
+
+
+class StageRecipe:
+    """Stages 0-2: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
+
+    def parse(self, data: dict[str, Any]) -> StageConfig:
+        return StageConfig.from_dict(data)
+
+    def prepare(self, config: StageConfig) -> Prepared:
+        config = prepare_paths(config)
+        check_memory_plan(config)
+        prepared = Prepared(config, tags={"stage": str(config.stage), **lineage_tags(config)})
+        if config.data.train_path:  # corpus shards (stages 1-2, or stage 0 on built Q&A); else synthetic needles
+            check_cpus_left_for_data(config)
+            prepared.datasets, prepared.dataset_config = stage_datasets(config), data_config()
+        return prepared
+
+    def build_model(self, config: StageConfig, worker: dict[str, Any]) -> AwarenessModel:
+        return build_model(config.model)
+
+    def parameter_groups(self, model: AwarenessModel) -> dict[str, list[torch.nn.Parameter]]:
+        return trainable_groups(model, parameter_group)  # gca, decoder (frozen for train.frozen_decoder_steps), encoder
+
+    def stream(self, config: StageConfig, worker: dict[str, Any], rank: int, world: int, start_step: int):
+        return make_stream(config, rank, world, start_step)
+
+    def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != -100).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+
+    def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
+        return probe_metrics(engine, config, state, stream)
+
+    def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
+        """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""
+        if config.data.train_path:
+            return evaluate_corpus(engine.module, ray.train.get_dataset_shard("val"), packing_spec(config))
+        return evaluate_needles(engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories,
+                                rank, world)
+
+    def export(self, engine, config: StageConfig, worker: dict[str, Any], directory: Path) -> None:
+        """The small artifact (GCA, projection, LoRA, any base weight trained in full), gathered from the ZeRO-3
+        shards and written by rank 0 with AwarenessModel.save_pretrained: it reloads without DeepSpeed."""
+        model: AwarenessModel = engine.module
+        params = [p for n, p in model.named_parameters() if is_added_parameter(n) or p.requires_grad]
+        with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.zero_stage == 3):
+            if dist.get_rank() == 0:
+                model.save_pretrained(directory)
+        dist.barrier()
+
+    def finish(self, engine, config: StageConfig, state: TrainState, tracker: Tracker, rank: int, world: int) -> None:
+        """The needle heatmap (every rank scores its share) and the gates' history, as figures on the run."""
+        heatmap = None if config.data.train_path else needle_heatmap(
+            engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories, rank, world)
+        if rank == 0 and tracker.client is not None and state.gate_history:
+            log_figures(tracker, state, engine.module.gca_layers, heatmap)
+
+    def summary(self, config: StageConfig, metrics: dict[str, Any], export_dir: str | None,
+                tracker: Tracker) -> dict[str, Any]:
+        if export_dir:
+            tracker.log_artifacts(export_dir, "export")
+        log_evaluation_table(tracker, metrics)
+        return {
+            "job": f"stage{config.stage}",
+            "pair": config.model.pair,
+            "needle_accuracy": metrics.get("needle_accuracy"),
+            "no_memory_accuracy": metrics.get("no_memory_accuracy"),
+            "gate_abs_mean": metrics.get("gate_abs_mean"),
+            "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)),  # what the gates started at, to compare
+            **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
+            "examples_seen": metrics.get("examples_seen"),
+            "export": export_dir,
+        }
+
+
+STAGE = StageRecipe()
+
+
+# ---------------------------------------------------------------------------------------------- driver side
+def prepare_paths(config: StageConfig) -> StageConfig:
+    """Absolute storage path; tiny pairs' random checkpoints written once here, before workers race to do it."""
+    run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
+    model = config.model
+    spec = get_pair(model.pair)
+    if spec.random_weights:
+        root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
+        write_random_checkpoints(spec, root)
+        model = dataclasses.replace(model, checkpoint_root=str(root))
+    return dataclasses.replace(config, run=run, model=model)
+
+
+def check_memory_plan(config: StageConfig) -> None:
+    """A GPU run that cannot fit is refused before any cluster time is spent, with the numbers."""
+    if not config.scaling.use_gpu:
+        return
+    plan = plan_for_stage(config)
+    if not plan.fits:
+        raise ValueError(
+            f"this run does not fit in GPU memory:\n{plan.table()}\nuse LoRA (model.decoder=lora), more workers, "
+            f"gradient checkpointing, or deepspeed.offload_optimizer / offload_params"
+        )
+
+
+def check_cpus_left_for_data(config: StageConfig) -> None:
+    """Ray Data's read tasks each ask for a whole CPU the training workers have not reserved, or the stream waits
+    forever."""
+    total = ray.cluster_resources().get("CPU", 0)
+    reserved = config.scaling.num_workers * config.scaling.cpus_per_worker
+    if total - reserved < 1:
+        raise ValueError(
+            f"the {config.scaling.num_workers} training workers reserve {reserved:g} of the cluster's {total:g} CPUs, "
+            f"leaving less than the 1 CPU a Ray Data read task needs: lower scaling.cpus_per_worker (e.g. 0.5) or "
+            f"add CPUs"
+        )
+
+
+def lineage_tags(config: StageConfig) -> dict[str, str]:
+    """What a registered model needs to trace: base checkpoints, data manifest hash, git commit, system info."""
+    spec = get_pair(config.model.pair)
+    root = config.model.checkpoint_root
+    return {"pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder,
+            "base.decoder": str(Path(root) / spec.decoder) if root else spec.decoder,
+            "base.encoder": str(Path(root) / spec.encoder) if root else spec.encoder,
+            "data.manifest_hash": data_manifest_hash(config.data.train_path, dataclasses.asdict(config.needle)),
+            "git.commit": git_commit(), **system_info()}
+
+
+def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:
+    """The final evaluation as a table on the run it evaluates: needle accuracy by depth of the fact in memory."""
+    depths = sorted(k for k in metrics if k.startswith("needle_accuracy/depth_"))
+    if depths:
+        tracker.log_table({"depth_bin": [int(k.rsplit("_", 1)[1]) for k in depths],
+                           "needle_accuracy": [float(metrics[k]) for k in depths]}, "eval/needle_by_depth.json")
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
+    """Per-layer |tanh(gate)| and the attention entropy over the memory, on one training-shaped batch."""
+    model: AwarenessModel = engine.module
+    blocks = model.gca_blocks()
+    with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.zero_stage == 3):
+        gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
+    for b in blocks.values():
+        b.probe_entropy = True
+    with torch.no_grad():
+        model(**{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
+    entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
+    for b in blocks.values():
+        b.probe_entropy, b.last_entropy = False, None
+    dist.all_reduce(entropies)
+    entropies /= dist.get_world_size()
+    state.gate_history.append([state.step, *gates.values()])
+    metrics = {f"gate/layer_{i}": v for i, v in gates.items()}
+    metrics |= {f"attention_entropy/layer_{i}": e for i, e in zip(blocks, entropies.tolist(), strict=True)}
+    metrics["gate_abs_mean"] = sum(gates.values()) / len(gates)
+    return metrics
+
+
+def log_figures(tracker: Tracker, state: TrainState, layers: list[int], heatmap: dict[str, Any] | None) -> None:
+    if heatmap is not None:
+        tracker.log_dict(heatmap, "needle_heatmap.json")
+        figure = plots.needle_heatmap_figure(heatmap)
+        tracker.log_figure(figure, "needle_heatmap.png")
+        plots.close(figure)
+    figure = plots.gate_figure(state.gate_history, layers)
+    tracker.log_figure(figure, "gates.png")
+    plots.close(figure)
