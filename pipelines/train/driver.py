@@ -14,7 +14,6 @@ from ray.train.torch import TorchTrainer
 
 from models import get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
-from pipelines.cli import parse_config
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri, summary_json
 from pipelines.train.config import StageConfig
@@ -176,13 +175,3 @@ def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:
     if depths:
         tracker.log_table({"depth_bin": [int(k.rsplit("_", 1)[1]) for k in depths],
                            "needle_accuracy": [float(metrics[k]) for k in depths]}, "eval/needle_by_depth.json")
-
-
-def run_job(argv: list[str] | None, default: StageConfig, description: str) -> int:
-    """What every stage entry point does: config file + flags -> typed config -> one run -> a one-line JSON summary
-    as the last line of output."""
-    config = parse_config(argv, default, description=description)
-    summary = run_stage(config)
-    shutdown_ray()  # flushes the workers' forwarded logs, so the summary is the last line
-    print(summary_json(summary), flush=True)
-    return 1 if summary.get("error") else 0
