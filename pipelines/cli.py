@@ -102,8 +102,8 @@ def schema(cls, prefix: str = "", section_doc: str = "") -> dict[str, tuple[Any,
     for f in fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            out |= schema(hint, f"{prefix}{f.name}.", inspect.getdoc(hint) if hint.__doc__ and
-                          not hint.__doc__.startswith(hint.__name__ + "(") else "")
+            written = hint.__doc__ and not hint.__doc__.startswith(hint.__name__ + "(")  # not dataclass's own
+            out |= schema(hint, f"{prefix}{f.name}.", inspect.getdoc(hint) if written else "")
         else:
             out[f"{prefix}{f.name}"] = (hint, docs.get(f.name, ""), section_doc)
     return out

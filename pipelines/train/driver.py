@@ -15,7 +15,7 @@ from ray.train.torch import TorchTrainer
 from models import get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
-from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri, summary_json
+from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
