@@ -44,4 +44,4 @@ bench-gpu: install   # on a CUDA machine, with a CUDA torch: make bench-gpu TORC
 	$(PY) benchmarks/gpu_mfu.py
 
 corpus: install   # a stage-0 corpus of this repository's own code and docs
-	$(PY) jobs/build_corpus.py --stage 0 --source . --out outputs/corpus0
+	$(PY) jobs/build_corpus.py --stage 0 --sources . --out outputs/corpus0

@@ -2,20 +2,20 @@
 
     python jobs/generate.py                       # tiny random pair on CPU, gates as built (closed)
     python jobs/generate.py --gate 0.5            # open the gates: each memory now changes the answer
-    python jobs/generate.py --model-dir DIR       # a model written by AwarenessModel.save_pretrained
+    python jobs/generate.py --model_dir DIR       # a model written by AwarenessModel.save_pretrained
 
 Prints a table, then a one-line JSON summary as the last line.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from models import AwarenessModel, build_pair
+from models import PAIRS, AwarenessModel, build_pair
+from pipelines.cli import parse_config
 from pipelines.evaluate.generation import generate_with_memories
 
 
@@ -33,17 +33,14 @@ class GenerateArgs:
     num_beams: int = 1
     seed: int = 0
 
-
-def parse_args(argv: list[str] | None = None) -> GenerateArgs:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(GenerateArgs):
-        kind = float if f.name == "gate" else int if isinstance(f.default, int) else str
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
-    return GenerateArgs(**vars(parser.parse_args(argv)))
+    def problems(self) -> list[str]:
+        p = [] if self.pair in PAIRS else [f"pair {self.pair!r} is not one of {sorted(PAIRS)}"]
+        return p + [f"{name} must be positive" for name in ("memories", "chunks", "chunk_len", "prompt_len",
+                                                              "max_new_tokens", "num_beams") if getattr(self, name) <= 0]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = parse_config(argv, GenerateArgs(), description=__doc__)
     torch.manual_seed(args.seed)
     model = (AwarenessModel.from_pretrained(args.model_dir) if args.model_dir
              else build_pair(args.pair, checkpoint_root=args.checkpoint_root))

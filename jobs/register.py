@@ -1,28 +1,39 @@
 """Register a training run's exported artifact in the MLflow model registry, or promote a version.
 
-    python jobs/register.py --run-id RUN_ID [--name awareness] [--alias candidate]
+    python jobs/register.py --run_id RUN_ID [--name awareness] [--alias candidate]
     python jobs/register.py --promote VERSION [--name awareness]       # moves the alias `production`
 
-Uses $MLFLOW_TRACKING_URI (or --tracking-uri), else ./mlflow.db. Prints a one-line JSON summary.
+Uses $MLFLOW_TRACKING_URI (or --tracking_uri), else ./mlflow.db. Prints a one-line JSON summary.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
+from dataclasses import dataclass
 
+from mlflow.exceptions import MlflowException
+
+from pipelines.cli import parse_config
 from pipelines.tracking.registry import DEFAULT_NAME, describe, promote, register_run
 from pipelines.tracking.tracker import summary_json
 
 
+@dataclass
+class RegisterArgs:
+    run_id: str | None = None  # an MLflow run with an export/ artifact (a stage job's run, a sweep trial)
+    promote: str | None = None  # a model version: point the alias `production` at it
+    name: str = DEFAULT_NAME  # registered model name
+    alias: str | None = None  # None: candidate (register), production (promote)
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else ./mlflow.db
+
+    def problems(self) -> list[str]:
+        if (self.run_id is None) == (self.promote is None):
+            return ["give exactly one of --run_id RUN_ID (register) and --promote VERSION"]
+        return []
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--run-id", help="an MLflow run with an export/ artifact (a stage job's run, a sweep trial)")
-    action.add_argument("--promote", metavar="VERSION", help="point the alias `production` at this version")
-    parser.add_argument("--name", default=DEFAULT_NAME, help="registered model name")
-    parser.add_argument("--alias", default=None, help="default: candidate (register), production (promote)")
-    parser.add_argument("--tracking-uri", default=None)
-    args = parser.parse_args(argv)
+    args = parse_config(argv, RegisterArgs(), description=__doc__)
     try:
         if args.run_id:
             version = register_run(args.run_id, tracking_uri=args.tracking_uri, name=args.name,
@@ -30,8 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             version = promote(args.promote, tracking_uri=args.tracking_uri, name=args.name,
                               alias=args.alias or "production")
-    except FileNotFoundError as error:
-        raise SystemExit(f"register: {error}") from error
+    except (FileNotFoundError, MlflowException) as error:  # an unknown run or version: the user's to fix
+        print(f"register.py: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
     summary = {"job": "register", **describe(version), "alias": args.alias or ("candidate" if args.run_id else "production")}
     print(summary_json(summary), flush=True)
     return summary

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.train.driver import run_job
+from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE0
 
 

@@ -1,7 +1,7 @@
 """Stage 1, commit reproduction with help: reproduce a real single-file change from its message plus hints (path,
 hunk headers) or an imperative instruction, reading the repository at the parent commit as memory.
 
-    python jobs/build_corpus.py --stage 2 --source PATH/TO/REPO --out corpus     # the commit shards, once
+    python jobs/build_corpus.py --stage 2 --sources PATH/TO/REPO --out corpus     # the commit shards, once
     python jobs/stage1.py --data.train_path corpus/train --data.val_path corpus/val
     ray job submit --working-dir . -- python jobs/stage1.py --model.pair proto2 --scaling.use_gpu true \\
         --data.train_path s3://bucket/corpus/train --data.val_path s3://bucket/corpus/val
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.train.driver import run_job
+from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE1
 
 

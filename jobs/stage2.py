@@ -3,7 +3,7 @@ the planning dialogue plan -> <read> -> edit), usually starting from stage 1's e
 
     python jobs/stage2.py --data.train_path corpus/train --data.val_path corpus/val --model.init_from STAGE1_EXPORT
     ray job submit --working-dir . -- python jobs/stage2.py --model.pair scale --scaling.use_gpu true \\
-        --scaling.num_workers 16 --data.train_path s3://bucket/corpus/train --data.val_path s3://bucket/corpus/val
+        --scaling.num_workers 16 --train.memories_per_step 16 --data.train_path s3://bucket/corpus/train --data.val_path s3://bucket/corpus/val
 
 Ends with a one-line JSON summary.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from pipelines.train.driver import run_job
+from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE2
 
 

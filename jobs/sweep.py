@@ -1,66 +1,35 @@
 """Sweep LoRA rank x GCA placement x learning rate with Ray Tune (ASHA on validation loss); register the best.
 
-    python jobs/sweep.py --pair tiny --stage 0 --num-samples 8
-    python jobs/sweep.py --pair tiny --num-samples 2 --ranks 8 16 --placements upper_half "1,3" --train.max_steps 40
-    python jobs/sweep.py --stage 1 --data.train_path corpus/train --data.val_path corpus/val --num-samples 4
-    ray job submit --working-dir . -- python jobs/sweep.py --pair proto1 --scaling.use_gpu true --scaling.num_workers 2
+    python jobs/sweep.py --stage 0 --sweep.num_samples 8
+    python jobs/sweep.py --sweep.num_samples 2 --sweep.lora_ranks 8 16 --sweep.placements upper_half 1,3 --train.max_steps 40 \\
+        --train.eval_every 20
+    python jobs/sweep.py --stage 1 --data.train_path corpus/train --data.val_path corpus/val --sweep.num_samples 4
+    python jobs/sweep.py --stage 1 --data.train_path corpus/train --data.val_path corpus/val --dry-run
+    ray job submit --working-dir . -- python jobs/sweep.py --model.pair proto1 --scaling.use_gpu true --scaling.num_workers 2
 
-Stage 0 ranks trials on the needle validation loss; stages 1-2 start from jobs/stage1.py / stage2.py's defaults
-(pair tiny-text), train on the commit shards jobs/build_corpus.py --stage 2 writes, and rank on their val_loss.
-Any stage-config field is an override for every trial (--section.field VALUE, see jobs/stage0.py --help).
+`--stage` picks the trials' preset: stage 0 the tiny pair on needles; stages 1-2 jobs/stage1.py / stage2.py's
+defaults (pair tiny-text), trained on the commit shards jobs/build_corpus.py --stage 2 writes, ranked on val_loss.
+Every other stage-config field (--section.field VALUE) is the same for every trial; --sweep.* is the search.
 Prints the rank x placement table, then a one-line JSON summary.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import sys
 
-from pipelines.cli import parse_config
-from pipelines.train.driver import shutdown_ray
+from pipelines.cli import parse_config, peek
 from pipelines.tracking.tracker import summary_json
-from pipelines.tune.sweep import SweepConfig, default_base, run_sweep
-
-
-def parse(argv: list[str] | None) -> tuple[SweepConfig, list[str], str | None, int]:
-    d = SweepConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", help="default: tiny for stage 0, the stage job's pair (tiny-text) for stages 1-2")
-    p.add_argument("--stage", type=int, default=0, choices=[0, 1, 2])
-    p.add_argument("--num-samples", type=int, default=d.num_samples)
-    p.add_argument("--ranks", type=int, nargs="+", default=d.lora_ranks)
-    p.add_argument("--placements", nargs="+", help="default: upper_third upper_half every_k:4 last:4 MID,LAST")
-    p.add_argument("--lr-min", type=float, default=d.lr_min)
-    p.add_argument("--lr-max", type=float, default=d.lr_max)
-    p.add_argument("--grace-period", type=int, default=d.grace_period, help="evaluations before ASHA may stop a trial")
-    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="0: as many as the cluster holds")
-    p.add_argument("--trial-cpus", type=float, default=d.trial_cpus)
-    p.add_argument("--data-cpus", type=float, default=d.data_cpus, help="CPUs kept free for Ray Data (corpus stages)")
-    p.add_argument("--name", default=d.name)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--registered-model", default=d.registered_model, help="registered model name")
-    p.add_argument("--no-register", action="store_true", help="do not register the best trial")
-    args, rest = p.parse_known_args(argv)
-    sweep = SweepConfig(name=args.name, num_samples=args.num_samples, lora_ranks=args.ranks,
-                        placements=args.placements, lr_min=args.lr_min, lr_max=args.lr_max,
-                        grace_period=args.grace_period, trial_cpus=args.trial_cpus, data_cpus=args.data_cpus,
-                        max_concurrent=args.max_concurrent,
-                        seed=args.seed, registered_model=None if args.no_register else args.registered_model)
-    return sweep, rest, args.pair, args.stage
+from pipelines.train.plan import dry_run_report
+from pipelines.tune.sweep import SweepJob, run_sweep
 
 
 def main(argv: list[str] | None = None) -> dict:
-    sweep, rest, pair, stage = parse(argv)
-    try:
-        base = parse_config(rest, default_base(pair, stage), description="stage-config overrides for every trial")
-    except ValueError as error:  # an unusable pair, or a config problem (e.g. no corpus for stage 1-2)
-        raise SystemExit(f"sweep: {error}") from error
-    base = dataclasses.replace(base, run=dataclasses.replace(base.run, name=sweep.name))
-    problems = sweep.problems(base)
-    if problems:
-        raise SystemExit("sweep: invalid sweep:\n  - " + "\n  - ".join(problems))
-    summary = run_sweep(sweep, base)
+    stage = peek(argv, "stage", 0)
+    job = parse_config(argv, SweepJob.for_stage(stage if stage in (0, 1, 2) else 0), description=__doc__,
+                       on_dry_run=lambda config: dry_run_report(config.base()))
+    from pipelines.train.driver import shutdown_ray  # DeepSpeed and Ray Train: only for a valid config
+
+    summary = run_sweep(job.sweep, job.base())
     shutdown_ray()
     print(summary_json(summary), flush=True)
     return summary

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,8 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 
 @dataclass
 class Ul2DataConfig:
-    paths: str = ""  # comma-separated files or directories of text/code; empty: this repository's own sources
-    suffixes: str = ".py,.md,.txt,.toml,.yaml,.yml,.json,.sh"  # which files a directory contributes
+    paths: list[str] = field(default_factory=list)  # files or directories of text/code; empty: this repository's own sources
+    suffixes: list[str] = field(default_factory=lambda: [".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh"])  # which files a directory contributes
     seq_len: int = 128  # tokens per sequence before denoising
     max_files: int = 10_000
     mixture: str = "ul2"  # a name from MIXTURES
@@ -90,8 +90,8 @@ def denoise(tokens: np.ndarray, vocab: Ul2Vocab, mixture: tuple[Denoiser, ...], 
 # -------------------------------------------------------------------------------------------------------- data
 def source_files(data: Ul2DataConfig) -> list[str]:
     """The files named, directories expanded by suffix; the repository's own sources when none are named."""
-    roots = [Path(p).expanduser() for p in data.paths.split(",") if p] or [REPOSITORY]
-    suffixes = tuple(s.strip() for s in data.suffixes.split(","))
+    roots = [Path(p).expanduser() for p in data.paths if p] or [REPOSITORY]
+    suffixes = tuple(data.suffixes)
     files: list[str] = []
     for root in roots:
         if root.is_file():

@@ -10,7 +10,7 @@ from typing import Any
 from models import PAIRS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
-from pipelines.cli import from_typed_dict
+from pipelines.cli import ConfigError, from_typed_dict
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
 
@@ -28,7 +28,7 @@ class ModelConfig:
     gca: str = "full"  # full | lora
     lora_rank: int = 16  # decoder LoRA rank
     lora_alpha: float | None = None  # None: 2 * rank
-    lora_targets: str = ",".join(ATTENTION + MLP)  # decoder projections that get LoRA; MoE pairs: add `experts`
+    lora_targets: list[str] = field(default_factory=lambda: [*ATTENTION, *MLP])  # decoder projections that get LoRA; MoE pairs: add `experts`
     encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
@@ -59,7 +59,7 @@ class NeedleConfig:
 class DataConfig:
     train_path: str | None = None  # Parquet shards from jobs/build_corpus.py (OUT/train); None: synthetic needles
     val_path: str | None = None  # (OUT/val): validation loss and token accuracy, with and without the memory
-    variants: str | None = None  # comma-separated prompt variants to keep (e.g. hinted,imperative); None: all
+    variants: list[str] | None = None  # prompt variants to keep (e.g. hinted imperative); None: all
     max_tokens: int = 1024  # decoder tokens per packed row
     max_chunks: int = 16  # memory chunks per packed row
     chunk_len: int = 512  # tokens per memory chunk
@@ -153,13 +153,13 @@ class StageConfig:
                 p.append(f"model.{name} must be one of {TRAIN_MODES}, got {getattr(m, name)!r}")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
-        targets = m.lora_targets.split(",")
+        targets = m.lora_targets
         unknown = set(targets) - set(GROUP_TARGETS["decoder"])
         if unknown:
             p.append(f"model.lora_targets has unknown names {sorted(unknown)}; choose from {GROUP_TARGETS['decoder']}")
         if EXPERTS in targets and m.pair in PAIRS and PAIRS[m.pair].decoder_config["model_type"] != "qwen3_moe":
             p.append(f"model.lora_targets: {EXPERTS!r} is LoRA on Qwen3-MoE experts, and pair {m.pair!r} is dense: "
-                     f"target its MLP with {','.join(MLP)}")
+                     f"target its MLP with {' '.join(MLP)}")
         for name in ("lora_rank", "encoder_lora_rank", "gca_lora_rank"):
             if getattr(m, name) <= 0:
                 p.append(f"model.{name} must be positive")
@@ -209,7 +209,7 @@ class StageConfig:
     def validate(self) -> "StageConfig":
         problems = self.problems()
         if problems:
-            raise ValueError("invalid config:\n  - " + "\n  - ".join(problems))
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         return self
 
 
@@ -242,7 +242,7 @@ class Ul2Config:
     def from_dict(cls, data: dict[str, Any]) -> "Ul2Config":
         return from_typed_dict(cls, data)
 
-    def validate(self) -> "Ul2Config":
+    def problems(self) -> list[str]:
         p, t = [], self.train
         if self.model.encoder_key_rope not in ("none", "encoder_positions"):
             p.append(f"model.encoder_key_rope must be none or encoder_positions, got {self.model.encoder_key_rope!r}")
@@ -259,6 +259,10 @@ class Ul2Config:
         if t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
             p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
                      f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
-        if p:
-            raise ValueError("invalid UL2 config:\n  - " + "\n  - ".join(p))
+        return p
+
+    def validate(self) -> "Ul2Config":
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid UL2 config:\n  - " + "\n  - ".join(problems))
         return self

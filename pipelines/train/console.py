@@ -8,7 +8,6 @@ and the driver prints them."""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any

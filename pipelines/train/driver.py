@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +12,9 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from pipelines.cli import parse_config
-from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri, summary_json
+from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig, Ul2Config
-from pipelines.train.console import Console, closing_sentence, quiet
+from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
 from pipelines.train.recipes import Prepared, Recipe
@@ -120,14 +118,3 @@ def summarise(recipe: Recipe, config, result, tracker: Tracker) -> dict[str, Any
     tracker.log_dict(summary, "summary.json")
     summary["tracking_unlogged"] = tracker.close("FAILED" if result.error else "FINISHED")
     return summary
-
-
-def run_job(argv: list[str] | None, default: StageConfig | Ul2Config, description: str) -> int:
-    """What every entry point does: config file + flags -> typed config -> one run -> a closing sentence (stderr)
-    and a one-line JSON summary, the last line of stdout."""
-    config = parse_config(argv, default, description=description)
-    summary = run_stage(config)
-    shutdown_ray()  # flushes whatever the workers still forward, so the summary is the last line
-    print(closing_sentence(summary, resolve_tracking_uri(config.tracking.tracking_uri)), file=sys.stderr, flush=True)
-    print(summary_json(summary), flush=True)
-    return 1 if summary.get("error") else 0

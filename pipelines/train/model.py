@@ -20,7 +20,7 @@ def build_model(cfg: ModelConfig) -> AwarenessModel:
 def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
     """The training configuration on a built pair: LoRA adapters, initial added weights, what trains, the encoder's
     gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU)."""
-    targets = tuple(cfg.lora_targets.split(","))
+    targets = tuple(cfg.lora_targets)
     plan = LoraPlan(
         decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
         gca=LoraSettings(rank=cfg.gca_lora_rank) if cfg.gca == "lora" else None,

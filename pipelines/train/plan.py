@@ -9,9 +9,14 @@ model trains, the case it models.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from models import LoraPlan, LoraSettings, apply_lora, build_pair
+import yaml
+
+from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair, get_pair
+from models.pairs import default_tiny_root
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
 GIB = 1024**3
@@ -20,14 +25,14 @@ CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
 
 @dataclass
 class PlanInput:
-    pair: str
+    pair: str = "tiny"  # a name from models.PAIRS
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
     decoder: str = "lora"  # frozen | lora | full
     encoder: str = "frozen"
     lora_rank: int = 16
-    lora_targets: tuple[str, ...] = ATTENTION + MLP  # add "experts" for LoRA on an MoE pair's experts
+    lora_targets: tuple[str, ...] = ATTENTION + MLP  # add experts for LoRA on an MoE pair's experts
     micro_batch: int = 1  # sequences per GPU per micro-step
     memories: int | None = None  # memories per GPU per micro-step (several questions can share one); None: one each
     seq_len: int = 4096
@@ -35,6 +40,14 @@ class PlanInput:
     gradient_checkpointing: bool = True
     offload_optimizer: bool = False
     offload_params: bool = False
+
+    def problems(self) -> list[str]:
+        p = [] if self.nodes > 0 and self.gpus_per_node > 0 else ["nodes and gpus_per_node must be positive"]
+        if self.pair not in PAIRS:
+            return p + [f"pair {self.pair!r} is not one of {sorted(PAIRS)}"]
+        if EXPERTS in self.lora_targets and PAIRS[self.pair].decoder_config["model_type"] != "qwen3_moe":
+            p.append(f"lora_targets: {EXPERTS} is LoRA on Qwen3-MoE experts, and pair {self.pair} is dense")
+        return p
 
 
 @dataclass
@@ -75,18 +88,49 @@ def plan_for_stage(config) -> MemoryPlan:
     """The plan of a stage config's GPU run: its pair, train modes, workers and (for stage 0's needles) lengths."""
     from pipelines.data.synthetic_needles import PROMPT_LEN
 
-    spec, s = config.needle.spec(), config.scaling
+    spec, s, d = config.needle.spec(), config.scaling, config.data
     per_gpu_memories = max(1, config.train.memories_per_step // (s.num_workers * config.train.grad_accum))
+    if d.train_path:  # corpus rows: packed to data.max_tokens, one memory of max_chunks x chunk_len each
+        questions, seq_len, memory_tokens = 1, d.max_tokens, d.max_chunks * d.chunk_len
+    else:
+        questions, seq_len, memory_tokens = spec.questions, PROMPT_LEN + spec.value_digits + 1, spec.chunks * spec.chunk_len
     return plan_memory(PlanInput(
         pair=config.model.pair, nodes=max(1, -(-s.num_workers // s.gpus_per_node)),
         gpus_per_node=min(s.num_workers, s.gpus_per_node), gpu_memory_gib=s.gpu_memory_gib,
         decoder=config.model.decoder, encoder=config.model.encoder, lora_rank=config.model.lora_rank,
-        lora_targets=tuple(config.model.lora_targets.split(",")), micro_batch=per_gpu_memories * spec.questions,
-        memories=per_gpu_memories,
-        seq_len=PROMPT_LEN + spec.value_digits + 1, memory_tokens=spec.chunks * spec.chunk_len,
+        lora_targets=tuple(config.model.lora_targets), micro_batch=per_gpu_memories * questions,
+        memories=per_gpu_memories, seq_len=seq_len, memory_tokens=memory_tokens,
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
     ))
+
+
+def dry_run_report(config) -> str:
+    """What a training job's --dry-run prints: its config with paths resolved as the driver will, and (stage
+    configs) the memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
+    config = resolved_paths(config)
+    lines = ["# resolved config", yaml.safe_dump(dataclasses.asdict(config), sort_keys=False).rstrip()]
+    if hasattr(config, "needle"):
+        plan = plan_for_stage(config)
+        device = "" if config.scaling.use_gpu else " (scaling.use_gpu is false: the same workers as GPUs)"
+        lines += [f"# memory plan{device}", plan.table()]
+    return "\n".join(lines)
+
+
+def resolved_paths(config):
+    """Local paths made absolute; a random pair's checkpoint root named (written only when the job runs)."""
+    run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
+    config = dataclasses.replace(config, run=run)
+    if hasattr(config, "needle"):
+        model, data = config.model, config.data
+        if get_pair(model.pair).random_weights:
+            root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
+            model = dataclasses.replace(model, checkpoint_root=str(root))
+        data = dataclasses.replace(data, **{name: str(Path(getattr(data, name)).resolve())
+                                           for name in ("train_path", "val_path")
+                                           if getattr(data, name) and "://" not in getattr(data, name)})
+        config = dataclasses.replace(config, model=model, data=data)
+    return config
 
 
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:

@@ -31,7 +31,7 @@ STAGE0 = StageConfig(
 STAGE1 = StageConfig(
     stage=1,
     model=ModelConfig(pair="tiny-text", gca_layers="upper_third", decoder="lora", encoder="frozen", gca="full"),
-    data=DataConfig(variants="hinted,imperative", max_tokens=2048, max_chunks=16, chunk_len=512),
+    data=DataConfig(variants=["hinted", "imperative"], max_tokens=2048, max_chunks=16, chunk_len=512),
     train=TrainConfig(max_steps=1000, memories_per_step=8, lr=2e-4, warmup_steps=30, frozen_decoder_steps=100,
                       eval_every=200, checkpoint_every=200, log_every=20),
     scaling=ScalingSettings(cpus_per_worker=0.5),  # leaves CPUs for Ray Data's read tasks on a laptop

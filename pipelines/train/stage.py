@@ -24,7 +24,6 @@ from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import StageConfig
-from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Prepared, TrainState, trainable_groups

@@ -28,5 +28,4 @@ def make_stream(config: StageConfig, rank: int, world: int, start_step: int) -> 
 
 def stage_datasets(config: StageConfig) -> dict[str, Any]:
     d = config.data
-    variants = d.variants.split(",") if d.variants else None
-    return corpus_datasets(d.train_path, d.val_path, variants, d.val_examples)
+    return corpus_datasets(d.train_path, d.val_path, d.variants or None, d.val_examples)

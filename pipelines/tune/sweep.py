@@ -63,15 +63,15 @@ class SweepConfig:
             try:
                 resolve_gca_layers(spec, depth)
             except ValueError as error:
-                p.append(f"placements: {error}")
+                p.append(f"sweep.placements: {error}")
         if self.num_samples <= 0:
-            p.append(f"num_samples must be positive, got {self.num_samples}")
+            p.append(f"sweep.num_samples must be positive, got {self.num_samples}")
         if not self.lora_ranks or any(r <= 0 for r in self.lora_ranks):
-            p.append(f"lora_ranks must be positive integers, got {self.lora_ranks}")
+            p.append(f"sweep.lora_ranks must be positive integers, got {self.lora_ranks}")
         if not 0 < self.lr_min <= self.lr_max:
-            p.append(f"need 0 < lr_min <= lr_max, got {self.lr_min}, {self.lr_max}")
+            p.append(f"need 0 < sweep.lr_min <= sweep.lr_max, got {self.lr_min}, {self.lr_max}")
         if self.mode not in ("min", "max"):
-            p.append(f"mode must be min or max, got {self.mode!r}")
+            p.append(f"sweep.mode must be min or max, got {self.mode!r}")
         if base.model.decoder != "lora":
             p.append(f"a LoRA-rank sweep needs model.decoder=lora, the base config has {base.model.decoder!r}")
         evaluations = base.train.max_steps // base.train.eval_every
@@ -82,10 +82,10 @@ class SweepConfig:
             p.append(f"trials on corpus shards report {metric} on data.val_path: pass --data.val_path DIR/val "
                      f"(jobs/build_corpus.py's held-out split)")
         if base.data.train_path and self.data_cpus < 1:
-            p.append(f"data_cpus must be at least 1 when trials read corpus shards (each Ray Data read task asks "
+            p.append(f"sweep.data_cpus must be at least 1 when trials read corpus shards (each Ray Data read task asks "
                      f"for a whole CPU), got {self.data_cpus}")
         if self.trial_cpus <= 0 or self.trial_cpus >= 1:
-            p.append(f"trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
+            p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
                      f"on small machines), got {self.trial_cpus}")
         return p
 
@@ -337,6 +337,15 @@ def needle_base(pair: str) -> StageConfig:
     )
 
 
+def vocab_problem(pair: str) -> str | None:
+    """Commit corpora hold Qwen3 token ids: a pair with a smaller vocabulary cannot read them."""
+    vocab = get_pair(pair).decoder_config["vocab_size"]
+    if vocab < VOCAB_SIZE:
+        return (f"model.pair {pair}: its decoder has {vocab} token ids, but commit corpora hold Qwen3 token ids "
+                f"(up to {VOCAB_SIZE - 1}): use tiny-text (the tiny shapes with Qwen3's vocabulary) or a real pair")
+    return None
+
+
 def corpus_base(pair: str | None, stage: int) -> StageConfig:
     """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its schedule, data budget, variants,
     frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
@@ -344,14 +353,38 @@ def corpus_base(pair: str | None, stage: int) -> StageConfig:
     (SweepConfig.data_cpus). The corpus is the jobs' --data.train_path / --data.val_path (required)."""
     job = STAGES[stage]  # the job's preset is the one source of its defaults
     pair = pair or job.model.pair
-    vocab = get_pair(pair).decoder_config["vocab_size"]
-    if vocab < VOCAB_SIZE:
-        raise ValueError(f"--pair {pair}: its decoder has {vocab} token ids, but commit corpora hold Qwen3 token ids "
-                         f"(up to {VOCAB_SIZE - 1}): use tiny-text (the tiny shapes with Qwen3's vocabulary) or a "
-                         f"real pair")
+    if vocab_problem(pair):
+        raise ValueError(vocab_problem(pair))
     return dataclasses.replace(
         job,
         model=dataclasses.replace(job.model, pair=pair, decoder="lora"),
         scaling=dataclasses.replace(job.scaling, num_workers=1, cpus_per_worker=0.4),
         run=dataclasses.replace(job.run, name="sweep", max_failures=0, keep_checkpoints=1),
     )
+
+
+@dataclass
+class SweepJob(StageConfig):
+    """jobs/sweep.py's one config: the trials' stage config (every section, the same for each trial; `stage` picks
+    the preset) and the `sweep` section."""
+
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+    @classmethod
+    def for_stage(cls, stage: int) -> "SweepJob":
+        base = default_base(None, stage)
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StageConfig)})
+
+    def base(self) -> StageConfig:
+        """The trials' stage config; their Ray Train runs are named after the sweep."""
+        config = StageConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StageConfig)})
+        return dataclasses.replace(config, run=dataclasses.replace(config.run, name=self.sweep.name))
+
+    def problems(self) -> list[str]:
+        base = self.base()
+        p = base.problems() + self.sweep.problems(base)
+        if self.stage not in (0, 1, 2):
+            p.append(f"stage {self.stage}: sweeps run stage 0, 1 or 2")
+        if self.stage in (1, 2) and self.model.pair in PAIRS and vocab_problem(self.model.pair):
+            p.append(vocab_problem(self.model.pair))
+        return p

@@ -1,6 +1,9 @@
 """The entry points run end to end as a user runs them, and end with a parseable one-line JSON summary."""
 
 import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -10,19 +13,104 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_job(*args: str, cwd: Path, env_root: Path) -> dict:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "generate.py"), "--checkpoint-root", str(env_root), *args],
+        [sys.executable, str(ROOT / "jobs" / "generate.py"), "--checkpoint_root", str(env_root), *args],
         cwd=cwd, capture_output=True, text=True, timeout=300, check=True,
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_generate_job_closed_then_open_gates(checkpoint_root, tmp_path):
-    closed = run_job("--max-new-tokens", "6", cwd=tmp_path, env_root=checkpoint_root)
+    closed = run_job("--max_new_tokens", "6", cwd=tmp_path, env_root=checkpoint_root)
     assert closed["gates"] == [0.0] and closed["matches_no_memory"] and not closed["memory_changes_output"]
     assert closed["max_logit_change"] == 0.0
-    opened = run_job("--gate", "1.5", "--memories", "4", "--max-new-tokens", "12", "--num-beams", "2",
+    opened = run_job("--gate", "1.5", "--memories", "4", "--max_new_tokens", "12", "--num_beams", "2",
                      cwd=tmp_path, env_root=checkpoint_root)
     # Open gates: the memory moves the next-token logits. (Whether greedy tokens also change depends on how peaked
     # a random model's logits happen to be, so that is reported, not asserted.)
     assert opened["gates"][0] > 0.9 and opened["max_logit_change"] > 1e-3
     assert isinstance(opened["memory_changes_output"], bool)
+
+
+def job(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / f"{name}.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def user_lines(stderr: str) -> list[str]:
+    """stderr without third-party import chatter (MLflow's database set-up, warnings)."""
+    return [line for line in stderr.splitlines() if line.startswith(("stage", "sweep", "register", "build", "plan",
+                                                                     "generate", "encoder"))]
+
+
+def test_a_wrong_value_or_unknown_key_is_one_line_and_exit_2(tmp_path):
+    wrong = job("stage0", "--train.max_steps", "abc", cwd=tmp_path)
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1 and "train.max_steps" in wrong.stderr
+    unknown = job("stage0", "--train.max_step", "5", cwd=tmp_path)
+    assert unknown.returncode == 2 and "did you mean --train.max_steps?" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1
+
+
+def test_register_with_an_unknown_run_is_one_line_and_exit_2(tmp_path):
+    result = job("register", "--run_id", "deadbeef", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert user_lines(result.stderr) == ["register.py: Run with id=deadbeef not found"]
+
+
+def test_help_shows_each_fields_doc(tmp_path):
+    result = job("stage2", "--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for doc in ("--train.memories_per_step", "global batch, in memories", "a name from models.PAIRS",
+                "prompt variants to keep", "--dry-run"):
+        assert doc in result.stdout, doc
+
+
+def test_stage2_dry_run_prints_the_plan_without_ray(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / "C" / split).mkdir(parents=True)
+    result = job("stage2", "--dry-run", "--data.train_path", "C/train", "--data.val_path", "C/val", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"train_path: {tmp_path / 'C' / 'train'}" in result.stdout  # resolved
+    assert "# memory plan" in result.stdout and "fits:" in result.stdout
+    assert not (tmp_path / "outputs").exists() and "Started a local Ray" not in result.stderr
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """Every `python jobs/NAME.py ...` in the README, the jobs' docstrings, the Makefile and cluster.yaml, with
+    optional parts ([...]) and comments dropped."""
+    texts = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "jobs").glob("*.py"))]
+    commands = []
+    for path in texts:
+        text = path.read_text().replace("\\\\\n", " ").replace("\\\n", " ")
+        for name, rest in re.findall(r"python jobs/(\w+)\.py([^\n`#(]*)", text):
+            args = shlex.split(re.sub(r"\[[^\]]*\]", "", rest).replace("...", ""))
+            commands.append((name, args))
+    return commands
+
+
+def test_every_documented_command_parses(tmp_path, monkeypatch):
+    """Flag names and value types of every documented command; paths and run ids are placeholders, so the
+    configs' own problems (missing directories) are not checked here."""
+    from jobs.build_corpus import BuildJob
+    from jobs.generate import GenerateArgs
+    from jobs.register import RegisterArgs
+    from pipelines.cli import parse_config, peek
+    from pipelines.train.config import StageConfig, Ul2Config
+    from pipelines.train.plan import PlanInput
+    from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2
+    from pipelines.tune.sweep import SweepJob
+
+    defaults = {"stage0": lambda a: STAGE0, "stage1": lambda a: STAGE1, "stage2": lambda a: STAGE2,
+                "encoder_ul2": lambda a: ENCODER_UL2, "sweep": lambda a: SweepJob.for_stage(peek(a, "stage", 0)),
+                "plan": lambda a: PlanInput(), "generate": lambda a: GenerateArgs(),
+                "register": lambda a: RegisterArgs(), "build_corpus": lambda a: BuildJob()}
+    for cls in (StageConfig, Ul2Config, SweepJob, PlanInput, GenerateArgs, RegisterArgs, BuildJob):
+        monkeypatch.setattr(cls, "problems", lambda self: [])
+    commands = documented_commands()
+    assert {name for name, _ in commands} == set(defaults)
+    (tmp_path / "my.yaml").write_text("train:\n  max_steps: 5\n")
+    (tmp_path / "ul2.yaml").write_text("train:\n  max_steps: 5\n")
+    monkeypatch.chdir(tmp_path)
+    for name, args in commands:
+        args = [a for a in args if a != "--dry-run"]
+        parse_config(args, defaults[name](args))

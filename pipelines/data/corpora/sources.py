@@ -43,10 +43,10 @@ def check_sources(paths: list[str]) -> list[Path]:
     """Every source must exist before any work starts; one message lists every problem."""
     missing = [p for p in paths if not os.path.exists(p)]
     if not paths:
-        raise ValueError("no --source given: pass at least one directory, file or git repository")
+        raise ValueError("no sources given: pass --sources with at least one directory, file or git repository")
     if missing:
         raise FileNotFoundError(f"source path(s) do not exist: {', '.join(missing)}; pass existing directories, "
-                                "files or git repositories to --source")
+                                "files or git repositories to --sources")
     return [Path(p).resolve() for p in paths]
 
 

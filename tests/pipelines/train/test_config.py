@@ -19,7 +19,7 @@ def test_file_then_flags_override_the_default(tmp_path):
 
 
 def test_every_problem_is_reported_at_once():
-    config = StageConfig(model=ModelConfig(pair="tiny", gca_layers="last:9", decoder="half", lora_targets="qkv"),
+    config = StageConfig(model=ModelConfig(pair="tiny", gca_layers="last:9", decoder="half", lora_targets=["qkv"]),
                          train=TrainConfig(max_steps=0, memories_per_step=15))
     with pytest.raises(ValueError) as error:
         config.validate()
@@ -30,15 +30,16 @@ def test_every_problem_is_reported_at_once():
         assert expected in message
 
 
-def test_unknown_keys_and_wrong_types_are_named(tmp_path):
+def test_unknown_keys_and_wrong_types_are_named(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  max_step: 5\n")
-    with pytest.raises(ValueError, match="unknown config key 'train.max_step'"):
-        parse_config(["--config", str(path)], DEFAULT)
-    with pytest.raises(ValueError, match="train.max_steps expects"):
-        parse_config(["--train.max_steps", "many"], DEFAULT)
-    with pytest.raises(SystemExit):
-        parse_config(["--train.nope", "1"], DEFAULT)
+    for argv, expected in ((["--config", str(path)], "unknown config key 'train.max_step'; did you mean --train.max_steps?"),
+                           (["--train.max_steps", "many"], "train.max_steps expects int, got 'many'"),
+                           (["--train.nope", "1"], "unknown config key 'train.nope'")):
+        with pytest.raises(SystemExit) as exit:
+            parse_config(argv, DEFAULT)
+        assert exit.value.code == 2
+        assert expected in capsys.readouterr().err
 
 
 def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
@@ -55,12 +56,13 @@ def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
     assert "stage 2 trains on commit shards" in stage2 and "--data.train_path" in stage2
 
 
-def test_expert_lora_is_a_flag_for_moe_pairs_only():
-    flags = ["--model.lora_targets", "q_proj,k_proj,v_proj,o_proj,experts"]
+def test_expert_lora_is_a_flag_for_moe_pairs_only(capsys):
+    flags = ["--model.lora_targets", "q_proj", "k_proj", "v_proj", "o_proj", "experts"]
     config = parse_config(["--model.pair", "tiny-moe", *flags], DEFAULT)
-    assert config.model.lora_targets.split(",")[-1] == "experts"
-    with pytest.raises(ValueError, match="'experts' is LoRA on Qwen3-MoE experts, and pair 'tiny' is dense"):
+    assert config.model.lora_targets[-1] == "experts"
+    with pytest.raises(SystemExit):
         parse_config(flags, DEFAULT)
+    assert "'experts' is LoRA on Qwen3-MoE experts, and pair 'tiny' is dense" in capsys.readouterr().err
 
 
 def test_gate_init_opens_the_gates_before_training_and_an_export_overrides_it(tmp_path):

@@ -42,8 +42,8 @@ def test_offloading_moves_optimizer_states_to_cpu():
 
 
 def test_plan_job_exit_code(capsys):
-    assert plan_main(["--pair", "prod", "--nodes", "2", "--gpus-per-node", "8"]) == 0
-    assert plan_main(["--pair", "scale", "--gpus-per-node", "1", "--decoder", "full", "--encoder", "full"]) == 1
+    assert plan_main(["--pair", "prod", "--nodes", "2", "--gpus_per_node", "8"]) == 0
+    assert plan_main(["--pair", "scale", "--gpus_per_node", "1", "--decoder", "full", "--encoder", "full"]) == 1
     assert '"fits": false' in capsys.readouterr().out
 
 

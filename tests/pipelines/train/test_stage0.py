@@ -149,7 +149,7 @@ def test_zero3_trains_expert_lora(tmp_path, checkpoint_root, local_ray):
 
     config = small_config(tmp_path, checkpoint_root, "moe-lora", steps=2, pair="tiny-moe")
     config.model = dataclasses.replace(config.model, decoder="lora", encoder="frozen",
-                                       lora_targets="q_proj,k_proj,v_proj,o_proj,experts")
+                                       lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
     summary = run_stage(config)
     assert summary["error"] is None and summary["steps"] == 2
     saved = load_file(Path(summary["export"]) / WEIGHTS_NAME)

@@ -26,8 +26,8 @@ def build_commit_corpus(tmp_path: Path) -> Path:
     commit(repo, "start", {"a.py": body(5), "b.py": body(3, "b")})
     for n in range(6, 10):
         commit(repo, f"Grow a.py to {n} functions", {"a.py": body(n)})
-    build = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--source",
-                            str(repo), "--out", str(tmp_path / "corpus"), "--num-cpus", "1"],
+    build = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--sources",
+                            str(repo), "--out", str(tmp_path / "corpus"), "--num_cpus", "1"],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     return next(tmp_path / "corpus" / s for s in ("train", "val") if (tmp_path / "corpus" / s).is_dir())

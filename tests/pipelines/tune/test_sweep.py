@@ -34,8 +34,8 @@ def sweep(tmp_path_factory, checkpoint_root, mlflow_server):
     started = time.perf_counter()
     try:
         summary = main([
-            "--pair", "tiny", "--stage", "0", "--num-samples", "2", "--ranks", "8", "16",
-            "--placements", "upper_half", "1,3", "--grace-period", "1", "--name", "tiny-sweep",
+            "--model.pair", "tiny", "--stage", "0", "--sweep.num_samples", "2", "--sweep.lora_ranks", "8", "16",
+            "--sweep.placements", "upper_half", "1,3", "--sweep.grace_period", "1", "--sweep.name", "tiny-sweep",
             "--train.max_steps", str(STEPS), "--train.eval_every", str(EVAL_EVERY), "--train.log_every", "2",
             "--train.checkpoint_every", str(STEPS), *NEEDLE, "--model.checkpoint_root", str(checkpoint_root),
             "--run.storage_path", str(tmp / "ray"),
@@ -133,19 +133,20 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
 
 
 @pytest.mark.ray
-def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server):
+def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server, capsys):
     from mlflow.tracking import MlflowClient
 
     from jobs.register import main
 
-    added = main(["--run-id", sweep["best"]["mlflow_run_id"], "--tracking-uri", mlflow_server.uri])  # any run
+    added = main(["--run_id", sweep["best"]["mlflow_run_id"], "--tracking_uri", mlflow_server.uri])  # any run
     client = MlflowClient(mlflow_server.uri)
     assert int(added["version"]) == int(sweep["registered"]["version"]) + 1
     assert client.get_model_version_by_alias("awareness", "candidate").version == added["version"]
-    main(["--promote", sweep["registered"]["version"], "--tracking-uri", mlflow_server.uri])
+    main(["--promote", sweep["registered"]["version"], "--tracking_uri", mlflow_server.uri])
     assert client.get_model_version_by_alias("awareness", "production").version == sweep["registered"]["version"]
-    with pytest.raises(SystemExit, match="no 'export' artifact"):
-        main(["--run-id", sweep["mlflow_run_id"], "--tracking-uri", mlflow_server.uri])  # the parent has none
+    with pytest.raises(SystemExit) as exit:
+        main(["--run_id", sweep["mlflow_run_id"], "--tracking_uri", mlflow_server.uri])  # the parent has none
+    assert exit.value.code == 2 and "no 'export' artifact" in capsys.readouterr().err
 
 
 def test_sweep_config_collects_every_problem():
@@ -162,10 +163,10 @@ def test_sweep_config_collects_every_problem():
 
 
 def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
-    from jobs import stage1, stage2
+    from pipelines.train.presets import STAGE1, STAGE2
     from pipelines.tune.sweep import SweepConfig, default_base
 
-    for stage, job in ((1, stage1.DEFAULT), (2, stage2.DEFAULT)):
+    for stage, job in ((1, STAGE1), (2, STAGE2)):
         base = default_base(None, stage)
         assert base.stage == stage and base.model.pair == job.model.pair == "tiny-text" and base.model.decoder == "lora"
         assert base.train == job.train and base.data == job.data  # the job's schedule and data budget, not a copy

@@ -45,8 +45,8 @@ def sweep(tmp_path_factory, corpus, checkpoint_root, mlflow_server):
     started = time.perf_counter()
     try:
         summary = main([
-            "--stage", "1", "--num-samples", "2", "--ranks", "4", "8", "--placements", "upper_half", "1,3",
-            "--grace-period", "1", "--name", "text-sweep",
+            "--stage", "1", "--sweep.num_samples", "2", "--sweep.lora_ranks", "4", "8",
+            "--sweep.placements", "upper_half", "1,3", "--sweep.grace_period", "1", "--sweep.name", "text-sweep",
             "--data.train_path", str(corpus), "--data.val_path", str(corpus), "--data.max_tokens", "1024",
             "--data.max_chunks", "4", "--data.val_examples", "4",
             "--train.max_steps", str(STEPS), "--train.eval_every", str(EVAL_EVERY), "--train.log_every", "2",

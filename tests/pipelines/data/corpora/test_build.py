@@ -106,8 +106,8 @@ def test_job_stage2_prints_a_json_summary(tmp_path):
     commit(repo, "Fix a", {"a.py": body(6)})
     commit(repo, "Touch both", {"a.py": body(7), "b.py": body(4, "b")})
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--source",
-                           str(repo), "--out", str(tmp_path / "out"), "--num-cpus", "1"],
+    proc = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--sources",
+                           str(repo), "--out", str(tmp_path / "out"), "--num_cpus", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from pipelines.data.corpora import docs, tasks
+from pipelines.data.corpora import docs
 from pipelines.data.corpora.needles import DEPTHS, VARIANTS
 from tests.pipelines.data.corpora.test_code_qa import build_rows
 

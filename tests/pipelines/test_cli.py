@@ -1,0 +1,95 @@
+"""The one command line every job shares: default < --config FILE < --section.field flags, lists as lists, field
+docs in --help, and every user error as one stderr line with exit status 2."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pipelines.cli import parse_config, peek
+
+
+@dataclass
+class Inner:
+    names: list[str] = field(default_factory=lambda: ["a", "b"])  # names to keep
+    sizes: tuple[int, ...] = (4, 8)
+    rate: float = 0.1  # how fast
+
+
+@dataclass
+class Outer:
+    steps: int = 10  # how many steps
+    flag: bool = False
+    path: str | None = None
+    inner: Inner = field(default_factory=Inner)
+
+    def problems(self) -> list[str]:
+        return [f"steps must be positive, got {self.steps}"] if self.steps <= 0 else []
+
+
+def errors(capsys, argv) -> list[str]:
+    with pytest.raises(SystemExit) as exit:
+        parse_config(argv, Outer())
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.splitlines()
+
+
+def test_merge_order_default_then_file_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 20\ninner:\n  rate: 0.5\n  names: [x, y, z]\n")
+    config = parse_config(["--config", str(path), "--steps", "30"], Outer())
+    assert (config.steps, config.inner.rate, config.inner.names) == (30, 0.5, ["x", "y", "z"])
+    assert parse_config(["--config", str(path)], Outer()).steps == 20
+
+
+def test_lists_parse_as_lists():
+    config = parse_config(["--inner.names", "p", "q", "--inner.sizes", "1", "2", "3"], Outer())
+    assert config.inner.names == ["p", "q"] and config.inner.sizes == (1, 2, 3)
+    assert parse_config(["--inner.names", "[p, q]"], Outer()).inner.names == ["p", "q"]  # a YAML list too
+    assert parse_config(["--inner.names", "only"], Outer()).inner.names == ["only"]
+    assert parse_config(["--flag", "--path", "none"], Outer()).flag is True  # a bare bool flag sets it
+
+
+def test_wrong_value_is_one_line_naming_the_key(capsys):
+    [line] = errors(capsys, ["--steps", "abc"])
+    assert "steps expects int, got 'abc'" in line
+    [line] = errors(capsys, ["--inner.sizes", "1", "x"])
+    assert "inner.sizes" in line
+
+
+def test_unknown_key_suggests_the_closest(capsys):
+    [line] = errors(capsys, ["--inner.rat", "1"])
+    assert "unknown config key 'inner.rat'; did you mean --inner.rate?" in line
+
+
+def test_unknown_key_in_a_file_and_problems_are_one_line_each(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("inner:\n  nmes: [a]\n")
+    [line] = errors(capsys, ["--config", str(path)])
+    assert "'inner.nmes'; did you mean --inner.names?" in line
+    [line] = errors(capsys, ["--steps", "0"])
+    assert line.endswith("steps must be positive, got 0")
+
+
+def test_help_shows_field_docs(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--help"], Outer())
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("how many steps", "names to keep", "how fast", "--inner.rate", "default: a b"):
+        assert text in out, text
+
+
+def test_dry_run_prints_and_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--dry-run", "--steps", "3"], Outer(), on_dry_run=lambda config: f"would run {config.steps}")
+    assert exit.value.code == 0 and "would run 3" in capsys.readouterr().out
+
+
+def test_peek_reads_a_field_before_the_parse(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("stage: 2\n")
+    assert peek(["--config", str(path)], "stage", 0) == 2
+    assert peek(["--config", str(path), "--stage", "1"], "stage", 0) == 1
+    assert peek([], "stage", 0) == 0
