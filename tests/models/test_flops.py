@@ -63,7 +63,7 @@ def assert_matches_counter(model: AwarenessModel, batch: dict) -> None:
     ({"decoder": "frozen"}, "encoded"),  # backward only from the first GCA layer up
     ({"decoder": "full", "encoder": "full"}, "encoded"),
     ({"decoder": "frozen", "gca": "lora", "encoder": "lora"}, "encoded"),
-    ({"lora_targets": "q_proj,v_proj", "lora_rank": 4}, "encoded"),  # the first layer's attention needs no dK
+    ({"lora_targets": ["q_proj", "v_proj"], "lora_rank": 4}, "encoded"),  # the first layer's attention needs no dK
 ])
 def test_tiny_pair_step_matches_flop_counter(checkpoint_root, settings, memory):
     model = prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root), ModelConfig(pair="tiny", **settings))
