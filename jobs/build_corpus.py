@@ -29,6 +29,8 @@ class BuildJob(BuildConfig):
 
     def problems(self) -> list[str]:
         p = [] if self.stage in (0, 2) else [f"stage must be 0 or 2, got {self.stage}"]
+        if self.row_group_rows <= 0:
+            p.append(f"row_group_rows must be positive, got {self.row_group_rows}")
         try:
             check_sources(self.sources)  # a missing path fails here, before Ray starts
         except (FileNotFoundError, ValueError) as error:

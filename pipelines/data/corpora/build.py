@@ -5,7 +5,11 @@ aggregates one small statistics row per repository into the manifest.
     OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: pipelines.data.corpora.ROW_SCHEMA); split by repository
     OUT/rejects/*.parquet                    one row per rejected input: source, path, reason, detail
     OUT/manifest.json                        rows per task and split, token statistics, rejects by reason,
-                                             inputs seen = used + rejected, sources, tokenizer, content hash
+                                             inputs seen = used + rejected, sources, tokenizer, content hash, and
+                                             every shard's bytes, rows, rows per row group and sha256 (`shards`)
+
+Shards hold row groups of at most `row_group_rows` rows: the training job's unit of sharding
+(pipelines.data.shards), so even a small corpus spreads over several workers.
 
 Nothing of the corpus passes through the driver. Parallelism is across repositories: a corpus that is one big
 repository builds on one worker (split it with `--per-subdir`).
@@ -28,6 +32,7 @@ import pyarrow.parquet as pq
 
 from pipelines.data.corpora import sources, tasks
 from pipelines.data.corpora.rows import make_row  # noqa: F401  (re-exported for custom row makers)
+from pipelines.data.shards import MANIFEST_VERSION, shard_record
 from pipelines.data.tokenizer import cached_tokenizer, describe
 
 ROW_SCHEMA = pa.schema([
@@ -42,6 +47,7 @@ ROW_SCHEMA = pa.schema([
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("path", pa.string()), ("reason", pa.string()),
                            ("detail", pa.string())])
 ROWS_PER_SHARD = 2000
+ROW_GROUP_ROWS = 256  # a few MB of token lists per row group: one read of a training worker
 # Dictionary-encode only the short repeated columns: trying it on unique texts and token lists tripled write time.
 DICTIONARY_COLUMNS = ["task", "variant", "kind", "source", "unit"]
 
@@ -56,10 +62,13 @@ class BuildConfig:
     stage0: tasks.Stage0Settings = field(default_factory=tasks.Stage0Settings)
     max_commits: int | None = None  # stage 2: newest commits per repository
     workers: int | None = None  # repositories built at once; None: Ray Data decides (one per CPU)
+    row_group_rows: int = ROW_GROUP_ROWS  # rows per Parquet row group, the unit training workers shard by
 
 
-def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, checkpoint: str | None) -> str:
-    """All records of one repository -> rows -> Parquet shards, on a worker; returns its statistics (JSON)."""
+def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, checkpoint: str | None,
+               row_group_rows: int = ROW_GROUP_ROWS) -> str:
+    """All records of one repository -> rows -> Parquet shards, on a worker; returns its statistics (JSON), with
+    each shard's record for the manifest (hashed here, in parallel, while the file is still in the page cache)."""
     tokenizer = cached_tokenizer(checkpoint)
     unit = records[0]["unit"]
     split = tasks.split_of(unit, settings.val_fraction, settings.seed)
@@ -68,14 +77,16 @@ def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, 
     rows, extra_rejects = make_rows(records, tokenizer, settings)  # rows: an iterable, written as it comes
     tag = hashlib.sha256(unit.encode()).hexdigest()[:10] + "-" + uuid.uuid4().hex[:6]
     digest, counts, variants = hashlib.sha256(), Counter(), Counter()
-    input_tokens, memory_tokens, shard, pending = [0, 0], [0, 0], 0, []
+    input_tokens, memory_tokens, shard, pending, shards = [0, 0], [0, 0], 0, [], {}
 
     def flush():
         nonlocal shard, pending
         if pending:
             table = pa.Table.from_pylist(pending, schema=ROW_SCHEMA)
-            pq.write_table(table, os.path.join(out, split, f"part-{tag}-{shard:05d}.parquet"),
-                           use_dictionary=DICTIONARY_COLUMNS)
+            name = f"{split}/part-{tag}-{shard:05d}.parquet"
+            pq.write_table(table, os.path.join(out, name), use_dictionary=DICTIONARY_COLUMNS,
+                           row_group_size=row_group_rows)
+            shards[name] = shard_record(os.path.join(out, name))
             shard, pending = shard + 1, []
 
     for r in rows:
@@ -101,17 +112,18 @@ def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, 
         "rows": dict(counts), "variants": dict(variants),
         "input_tokens": input_tokens, "memory_tokens": memory_tokens,
         "source_tokens": sum(r.get("tokens", 0) for r in records), "source_bytes": sum(r.get("bytes", 0) for r in records),
-        "hash": digest.hexdigest(),
+        "hash": digest.hexdigest(), "shards": shards,
     }
     return json.dumps(stats)
 
 
 def build_unit(names: list[dict], *, out: str, make_records: Callable, make_rows: Callable, settings,
-               checkpoint: str | None) -> str:
+               checkpoint: str | None, row_group_rows: int = ROW_GROUP_ROWS) -> str:
     """One repository, start to end (what a Ray task runs, callable without Ray): records -> rows -> Parquet."""
     tokenizer = cached_tokenizer(checkpoint)
     records = [rec for item in names for rec in make_records(item, tokenizer, settings)]
-    return write_unit(records, out=out, make_rows=make_rows, settings=settings, checkpoint=checkpoint)
+    return write_unit(records, out=out, make_rows=make_rows, settings=settings, checkpoint=checkpoint,
+                      row_group_rows=row_group_rows)
 
 
 def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable, make_rows: Callable,
@@ -133,7 +145,8 @@ def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable,
     def unit_batch(batch: dict) -> pa.Table:
         """One task: a group of repositories."""
         return pa.table({"stats": [build_unit(names, out=str(out), make_records=make_records, make_rows=make_rows,
-                                              settings=settings, checkpoint=checkpoint)
+                                              settings=settings, checkpoint=checkpoint,
+                                              row_group_rows=config.row_group_rows)
                                    for group in batch["units"] for names in json.loads(group)]})
 
     # Repositories are the unit of work and of the split (no shuffle: a hash shuffle reserves a CPU for its
@@ -200,6 +213,8 @@ def make_manifest(config: BuildConfig, units: list[dict], seconds: float) -> dic
         "settings": asdict(config.stage0) if config.stage == 0 else {"max_commits": config.max_commits},
         "content_hash": hashlib.sha256("".join(sorted(u["hash"] for u in units)).encode()).hexdigest(),
         "seconds": round(seconds, 1),
+        "manifest_version": MANIFEST_VERSION,
+        "shards": dict(sorted((name, record) for u in units for name, record in u["shards"].items())),
     }
 
 

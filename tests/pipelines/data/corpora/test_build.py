@@ -15,6 +15,7 @@ import pytest
 from pipelines.data.corpora import ROW_SCHEMA, BuildConfig, build_corpus
 from pipelines.data.corpora.sources import Limits
 from pipelines.data.corpora.tasks import Stage0Settings, split_of
+from pipelines.data.shards import check_split
 from tests.pipelines.data.corpora.test_commits import body, commit, sh
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -49,7 +50,7 @@ def built(tmp_path_factory, package_roots, ray_local):
     sources = [str(tmp / "fixtures"), str(package_roots["requests"]), str(package_roots["click"])]
     names = ["fixtures", "requests", "click"]
     seed = next(s for s in range(100) if len({split_of(n, 0.5, s) for n in names}) == 2)  # both splits used
-    config = BuildConfig(stage=0, sources=sources, out=str(tmp / "out"),
+    config = BuildConfig(stage=0, sources=sources, out=str(tmp / "out"), row_group_rows=16,
                          stage0=Stage0Settings(val_fraction=0.5, seed=seed, limits=Limits(max_file_bytes=300_000)))
     lines = []
     manifest = build_corpus(config, progress=lines.append)
@@ -72,9 +73,7 @@ def test_rejects_counted_by_reason_and_nothing_lost(built):
 
 
 @pytest.mark.ray
-def test_shards_split_by_repository_with_the_schema(built, ray_local):
-    import ray
-
+def test_shards_split_by_repository_with_the_schema(built):
     out, manifest, _, lines = built
     train, val = manifest["repositories"]["train"], manifest["repositories"]["val"]
     assert train and val and not set(train) & set(val)
@@ -83,8 +82,11 @@ def test_shards_split_by_repository_with_the_schema(built, ray_local):
         assert table.schema.equals(ROW_SCHEMA)
         assert set(table.column("unit").to_pylist()) <= set(units)
         assert table.num_rows == sum(manifest["rows"][split].values())
-        ds = ray.data.read_parquet(str(out / split))  # how the training job reads them
-        assert ds.count() == table.num_rows
+        checked = check_split(out / split)  # what a stage job checks before it trains on them
+        assert checked.rows == table.num_rows and len(checked.paths()) == len(list((out / split).glob("*.parquet")))
+        for name, record in checked.shards.items():
+            assert record["row_groups"] and max(record["row_groups"]) <= 16 and sum(record["row_groups"]) == record["rows"]
+    assert sorted(manifest["shards"]) == sorted(str(p.relative_to(out)) for p in out.glob("[tv]*/*.parquet"))
     tasks = {t for split in manifest["rows"].values() for t in split}
     assert tasks == {"code_qa", "doc_qa", "needle"}
     assert manifest["tokens"]["train"]["max_input_tokens"] > 0 and len(manifest["content_hash"]) == 64
