@@ -9,11 +9,9 @@ restarting at 0 keep self-attention inside the example.
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Iterable
 
-import numpy as np
 import torch
 
 IGNORE = -100
@@ -38,11 +36,6 @@ class PackStats:
     cut_chunks: int = 0  # chunks longer than chunk_len
     real_tokens: int = 0
     padded_tokens: int = 0
-    checksums: list[int] = field(default_factory=list)  # content hash per example: a repeat or skip changes the sum
-
-
-def example_checksum(input_ids: Sequence[int]) -> int:
-    return zlib.crc32(np.asarray(input_ids, dtype=np.int64).tobytes())
 
 
 def pack_examples(examples: Iterable[dict], spec: PackingSpec, stats: PackStats | None = None) -> list[list[dict]]:
@@ -68,7 +61,6 @@ def _fit(example: dict, spec: PackingSpec, stats: PackStats) -> dict:
     if len(input_ids) != len(labels):
         raise ValueError(f"a corpus row has {len(input_ids)} input_ids but {len(labels)} labels: rebuild the corpus")
     stats.examples += 1
-    stats.checksums.append(example_checksum(input_ids))
     if len(input_ids) > spec.max_tokens:
         stats.truncated_tokens += 1
         input_ids, labels = input_ids[: spec.max_tokens], labels[: spec.max_tokens]
@@ -124,13 +116,3 @@ def collate_packed(rows: list[list[dict]], spec: PackingSpec, stats: PackStats |
         "memory_attention_mask": memory_mask,
         "memory_segment_ids": memory_segments,
     }
-
-
-def rows_from_columns(batch: dict[str, np.ndarray]) -> list[dict]:
-    """A Ray Data numpy batch (columns of object arrays) -> one dict per example, with the three token columns."""
-    n = len(batch["input_ids"])
-    return [
-        {"input_ids": batch["input_ids"][i], "labels": batch["labels"][i],
-         "memory_input_ids": list(batch["memory_input_ids"][i])}
-        for i in range(n)
-    ]

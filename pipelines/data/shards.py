@@ -39,7 +39,12 @@ HASH_BLOCK = 8 << 20
 
 
 class ShardError(ValueError):
-    """Shards that do not match their manifest (or have none): the user rebuilds the corpus, nothing runs."""
+    """Shards that do not match their manifest (or have none): one line per bad file, and the fix (rebuilding the
+    corpus); nothing runs."""
+
+    def __init__(self, problems: list[str], fix: str):
+        super().__init__("\n".join(problems) + f"\n{fix}")
+        self.problems, self.fix = problems, fix
 
 
 # ------------------------------------------------------------------------------------------- the manifest side
@@ -79,19 +84,19 @@ class Split:
 def load_split(path: str | Path) -> Split:
     """The split directory `path` (e.g. OUT/train) as OUT/manifest.json lists it."""
     if "://" in str(path):
-        raise ShardError(f"{path}: training reads shards from a filesystem path (a shared mount on a cluster); "
-                         f"remote URIs are not read by the sharded reader: copy the corpus to shared storage")
+        raise ShardError([f"{path}: training reads shards from a filesystem path (a shared mount on a cluster), "
+                          f"not a URI"], "copy the corpus to shared storage and pass its path")
     split = Path(path).resolve()
     manifest_file = split.parent / MANIFEST
     if not manifest_file.is_file():
-        raise ShardError(f"{split}: no {MANIFEST} beside it ({manifest_file}), so its shards cannot be checked: "
-                         f"build the corpus with `python jobs/build_corpus.py --stage N --sources SRC --out DIR` "
-                         f"and pass DIR/{split.name}")
+        raise ShardError([f"{split}: no {MANIFEST} beside it ({manifest_file}), so its shards cannot be checked"],
+                         f"build the corpus with `python jobs/build_corpus.py --stage N --sources SRC --out DIR` and "
+                         f"pass DIR/{split.name}")
     manifest = json.loads(manifest_file.read_text())
     rebuild = rebuild_command(manifest, split.parent)
     if "shards" not in manifest:
-        raise ShardError(f"{manifest_file} was written by an older jobs/build_corpus.py: it records no shard sizes, "
-                         f"row groups or hashes to check the shards against. Rebuild the corpus: {rebuild}")
+        raise ShardError([f"{manifest_file} was written by an older jobs/build_corpus.py: it records no shard sizes, "
+                          f"row groups or hashes to check the shards against"], f"Rebuild the corpus: {rebuild}")
     prefix = f"{split.name}/"
     shards = {name: record for name, record in manifest["shards"].items() if name.startswith(prefix)}
     return Split(str(split.parent), shards, rebuild)
@@ -128,8 +133,22 @@ def check_split(path: str | Path, *, hashes: bool = True, threads: int = 8) -> S
             problems += [f"{file}: sha256 differs from the manifest's (corrupted or rewritten)"
                          for (file, record), digest in zip(present, digests) if digest != record["sha256"]]
     if problems:
-        raise ShardError("\n".join(problems) + f"\nrebuild the corpus: {split.rebuild}")
+        raise ShardError(problems, f"rebuild the corpus: {split.rebuild}")
     return split
+
+
+def check_splits(paths: list[str | None], *, hashes: bool) -> list[Split]:
+    """check_split on each path given (train, val; the same path once), every problem of all of them in one error."""
+    splits, problems, fixes = [], [], []
+    for path in dict.fromkeys(p for p in paths if p):
+        try:
+            splits.append(check_split(path, hashes=hashes))
+        except ShardError as error:
+            problems += error.problems
+            fixes += [error.fix] if error.fix not in fixes else []
+    if problems:
+        raise ShardError(problems, "\n".join(fixes))
+    return splits
 
 
 def foreign_files(directory: Path, split: Split) -> set[str]:
@@ -188,8 +207,8 @@ class RankReader:
         """The rows from `position` of this rank's cycle on, forever; whole units before it are skipped unread."""
         kept = [self._kept_rows(u) for u in self.units]  # rows per unit after the variant filter
         if not sum(kept):
-            raise ShardError(f"{self._where} has no training rows{' of data.variants' if self.variants else ''}: "
-                             f"build a larger corpus, keep more variants, or use fewer workers")
+            raise ShardError([f"{self._where} has no training rows{' of data.variants' if self.variants else ''}"],
+                             "build a larger corpus, keep more variants, or use fewer workers")
         position %= sum(kept)
         index = 0
         while position >= kept[index]:

@@ -1,25 +1,23 @@
 """Where a worker's training examples come from: synthetic needles (stage 0's embedded default) or corpus shards
-(jobs/build_corpus.py output) through Ray Data.
+(jobs/build_corpus.py output), which each worker reads itself, only its own part (pipelines.data.shards).
 
-Both streams are positional: global step s consumes examples [s*E, (s+1)*E) of one fixed order, split by rank. So a
-resumed run continues with exactly the examples it had not seen, which the index checksum in every checkpoint lets a
-test count. For shards this takes Ray Data's ordered execution and every worker reading the same ordered stream
-(each keeps its slice); a `streaming_split` would read each row once, but hands out blocks dynamically, so a resumed
-run could not know which rows it had already trained on.
+Both streams are positional, so a resumed run continues with exactly the examples it had not seen, which the index
+checksum in every checkpoint (the sum of the example ids consumed) lets a test count. Needles: global step s consumes
+examples [s*E, (s+1)*E), split by rank. Shards: the split's Parquet row groups are dealt to the ranks, and rank r's
+step s consumes rows [s*G*B, (s+1)*G*B) of its own cycle over them (B rows per micro-batch, G micro-batches), so
+each row is read by one worker, not by all. Ray Data's `streaming_split` also reads each row once, but hands blocks
+out dynamically, so a resumed run could not know which rows it had trained on; Ray Data stays the corpus builder.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from itertools import islice
 
-import numpy as np
-import ray.data
-import ray.train
 import torch
-from ray.data import ExecutionOptions
 
+from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
+from pipelines.data.shards import RankReader, Split, head_rows, load_split
 from pipelines.data.synthetic_needles import NeedleSpec, make_batch
-from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples, rows_from_columns
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
@@ -47,55 +45,24 @@ class NeedleStream:
 
 
 class CorpusStream:
-    """Packed batches from the "train" dataset shard, via iter_torch_batches with a packing collate."""
+    """Packed micro-batches of this rank's own rows of the training split (pipelines.data.shards), from the position
+    `start_step` left off at; the checksum sums the rows' global ids."""
 
-    def __init__(self, shard, packing: PackingSpec, *, memories_per_step: int, grad_accum: int, rank: int,
-                 world: int, start_step: int):
-        self.rank, self.world = rank, world
+    def __init__(self, split: Split, packing: PackingSpec, *, variants: list[str] | None, memories_per_step: int,
+                 grad_accum: int, rank: int, world: int, start_step: int):
         self.packing = packing
         self.stats = PackStats()
-        self.per_micro = memories_per_step // grad_accum
-        self.per_rank = self.per_micro // world
-        self.shard = shard
-        self._batches = self._iterate(skip=start_step * grad_accum)
+        self.per_rank = memories_per_step // (grad_accum * world)
+        self.reader = RankReader(split, rank, world, columns=TOKEN_COLUMNS, variants=variants)
+        self._rows = self.reader.rows(position=start_step * grad_accum * self.per_rank)
         self._probe: dict[str, torch.Tensor] | None = None
 
-    def _collate(self, columns: dict[str, np.ndarray]) -> dict[str, Any]:
-        mine = {k: v[self.rank * self.per_rank : (self.rank + 1) * self.per_rank] for k, v in columns.items()}
-        stats = PackStats()
-        rows = pack_examples(rows_from_columns(mine), self.packing, stats)
-        batch = collate_packed(rows, self.packing, stats)
-        batch["_examples"], batch["_checksum"] = stats.examples, sum(stats.checksums)
-        batch["_truncated"], batch["_rows"] = stats.truncated_tokens, stats.rows
-        return batch
-
-    def _iterate(self, skip: int) -> Iterator[dict[str, Any]]:
-        epoch = 0
-        while True:
-            produced = 0
-            for batch in self.shard.iter_torch_batches(batch_size=self.per_micro, collate_fn=self._collate,
-                                                       drop_last=True):
-                produced += 1
-                if skip:
-                    skip -= 1
-                    continue
-                yield batch
-            if produced == 0:
-                raise ValueError(
-                    f"the training shards hold fewer than one batch of {self.per_micro} examples: lower "
-                    f"train.memories_per_step or build a larger corpus"
-                )
-            epoch += 1
-
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
-        batch = next(self._batches)
-        examples, checksum = batch.pop("_examples"), batch.pop("_checksum")
-        self.stats.examples += examples
-        self.stats.truncated_tokens += batch.pop("_truncated")
-        self.stats.rows += batch.pop("_rows")
+        rows = list(islice(self._rows, self.per_rank))
+        batch = collate_packed(pack_examples(rows, self.packing, self.stats), self.packing, self.stats)
         if self._probe is None:
             self._probe = {k: v[:1] for k, v in batch.items() if k != "labels"}
-        return batch, examples, checksum
+        return batch, len(rows), sum(row["id"] for row in rows)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:
         if self._probe is None:
@@ -103,26 +70,7 @@ class CorpusStream:
         return self._probe
 
 
-def corpus_datasets(train_path: str, val_path: str | None, variants: list[str] | None,
-                    val_examples: int) -> dict[str, Any]:
-    """The Ray Datasets a corpus-fed stage trains on (driver side), only the columns training reads."""
-    datasets = {"train": _read(train_path, variants)}
-    if val_path:
-        datasets["val"] = _read(val_path, variants).limit(val_examples)
-    return datasets
-
-
-def _read(path: str, variants: list[str] | None):
-    columns = TOKEN_COLUMNS + (["variant"] if variants else [])
-    dataset = ray.data.read_parquet(path, columns=columns)
-    if variants:
-        keep = set(variants)
-        dataset = dataset.filter(lambda row: row["variant"] in keep).drop_columns(["variant"])
-    return dataset
-
-
-def data_config():
-    """Every worker reads the same, ordered stream and keeps its slice (see the module docstring)."""
-    return ray.train.DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True))
-
-
+def validation_rows(path: str, variants: list[str] | None, limit: int) -> list[dict]:
+    """The validation split's first `limit` rows: every rank reads them (a few row groups; evaluation splits the
+    batches over ranks)."""
+    return head_rows(load_split(path), columns=TOKEN_COLUMNS, variants=variants, limit=limit)

@@ -5,26 +5,26 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pipelines.data.packing import PackingSpec, collate_packed, pack_examples, rows_from_columns
+from pipelines.data.packing import PackingSpec, collate_packed, pack_examples
 
 
 @torch.no_grad()
-def evaluate_corpus(model, shard, spec: PackingSpec) -> dict[str, float]:
-    """Validation loss and next-token accuracy on the targets, with the memory and with it withheld: the gap is
-    what reading the memory is worth."""
-    if shard is None:
+def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec) -> dict[str, float]:
+    """Validation loss and next-token accuracy on the targets of `rows` (the same on every rank), with the memory and
+    with it withheld: the gap is what reading the memory is worth."""
+    if rows is None:
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
     was_training = model.training
     model.eval()
     totals = torch.zeros(5, dtype=torch.float64)  # loss sum, tokens, correct, loss sum without memory, correct
-    batches = list(shard.iter_batches(batch_size=8, batch_format="numpy"))  # val_examples caps it; same on every rank
+    batches = [rows[i : i + 8] for i in range(0, len(rows), 8)]  # data.val_examples caps them
     # Under ZeRO-3 every forward gathers parameters from all ranks, so all ranks run the same number of forwards:
     # a rank without a batch of its own in the last round repeats one and does not count it.
     rounds = -(-len(batches) // world)
     for index in (r * world + rank for r in range(rounds)):
         counted = index < len(batches)
-        batch = collate_packed(pack_examples(rows_from_columns(batches[index if counted else 0]), spec), spec)
+        batch = collate_packed(pack_examples(batches[index if counted else 0], spec), spec)
         batch = {k: v.to(model.device) for k, v in batch.items()}
         labels = batch.pop("labels")
         target, valid = labels[:, 1:], labels[:, 1:] != -100

@@ -80,7 +80,6 @@ def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id:
             callbacks=callbacks,
         ),
         datasets=prepared.datasets or None,
-        dataset_config=prepared.dataset_config,
     )
 
 

@@ -29,7 +29,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(config.train.seed)
     model = recipe.build_model(config, worker)
     engine = setup_deepspeed(model, config, recipe.parameter_groups(model))
-    state = restore_checkpoint(engine, TrainState)
+    state = resumed_state(engine, world)
     stream = recipe.stream(config, worker, rank, world, state.step)
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []
@@ -78,6 +78,17 @@ def train_step(engine, recipe: Recipe, t, state: TrainState, stream) -> dict[str
     return {"step": state.step, "loss": loss, "loss_first": state.loss_first, "lr": max(engine.get_lr()),
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
             "examples_seen": state.examples_seen, "index_checksum": float(state.index_checksum)}
+
+
+def resumed_state(engine, world: int) -> TrainState:
+    """The checkpoint's state, refused when it was trained on another number of workers: a sharded corpus stream
+    deals its row groups by the world size, so only the same one resumes exactly (ZeRO shards need it too)."""
+    state = restore_checkpoint(engine, TrainState)
+    if state.world and state.world != world:
+        raise ValueError(f"the checkpoint was written by {state.world} workers and this run has {world}: resume with "
+                         f"--scaling.num_workers {state.world}, or start a new run (another --run.name)")
+    state.world = world
+    return state
 
 
 def installed_hook() -> Callable[[str, int], None]:

@@ -34,7 +34,7 @@ STAGE1 = StageConfig(
     data=DataConfig(variants=["hinted", "imperative"], max_tokens=2048, max_chunks=16, chunk_len=512),
     train=TrainConfig(max_steps=1000, memories_per_step=8, lr=2e-4, warmup_steps=30, frozen_decoder_steps=100,
                       eval_every=200, checkpoint_every=200, log_every=20),
-    scaling=ScalingSettings(cpus_per_worker=0.5),  # leaves CPUs for Ray Data's read tasks on a laptop
+    scaling=ScalingSettings(cpus_per_worker=0.5),  # 2 workers and the driver on a 2-core laptop
     run=RunSettings(name="stage1"),
 )
 
@@ -45,7 +45,7 @@ STAGE2 = StageConfig(
     data=DataConfig(variants=None, max_tokens=4096, max_chunks=32, chunk_len=512),
     train=TrainConfig(max_steps=2000, memories_per_step=8, lr=1e-4, warmup_steps=50, eval_every=250,
                       checkpoint_every=250, log_every=20),
-    scaling=ScalingSettings(cpus_per_worker=0.5),  # leaves CPUs for Ray Data's read tasks on a laptop
+    scaling=ScalingSettings(cpus_per_worker=0.5),  # 2 workers and the driver on a 2-core laptop
     run=RunSettings(name="stage2"),
 )
 

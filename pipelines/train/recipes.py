@@ -19,18 +19,19 @@ class TrainState:
     step: int = 0
     examples_seen: int = 0  # memories (or sequences) consumed by all workers
     index_checksum: int = 0  # sum of the example indices consumed: a skipped or repeated example changes it
+    world: int = 0  # workers the stream was split over (0: not recorded); a resume must use as many
     loss_first: float | None = None  # the first step's loss, for the summary (Ray keeps only the last report)
     gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
 
 
 @dataclass
 class Prepared:
-    """The driver's preparation, handed to the Trainer: its config with resolved paths, Ray Datasets, what the
-    workers need besides the config (`worker`), and the MLflow run's tags."""
+    """The driver's preparation, handed to the Trainer: its config with resolved paths, Ray Datasets (the UL2 job's;
+    the stage jobs' workers read their shards themselves), what the workers need besides the config (`worker`), and
+    the MLflow run's tags."""
 
     config: Any
     datasets: dict[str, Any] = field(default_factory=dict)
-    dataset_config: Any = None
     worker: dict[str, Any] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
 

@@ -9,15 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
-import ray
-import ray.train
 import torch
 import torch.distributed as dist
 
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from models.trainable import is_added_parameter, parameter_group
-from pipelines.data.streams import data_config
+from pipelines.data.shards import check_splits
+from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.corpus import evaluate_corpus
 from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
@@ -27,7 +26,7 @@ from pipelines.train.config import StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Prepared, TrainState, trainable_groups
-from pipelines.train.streams import make_stream, packing_spec, stage_datasets
+from pipelines.train.streams import make_stream, packing_spec
 
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
 
@@ -41,11 +40,8 @@ class StageRecipe:
     def prepare(self, config: StageConfig) -> Prepared:
         config = prepare_paths(config)
         check_memory_plan(config)
-        prepared = Prepared(config, tags={"stage": str(config.stage), **lineage_tags(config)})
-        if config.data.train_path:  # corpus shards (stages 1-2, or stage 0 on built Q&A); else synthetic needles
-            check_cpus_left_for_data(config)
-            prepared.datasets, prepared.dataset_config = stage_datasets(config), data_config()
-        return prepared
+        check_splits([config.data.train_path, config.data.val_path], hashes=False)  # jobs hash them before this
+        return Prepared(config, tags={"stage": str(config.stage), **lineage_tags(config)})
 
     def build_model(self, config: StageConfig, worker: dict[str, Any]) -> AwarenessModel:
         return build_model(config.model)
@@ -65,7 +61,9 @@ class StageRecipe:
     def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
         """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""
         if config.data.train_path:
-            return evaluate_corpus(engine.module, ray.train.get_dataset_shard("val"), packing_spec(config))
+            d = config.data
+            rows = validation_rows(d.val_path, d.variants, d.val_examples) if d.val_path else None
+            return evaluate_corpus(engine.module, rows, packing_spec(config))
         return evaluate_needles(engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories,
                                 rank, world)
 
@@ -109,15 +107,19 @@ STAGE = StageRecipe()
 
 # ---------------------------------------------------------------------------------------------- driver side
 def prepare_paths(config: StageConfig) -> StageConfig:
-    """Absolute storage path; tiny pairs' random checkpoints written once here, before workers race to do it."""
+    """Absolute storage and data paths (the workers read the shards themselves, from their own working directories);
+    tiny pairs' random checkpoints written once here, before workers race to do it."""
     run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
+    d = config.data
+    data = dataclasses.replace(d, **{name: str(Path(getattr(d, name)).expanduser().resolve())
+                                     for name in ("train_path", "val_path") if getattr(d, name)})
     model = config.model
     spec = get_pair(model.pair)
     if spec.random_weights:
         root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
         write_random_checkpoints(spec, root)
         model = dataclasses.replace(model, checkpoint_root=str(root))
-    return dataclasses.replace(config, run=run, model=model)
+    return dataclasses.replace(config, run=run, model=model, data=data)
 
 
 def check_memory_plan(config: StageConfig) -> None:
@@ -129,19 +131,6 @@ def check_memory_plan(config: StageConfig) -> None:
         raise ValueError(
             f"this run does not fit in GPU memory:\n{plan.table()}\nuse LoRA (model.decoder=lora), more workers, "
             f"gradient checkpointing, or deepspeed.offload_optimizer / offload_params"
-        )
-
-
-def check_cpus_left_for_data(config: StageConfig) -> None:
-    """Ray Data's read tasks each ask for a whole CPU the training workers have not reserved, or the stream waits
-    forever."""
-    total = ray.cluster_resources().get("CPU", 0)
-    reserved = config.scaling.num_workers * config.scaling.cpus_per_worker
-    if total - reserved < 1:
-        raise ValueError(
-            f"the {config.scaling.num_workers} training workers reserve {reserved:g} of the cluster's {total:g} CPUs, "
-            f"leaving less than the 1 CPU a Ray Data read task needs: lower scaling.cpus_per_worker (e.g. 0.5) or "
-            f"add CPUs"
         )
 
 

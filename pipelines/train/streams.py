@@ -1,14 +1,11 @@
-"""Where a stage's examples come from, chosen by its config: the data package's streams and datasets, sized by
-the train and data sections."""
+"""Where a stage's examples come from, chosen by its config: the data package's streams, sized by the train and data
+sections."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import ray.train
-
 from pipelines.data.packing import PackingSpec
-from pipelines.data.streams import CorpusStream, NeedleStream, corpus_datasets
+from pipelines.data.shards import load_split
+from pipelines.data.streams import CorpusStream, NeedleStream
 from pipelines.train.config import StageConfig
 
 
@@ -18,14 +15,10 @@ def packing_spec(config: StageConfig) -> PackingSpec:
 
 
 def make_stream(config: StageConfig, rank: int, world: int, start_step: int) -> CorpusStream | NeedleStream:
-    """Corpus shards when data.train_path is set, else the synthetic needles."""
+    """This rank's part of the corpus shards when data.train_path is set, else the synthetic needles."""
     t = config.train
     sizes = {"memories_per_step": t.memories_per_step, "grad_accum": t.grad_accum, "rank": rank, "world": world}
     if config.data.train_path:
-        return CorpusStream(ray.train.get_dataset_shard("train"), packing_spec(config), start_step=start_step, **sizes)
+        return CorpusStream(load_split(config.data.train_path), packing_spec(config), variants=config.data.variants,
+                            start_step=start_step, **sizes)
     return NeedleStream(config.needle.spec(), config.needle.seed, **sizes)
-
-
-def stage_datasets(config: StageConfig) -> dict[str, Any]:
-    d = config.data
-    return corpus_datasets(d.train_path, d.val_path, d.variants or None, d.val_examples)

@@ -45,7 +45,6 @@ class SweepConfig:
     grace_period: int = 2  # evaluations a trial gets before ASHA may stop it
     reduction_factor: int = 2
     trial_cpus: float = 0.1  # the trial's own function; its Train workers reserve scaling.cpus_per_worker each
-    data_cpus: float = 1.0  # left unreserved for Ray Data when trials read corpus shards (a read task takes 1 CPU)
     max_concurrent: int = 0  # 0: as many as the cluster's CPUs (or GPUs) hold at once
     seed: int = 0  # the search's random state: the same seed draws the same trials
     registered_model: str | None = "awareness"  # None: do not register the best trial
@@ -81,9 +80,6 @@ class SweepConfig:
         if base.data.train_path and not base.data.val_path:
             p.append(f"trials on corpus shards report {metric} on data.val_path: pass --data.val_path DIR/val "
                      f"(jobs/build_corpus.py's held-out split)")
-        if base.data.train_path and self.data_cpus < 1:
-            p.append(f"sweep.data_cpus must be at least 1 when trials read corpus shards (each Ray Data read task asks "
-                     f"for a whole CPU), got {self.data_cpus}")
         if self.trial_cpus <= 0 or self.trial_cpus >= 1:
             p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
                      f"on small machines), got {self.trial_cpus}")
@@ -196,23 +192,21 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
 
 
 def max_concurrent_trials(sweep: SweepConfig, base: StageConfig) -> int:
-    """Trials that fit at once: the cluster's CPUs (GPUs) over what one trial and its Train workers reserve, after
-    `data_cpus` kept free for Ray Data when trials read corpus shards. More would start trials whose workers can
-    never be placed (WorkerGroupStartupTimeoutError, retried forever), or whose data tasks never get a CPU."""
+    """Trials that fit at once: the cluster's CPUs (GPUs) over what one trial and its Train workers reserve (the
+    workers read their corpus shards themselves, on their own CPUs). More would start trials whose workers can never
+    be placed (WorkerGroupStartupTimeoutError, retried forever)."""
     import ray
 
     if sweep.max_concurrent > 0:
         return sweep.max_concurrent
     s, resources = base.scaling, ray.cluster_resources()
-    data = sweep.data_cpus if base.data.train_path else 0.0
-    by_cpu = (resources.get("CPU", 1) - data) / (sweep.trial_cpus + s.num_workers * s.cpus_per_worker)
+    by_cpu = resources.get("CPU", 1) / (sweep.trial_cpus + s.num_workers * s.cpus_per_worker)
     by_gpu = resources.get("GPU", 0) / s.num_workers if s.use_gpu else math.inf
     fits = int(min(by_cpu, by_gpu) + 1e-9)
     if fits < 1:
         raise ValueError(
             f"one trial needs {sweep.trial_cpus} + {s.num_workers} x {s.cpus_per_worker} CPUs"
             f"{f' and {s.num_workers} GPUs' if s.use_gpu else ''}"
-            f"{f' plus {data:g} CPU left for Ray Data' if data else ''}"
             f", the cluster has {resources.get('CPU', 0)} CPUs and {resources.get('GPU', 0)} GPUs: lower "
             f"scaling.num_workers or scaling.cpus_per_worker"
         )
@@ -349,8 +343,7 @@ def vocab_problem(pair: str) -> str | None:
 def corpus_base(pair: str | None, stage: int) -> StageConfig:
     """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its schedule, data budget, variants,
     frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
-    reserves 0.5 with its own function, and on 2 cores two run at once beside the CPU kept for Ray Data
-    (SweepConfig.data_cpus). The corpus is the jobs' --data.train_path / --data.val_path (required)."""
+    reserves 0.5 with its own function, and on 2 cores up to four run at once. The corpus is the jobs' --data.train_path / --data.val_path (required)."""
     job = STAGES[stage]  # the job's preset is the one source of its defaults
     pair = pair or job.model.pair
     if vocab_problem(pair):

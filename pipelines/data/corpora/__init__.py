@@ -19,8 +19,9 @@ Output rows (Parquet, `OUT/train`, `OUT/val`; schema `ROW_SCHEMA`):
     labels            list<int32>: -100 over the prompt, then the target ids
     memory_input_ids  list<list<int32>>: one unpadded token list per memory chunk (= tokenizer(memory[k]))
 
-Read with `ray.data.read_parquet("OUT/train")` (the training job: `ray.train.get_dataset_shard("train")`); pad
-`input_ids`/`labels` and each memory chunk in the collate function.
+Shards hold row groups of at most `row_group_rows` rows; OUT/manifest.json lists every shard's bytes, rows, rows per
+row group and sha256. The training job checks and reads them with pipelines.data.shards (each worker its own row
+groups) and pads `input_ids`/`labels` and each memory chunk in its collate function.
 """
 
 __all__ = ["BuildConfig", "build_corpus", "ROW_SCHEMA", "REJECT_SCHEMA"]

@@ -1,8 +1,12 @@
-"""Stages fed by corpus shards: Parquet rows in jobs/build_corpus.py's schema go through Ray Data, get packed, train
-under ZeRO-3 on 2 workers, resume without repeating or skipping an example, and report validation with and without
-the memory."""
+"""Stages fed by corpus shards: Parquet rows in jobs/build_corpus.py's schema, each worker reading only its own row
+groups, get packed, train under ZeRO-3 on 2 workers, resume (after a clean stop or a worker failure) without repeating
+or skipping an example, and report validation with and without the memory."""
 
 from __future__ import annotations
+
+import json
+from itertools import cycle, islice
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -10,9 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
+from pipelines.data.shards import load_split, rank_units
 from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrackingSettings,
-                              TrainConfig)
-from pipelines.data.packing import PackingSpec, PackStats, collate_packed, example_checksum, pack_examples
+                                    TrainConfig)
+from pipelines.train.loop import HOOK_ENV
+from tests.pipelines.data.test_shards import write_manifest
+from tests.pipelines.train import faults
 
 E = 8  # examples per step
 
@@ -32,11 +40,22 @@ def corpus_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_shards(directory, rows: list[dict], shards: int = 2) -> None:
+def write_shards(directory, rows: list[dict], shards: int = 2, row_group_rows: int = 6) -> None:
+    """`rows` over `shards` files of row groups of `row_group_rows`, and the corpus manifest beside the split."""
     directory.mkdir(parents=True)
     for s in range(shards):
         part = rows[s * len(rows) // shards : (s + 1) * len(rows) // shards]
-        pq.write_table(pa.Table.from_pylist(part), directory / f"part-{s:05d}.parquet")
+        pq.write_table(pa.Table.from_pylist(part), directory / f"part-{s:05d}.parquet", row_group_size=row_group_rows)
+    write_manifest(directory.parent)
+
+
+def expected_checksum(split, steps: int, world: int = 2) -> int:
+    """The sum of the ids an unbroken run consumes: each rank cycles over its own row groups' rows, E / world per step."""
+    total = 0
+    for rank in range(world):
+        ids = [i for u in rank_units(load_split(split), rank, world) for i in range(u.first_id, u.first_id + u.stop - u.start)]
+        total += sum(islice(cycle(ids), steps * E // world))
+    return total
 
 
 def test_packing_keeps_every_token_and_chunk_of_every_example():
@@ -73,25 +92,33 @@ def test_packing_reports_what_it_cuts():
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def fault_plan(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults") / "plan.json"
+
+
+@pytest.fixture(scope="module")
+def local_ray(fault_plan):
+    """Workers get the fault hook; it does nothing for runs the plan does not name."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(fault_plan)}})
     yield
-    ray.shutdown()
+    ray.shutdown()  # only this test's local instance; never `ray stop`
 
 
-def corpus_config(tmp_path, checkpoint_root, steps: int) -> StageConfig:
+def corpus_config(tmp_path, checkpoint_root, steps: int, name: str = "corpus", grad_accum: int = 1,
+                  max_failures: int = 0) -> StageConfig:
     return StageConfig(
         stage=1,
         model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), decoder="lora", encoder="frozen",
                           gca_layers="upper_half", lora_rank=4),
         data=DataConfig(train_path=str(tmp_path / "corpus" / "train"), val_path=str(tmp_path / "corpus" / "val"),
                         max_tokens=48, max_chunks=6, chunk_len=16, val_examples=16),
-        train=TrainConfig(max_steps=steps, memories_per_step=E, lr=1e-3, warmup_steps=1, log_every=2, eval_every=4,
-                          checkpoint_every=2),
+        train=TrainConfig(max_steps=steps, memories_per_step=E, grad_accum=grad_accum, lr=1e-3, warmup_steps=1,
+                          log_every=2, eval_every=4, checkpoint_every=2),
         scaling=ScalingSettings(cpus_per_worker=0.5),
-        run=RunSettings(name="corpus", storage_path=str(tmp_path / "ray"), max_failures=0),
+        run=RunSettings(name=name, storage_path=str(tmp_path / "ray"), max_failures=max_failures),
         tracking=TrackingSettings(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
     )
 
@@ -100,20 +127,34 @@ def corpus_config(tmp_path, checkpoint_root, steps: int) -> StageConfig:
 def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.driver import run_stage
 
-    train_rows = corpus_rows(40, seed=2)  # 5 steps per epoch: 8 steps cross an epoch boundary
-    write_shards(tmp_path / "corpus" / "train", train_rows)
+    write_shards(tmp_path / "corpus" / "train", corpus_rows(40, seed=2))  # ranks: 4 row groups, 20 rows each
     write_shards(tmp_path / "corpus" / "val", corpus_rows(8, seed=3), shards=1)  # one batch: a rank has none
     first = run_stage(corpus_config(tmp_path, checkpoint_root, steps=4))
     assert first["error"] is None and first["steps"] == 4
-    resumed = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8))
+    resumed = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8))  # 32 rows a rank: a second epoch
     assert resumed["error"] is None and resumed["steps"] == 8
-    order = [example_checksum(r["input_ids"]) for r in train_rows]
-    stream = (order * 2)[: 8 * E]  # the shards' order, wrapping into a second epoch
-    import json
-    from pathlib import Path
-
     state = json.loads((Path(resumed["checkpoint"]) / "trainer_state.json").read_text())
-    assert state["index_checksum"] == sum(stream)
+    assert state["index_checksum"] == expected_checksum(tmp_path / "corpus" / "train", 8)
     for key in ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy"):
         assert resumed[key] is not None and np.isfinite(resumed[key]), key
     assert torch.tensor(resumed["val_loss"]) > 0
+
+
+@pytest.mark.ray
+def test_two_workers_on_their_own_shards_survive_a_failure_exactly(tmp_path, checkpoint_root, local_ray, fault_plan):
+    """Two workers, each on its own row groups (uneven: 24 and 19 rows), 2 micro-batches a step; the last worker
+    fails at step 5, after checkpoint 4: the run restarts from it and ends with the examples and index checksum of
+    an unbroken run, i.e. no example repeated or skipped on either rank."""
+    from pipelines.train.driver import run_stage
+
+    split = tmp_path / "corpus" / "train"
+    write_shards(split, corpus_rows(43, seed=4), shards=3, row_group_rows=5)
+    write_shards(tmp_path / "corpus" / "val", corpus_rows(8, seed=3), shards=1)
+    assert [sum(u.stop - u.start for u in rank_units(load_split(split), r, 2)) for r in (0, 1)] == [24, 19]
+    marker = tmp_path / "ray" / "killed" / "injected-failure"
+    faults.plan(fault_plan, "killed", "train:5", marker)
+    summary = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8, name="killed", grad_accum=2, max_failures=1))
+    assert summary["error"] is None and summary["steps"] == 8 and marker.is_file()  # it failed, and recovered
+    state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
+    assert state["examples_seen"] == 8 * E and state["world"] == 2
+    assert state["index_checksum"] == expected_checksum(split, 8)

@@ -1,5 +1,5 @@
 """Stage 1 end to end on real shards: a git history -> jobs/build_corpus.py's commit corpus -> jobs/stage1.py on the
-tiny-text pair (Qwen3's vocabulary) through Ray Data, packing and ZeRO-3 on 2 workers."""
+tiny-text pair (Qwen3's vocabulary) through the sharded reader, packing and ZeRO-3 on 2 workers."""
 
 from __future__ import annotations
 

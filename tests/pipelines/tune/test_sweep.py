@@ -183,7 +183,7 @@ def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
     assert SweepConfig().problems(dataclasses_replace_data(base, train_path=str(shards), val_path=str(shards))) == []
 
 
-def test_concurrency_keeps_a_cpu_for_ray_data(monkeypatch, tmp_path):
+def test_concurrency_counts_what_a_trial_reserves(monkeypatch, tmp_path):
     import ray
 
     from pipelines.tune.sweep import SweepConfig, default_base, max_concurrent_trials
@@ -191,11 +191,11 @@ def test_concurrency_keeps_a_cpu_for_ray_data(monkeypatch, tmp_path):
     needles, corpus = default_base("tiny", 0), dataclasses_replace_data(default_base(None, 1), train_path=str(tmp_path))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     assert max_concurrent_trials(SweepConfig(), needles) == 2  # 2 / (0.1 + 0.9)
-    assert max_concurrent_trials(SweepConfig(), corpus) == 2  # (2 - 1) / (0.1 + 0.4)
-    with pytest.raises(ValueError, match="plus 1 CPU left for Ray Data"):
-        max_concurrent_trials(SweepConfig(), dataclasses_replace_scaling(corpus, num_workers=2, cpus_per_worker=0.5))
+    assert max_concurrent_trials(SweepConfig(), corpus) == 4  # 2 / (0.1 + 0.4): workers read shards on their own CPUs
+    with pytest.raises(ValueError, match="one trial needs 0.1 \\+ 4 x 0.5 CPUs"):
+        max_concurrent_trials(SweepConfig(), dataclasses_replace_scaling(corpus, num_workers=4, cpus_per_worker=0.5))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
-    assert max_concurrent_trials(SweepConfig(num_samples=20), corpus) == 14  # (8 - 1) / 0.5
+    assert max_concurrent_trials(SweepConfig(num_samples=20), corpus) == 16  # 8 / 0.5
 
 
 def test_table_and_best_trial():

@@ -67,7 +67,7 @@ def test_both_trials_train_on_the_corpus_and_report_val_loss(sweep, corpus, mlfl
     from mlflow.tracking import MlflowClient
 
     assert sweep["stage"] == 1 and sweep["pair"] == "tiny-text"
-    assert sweep["trials"] == 2 and sweep["max_concurrent_trials"] == 2  # (2 CPUs - 1 for Ray Data) / (0.1 + 0.4)
+    assert sweep["trials"] == 2 and sweep["max_concurrent_trials"] == 2  # min(2 samples, 2 CPUs / (0.1 + 0.4))
     client = MlflowClient(mlflow_server.uri)
     parent = client.get_run(sweep["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and "best_val_loss" in parent.data.metrics
