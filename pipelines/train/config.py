@@ -65,6 +65,7 @@ class DataConfig:
     chunk_len: int = 512  # tokens per memory chunk
     pad_id: int = 0  # padded positions are masked; the id only has to exist in both vocabularies
     val_examples: int = 256  # validation examples scored at each evaluation
+    verify_hashes: bool = True  # sha256 of every shard against the manifest before a job starts (sizes: always)
 
 
 @dataclass

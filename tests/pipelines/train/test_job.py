@@ -1,0 +1,64 @@
+"""A stage job checks its corpus shards before any cluster time: a truncated shard of a built corpus, or a corpus
+whose manifest predates shard records, is refused in seconds with the path and the fix, exit status 2, the JSON
+summary as the last line, and no MLflow run opened."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pipelines.train.test_stage_commits import build_commit_corpus
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def stage1(split: Path | None, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """jobs/stage1.py on `split` (None: --help) and its wall seconds."""
+    args = ["--help"] if split is None else [
+        "--data.train_path", str(split), "--data.val_path", str(split), "--train.max_steps", "2",
+        "--train.memories_per_step", "2", "--run.storage_path", str(tmp_path / "ray"),
+        "--tracking.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "stage1.py"), *args], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return result, time.perf_counter() - started
+
+
+def no_run_opened(tmp_path: Path) -> bool:
+    if not (tmp_path / "mlflow.db").exists():
+        return True
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+@pytest.mark.ray  # the corpus build starts Ray; the refused job does not
+def test_a_truncated_shard_is_refused_before_ray_and_mlflow(tmp_path):
+    split = build_commit_corpus(tmp_path)
+    shard = sorted(split.glob("*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[:200])
+    result, seconds = stage1(split, tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{shard}: 200 bytes, the manifest says" in result.stderr
+    assert "rebuild the corpus: python jobs/build_corpus.py --stage 2 --sources" in result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["job"] == "stage1" and summary["error"] and summary["bad_shards"][0].startswith(str(shard))
+    assert "Traceback" not in result.stderr and "Ray" not in result.stderr and no_run_opened(tmp_path)
+    _, help_seconds = stage1(None, tmp_path)  # the job's imports and parsing alone
+    assert seconds < 2 * help_seconds + 10, (seconds, help_seconds)  # about as long (generous: the cores are shared)
+    print(f"refused in {seconds:.1f} s (--help: {help_seconds:.1f} s)")
+
+    manifest_file = split.parent / "manifest.json"  # a corpus built before shard records
+    manifest = json.loads(manifest_file.read_text())
+    manifest.pop("shards")
+    manifest_file.write_text(json.dumps(manifest))
+    result, _ = stage1(split, tmp_path)
+    assert result.returncode == 2 and "written by an older jobs/build_corpus.py" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["error"] and no_run_opened(tmp_path)
