@@ -238,7 +238,9 @@ class RankReader:
         return sum(v in self.variants for v in variants)
 
     def _read_group(self, unit: Unit, columns: list[str]):
-        f = self._files.get(unit.path) or self._files.setdefault(unit.path, pq.ParquetFile(unit.path))
+        if unit.path not in self._files:  # one file open at a time: a rank's units come file by file
+            self._files = {unit.path: pq.ParquetFile(unit.path)}
+        f = self._files[unit.path]
         group = f.metadata.row_group(unit.row_group)
         self.read_rows += group.num_rows
         self.read_bytes += sum(group.column(c).total_compressed_size for c in range(group.num_columns)
