@@ -100,6 +100,7 @@ class StageRecipe:
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)),  # what the gates started at, to compare
             **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
             "examples_seen": metrics.get("examples_seen"),
+            "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
             "export": export_dir,
         }
 
@@ -146,14 +147,16 @@ def check_cpus_left_for_data(config: StageConfig) -> None:
 
 
 def lineage_tags(config: StageConfig) -> dict[str, str]:
-    """What a registered model needs to trace: base checkpoints, data manifest hash, git commit, system info."""
+    """What a registered model needs to trace: base checkpoints, the previous stage's export it started from, data
+    manifest hash, git commit, system info."""
     spec = get_pair(config.model.pair)
     root = config.model.checkpoint_root
     return {"pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder,
             "base.decoder": str(Path(root) / spec.decoder) if root else spec.decoder,
             "base.encoder": str(Path(root) / spec.encoder) if root else spec.encoder,
             "data.manifest_hash": data_manifest_hash(config.data.train_path, dataclasses.asdict(config.needle)),
-            "git.commit": git_commit(), **system_info()}
+            "git.commit": git_commit(), **system_info(),
+            **({"init_from": str(Path(config.model.init_from).resolve())} if config.model.init_from else {})}
 
 
 def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:
