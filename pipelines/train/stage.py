@@ -24,6 +24,7 @@ from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import StageConfig
+from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Prepared, TrainState, trainable_groups
@@ -47,8 +48,10 @@ class StageRecipe:
             prepared.datasets, prepared.dataset_config = stage_datasets(config), data_config()
         return prepared
 
-    def build_model(self, config: StageConfig, worker: dict[str, Any]) -> AwarenessModel:
-        return build_model(config.model)
+    def build_model(self, config: StageConfig, worker: dict[str, Any], ds_config: dict[str, Any]) -> AwarenessModel:
+        """Under ZeRO-3 built straight into partitions: no rank holds the whole pair."""
+        with zero3_loading(ds_config) as partitioner:
+            return build_model(config.model, partitioner=partitioner)
 
     def parameter_groups(self, model: AwarenessModel) -> dict[str, list[torch.nn.Parameter]]:
         return trainable_groups(model, parameter_group)  # gca, decoder (frozen for train.frozen_decoder_steps), encoder

@@ -60,7 +60,7 @@ def test_ul2_parameters_are_their_own_group_and_never_wait(tmp_path):
     value must not freeze it (it once labelled every seq2seq parameter `decoder`)."""
     config = Ul2Config(model=Ul2ModelConfig(checkpoint_root=str(tmp_path)))
     checkpoint, _ = prepare_checkpoint(config)
-    model = UL2.build_model(config, {"checkpoint": checkpoint, "start_token": 1})
+    model = UL2.build_model(config, {"checkpoint": checkpoint, "start_token": 1}, {})
     groups = UL2.parameter_groups(model)
     assert list(groups) == ["seq2seq"]
     assert sum(p.numel() for p in groups["seq2seq"]) == sum(p.numel() for p in model.parameters())
