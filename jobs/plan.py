@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_memory(parse_config(argv, PlanInput(), description=__doc__))
     print(plan.table())
     print(json.dumps({"job": "plan", "pair": plan.inputs.pair, "gpus": plan.inputs.nodes * plan.inputs.gpus_per_node,
-                      "gib_per_gpu": round(plan.total_gib, 2), "fits": plan.fits}))
+                      "gib_per_gpu": round(plan.total_gib, 2),
+                      "load_gib_per_gpu": round(plan.load_gib, 2), "fits": plan.fits}))
     return 0 if plan.fits else 1
 
 

@@ -7,6 +7,7 @@ from models.awareness import AwarenessConfig, AwarenessModel, AwarenessOutput
 from models.flops import StepFlops, training_flops
 from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, gca_parameter_count
 from models.memory import MemoryEncoder
+from models.partitioning import UNPARTITIONED, Partitioner
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
 from models.placement import resolve_gca_layers
 from models.seq2seq import Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM
@@ -14,6 +15,7 @@ from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
 
 __all__ = [
     "PAIRS",
+    "UNPARTITIONED",
     "AwarenessConfig",
     "AwarenessModel",
     "AwarenessOutput",
@@ -25,6 +27,7 @@ __all__ = [
     "MemoryKV",
     "MemoryPadding",
     "PairSpec",
+    "Partitioner",
     "Qwen3EncoderDecoderConfig",
     "Qwen3EncoderModel",
     "Qwen3ForSeq2SeqLM",

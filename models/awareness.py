@@ -16,6 +16,7 @@ from transformers.modeling_outputs import ModelOutput
 from models.gca import GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
+from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
 from models.trainable import (LoraPlan, TrainMode, apply_lora, is_added_parameter, merged_state_dict, set_trainable,
                               trainable_modes)
@@ -76,7 +77,8 @@ class AwarenessModel(nn.Module):
 
     Built from modules (see `from_pretrained_pair` and `models.pairs.build_pair` for the builders). At
     construction the gates are 0, so the model computes exactly what the pretrained decoder computes, and only
-    the GCA blocks and the projection are trainable (`models.trainable.set_trainable` changes that).
+    the GCA blocks and the projection are trainable (`models.trainable.set_trainable` changes that). Under a
+    `partitioner` (ZeRO-3) the blocks and the projection are created partitioned, like the pair they join.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class AwarenessModel(nn.Module):
         *,
         gca_mlp: bool = False,
         config: AwarenessConfig | None = None,
+        partitioner: Partitioner = UNPARTITIONED,
     ):
         super().__init__()
         dcfg = decoder.config
@@ -102,14 +105,15 @@ class AwarenessModel(nn.Module):
         )
         self.config.gca_layers = self.gca_layers
         weight = decoder.get_input_embeddings().weight
-        with torch.device(weight.device):
+        with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
                 nn.Linear(memory_encoder.hidden_size, dcfg.hidden_size, bias=False)
                 if memory_encoder.hidden_size != dcfg.hidden_size
                 else nn.Identity()
             )
             blocks = {i: _build_gca(dcfg, gca_mlp) for i in self.gca_layers}
-        self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02))
+        self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02), partitioner=partitioner)
+        # a no-op under a partitioner, which creates every parameter in the engine's precision, as the pair's
         self.memory_projection.to(weight.dtype)
         layers = decoder.model.layers
         for i, block in blocks.items():
@@ -128,8 +132,13 @@ class AwarenessModel(nn.Module):
         gca_mlp: bool = False,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        partitioner: Partitioner = UNPARTITIONED,
     ) -> "AwarenessModel":
-        """Loads both base checkpoints through transformers' own classes and adds GCA blocks at 0."""
+        """Loads both base checkpoints through transformers' own classes and adds GCA blocks at 0.
+
+        With a `partitioner` (ZeRO-3) the caller also has transformers' DeepSpeed integration on, so
+        `from_pretrained` builds each checkpoint inside zero.Init and loads its shards into the partitions; the
+        blocks and the projection are then created partitioned too."""
         memory_encoder = MemoryEncoder(load_encoder(encoder, dtype=dtype, device=device), attention=encoder_attention)
         base = load_decoder(decoder, dtype=dtype, device=device)
         config = AwarenessConfig(
@@ -139,30 +148,33 @@ class AwarenessModel(nn.Module):
             encoder_attention=encoder_attention,
             gca_mlp=gca_mlp,
         )
-        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, config=config)
+        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, config=config, partitioner=partitioner)
 
     @staticmethod
-    def _init_added(blocks: list[GatedCrossAttention], std: float) -> None:
+    def _init_added(blocks: list[GatedCrossAttention], std: float, partitioner: Partitioner = UNPARTITIONED) -> None:
+        """Normal(0, std) projections, zero biases; one nn.Linear gathered at a time when partitioned."""
         for module in blocks:
             for sub in module.modules():
                 if isinstance(sub, nn.Linear) and sub.weight.device.type != "meta":
-                    nn.init.normal_(sub.weight, std=std)
-                    if sub.bias is not None:
-                        nn.init.zeros_(sub.bias)
+                    with partitioner.gathered(list(sub.parameters(recurse=False))):
+                        nn.init.normal_(sub.weight, std=std)
+                        if sub.bias is not None:
+                            nn.init.zeros_(sub.bias)
 
     # -------------------------------------------------------------------------------------------- inspection
     def gca_blocks(self) -> dict[int, GatedCrossAttention]:
         return {i: self.decoder.model.layers[i].cross_attention for i in self.gca_layers}
 
     @torch.no_grad()
-    def set_gates(self, value: float) -> None:
+    def set_gates(self, value: float, *, partitioner: Partitioner = UNPARTITIONED) -> None:
         """Every GCA block's attention gate (and MLP gate, if any) to `value`. Gates at 0 leave the decoder exactly
         as it was; a small open gate avoids the closed gate's saddle (at 0 the gate and the block's weights get
         gradients only through each other) where there is no pretrained behaviour to protect, e.g. random pairs."""
         for block in self.gca_blocks().values():
-            block.gate.fill_(value)
-            if getattr(block, "mlp_gate", None) is not None:
-                block.mlp_gate.fill_(value)
+            gates = [block.gate] + ([block.mlp_gate] if getattr(block, "mlp_gate", None) is not None else [])
+            with partitioner.gathered(gates):
+                for gate in gates:
+                    gate.fill_(value)
 
     def gate_values(self) -> dict[int, float]:
         """|tanh(gate)| of each GCA layer's attention: how much each layer reads the memory."""
@@ -354,17 +366,26 @@ class AwarenessModel(nn.Module):
         model.load_added_weights(directory / WEIGHTS_NAME)
         return model
 
-    def load_added_weights(self, path: str | Path) -> None:
-        """Loads a saved awareness.safetensors; every GCA/projection/LoRA weight must be in it."""
+    @torch.no_grad()
+    def load_added_weights(self, path: str | Path, *, partitioner: Partitioner = UNPARTITIONED) -> None:
+        """Loads a saved awareness.safetensors; every GCA/projection/LoRA weight must be in it. Partitioned, one
+        parameter is gathered at a time (the file may hold base weights trained in full)."""
         state = load_file(str(path), device=str(self.device))
-        expected = {n for n, _ in self.named_parameters() if is_added_parameter(n)}
-        missing = sorted(expected - state.keys())
-        result = self.load_state_dict(state, strict=False)
-        if result.unexpected_keys or missing:
+        params = dict(self.named_parameters())
+        missing = sorted({n for n in params if is_added_parameter(n)} - state.keys())
+        unexpected = sorted(state.keys() - params.keys())
+        if unexpected or missing:
             raise ValueError(
-                f"{path} does not fit this model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]} "
+                f"{path} does not fit this model: unexpected {unexpected[:5]}, missing {missing[:5]} "
                 f"(was it saved with other gca_layers, gca_mlp or LoRA settings?)"
             )
+        for name, tensor in state.items():
+            param = params[name]
+            with partitioner.gathered([param]):
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{path} does not fit this model: {name} is {tuple(tensor.shape)} there and "
+                                     f"{tuple(param.shape)} here")
+                param.copy_(tensor)
 
 
 @contextmanager

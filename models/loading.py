@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeForCausalLM
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 DECODER_CLASSES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 ENCODER_CLASSES = {"qwen3": Qwen3Model}
@@ -45,7 +46,7 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None, device: 
     config = load_config(path, "decoder", DECODER_CLASSES)
     cls = DECODER_CLASSES[config.model_type]
     return cls.from_pretrained(
-        path, dtype=dtype or "auto", device_map=device, use_safetensors=True, local_files_only=True,
+        path, dtype=dtype or "auto", device_map=_device_map(device), use_safetensors=True, local_files_only=True,
         trust_remote_code=False, attn_implementation="sdpa",
     )
 
@@ -54,6 +55,12 @@ def load_encoder(path: str | Path, *, dtype: torch.dtype | None = None, device: 
     """Qwen3Model from a Qwen3-Embedding (or any Qwen3) checkpoint; a causal-LM checkpoint loads without its head."""
     load_config(path, "encoder", ENCODER_CLASSES)
     return Qwen3Model.from_pretrained(
-        path, dtype=dtype or "auto", device_map=device, use_safetensors=True, local_files_only=True,
+        path, dtype=dtype or "auto", device_map=_device_map(device), use_safetensors=True, local_files_only=True,
         trust_remote_code=False, attn_implementation="sdpa",
     )
+
+
+def _device_map(device: str | torch.device) -> str | torch.device | None:
+    """None while transformers' DeepSpeed ZeRO-3 integration is on: zero.Init puts each rank's partitions on the
+    engine's device, and transformers refuses a device_map there."""
+    return None if is_deepspeed_zero3_enabled() else device

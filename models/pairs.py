@@ -13,6 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeConf
 
 from models.awareness import AwarenessModel
 from models.memory import MemoryEncoder
+from models.partitioning import UNPARTITIONED, Partitioner
 
 CHECKPOINT_ROOT_ENV = "AWARENESS_CHECKPOINT_ROOT"
 RANDOM_WEIGHTS_MARKER = "awareness_random_weights.json"
@@ -178,6 +179,7 @@ def build_pair(
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
     random_init: bool = False,
+    partitioner: Partitioner = UNPARTITIONED,
 ) -> AwarenessModel:
     """Builds a named pair.
 
@@ -191,10 +193,14 @@ def build_pair(
     - encoder_checkpoint: a Qwen3 encoder directory replacing the pair's encoder, e.g. one extracted from a
       UL2-trained Qwen3ForSeq2SeqLM (`Qwen3EncoderModel.from_seq2seq(model).save_pretrained(dir)`); it was trained
       bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
+    - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
+      has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
     spec = get_pair(name)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if torch.device(device).type == "meta" or random_init:
+        if partitioner is not UNPARTITIONED:
+            raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
                                    gca_mlp=gca_mlp, dtype=dtype, seed=seed)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
@@ -211,7 +217,7 @@ def build_pair(
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
-        gca_mlp=gca_mlp, dtype=dtype, device=device,
+        gca_mlp=gca_mlp, dtype=dtype, device=device, partitioner=partitioner,
     )
 
 

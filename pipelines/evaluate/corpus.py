@@ -11,10 +11,12 @@ from pipelines.data.packing import PackingSpec, collate_packed, pack_examples
 @torch.no_grad()
 def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec) -> dict[str, float]:
     """Validation loss and next-token accuracy on the targets of `rows` (the same on every rank), with the memory and
-    with it withheld: the gap is what reading the memory is worth."""
+    with it withheld: the gap is what reading the memory is worth. Without a process group (a reloaded export,
+    outside DeepSpeed) one process evaluates them all."""
     if rows is None:
         return {}
-    rank, world = dist.get_rank(), dist.get_world_size()
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     was_training = model.training
     model.eval()
     totals = torch.zeros(5, dtype=torch.float64)  # loss sum, tokens, correct, loss sum without memory, correct
@@ -38,7 +40,8 @@ def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec) -> dict[s
             totals[loss_at] += float(torch.nn.functional.cross_entropy(logits[valid], target[valid], reduction="sum"))
             totals[correct_at] += int((logits.argmax(-1)[valid] == target[valid]).sum())
     model.train(was_training)
-    dist.all_reduce(totals)
+    if distributed:
+        dist.all_reduce(totals)
     tokens = max(totals[1].item(), 1)
     return {
         "val_loss": totals[0].item() / tokens,

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from pipelines.tracking.tracker import Tracker
-from pipelines.train.engine import quiet_known_warnings, restore_checkpoint, save_checkpoint, setup_deepspeed
+from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
+                                    setup_deepspeed)
 from pipelines.train.recipes import Recipe, TrainState
 
 HOOK_ENV = "AWARENESS_TRAIN_HOOK"  # "module:function" called as hook(event, step); the fault-tolerance tests' entry
@@ -27,8 +28,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     quiet_known_warnings()
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     torch.manual_seed(config.train.seed)
-    model = recipe.build_model(config, worker)
-    engine = setup_deepspeed(model, config, recipe.parameter_groups(model))
+    ds_config = deepspeed_config(config, world)
+    model = recipe.build_model(config, worker, ds_config)
+    engine = setup_deepspeed(model, config, recipe.parameter_groups(model), ds_config)
     state = resumed_state(engine, world)
     stream = recipe.stream(config, worker, rank, world, state.step)
     tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)

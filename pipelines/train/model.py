@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from models import UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, Partitioner, apply_lora, build_pair, set_trainable
 from models.awareness import WEIGHTS_NAME
 from pipelines.train.config import ModelConfig
 
 
-def build_model(cfg: ModelConfig) -> AwarenessModel:
-    """The pair, its LoRA adapters and what trains, all from the model config."""
+def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
+    """The pair, its LoRA adapters and what trains, all from the model config; partitioned as it is built under a
+    ZeRO-3 `partitioner` (pipelines.train.engine.zero3_loading)."""
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp,
-                       encoder_checkpoint=cfg.encoder_checkpoint)
-    return prepare_model(model, cfg)
+                       encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner)
+    return prepare_model(model, cfg, partitioner=partitioner)
 
 
-def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
+def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
     """The training configuration on a built pair: LoRA adapters, initial added weights, what trains, the encoder's
-    gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU)."""
+    gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU).
+    LoRA adapters are created whole (they are small); deepspeed.initialize partitions them with rank 0's values."""
     targets = tuple(cfg.lora_targets)
     plan = LoraPlan(
         decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
@@ -29,9 +31,9 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig) -> AwarenessModel:
     if plan.decoder or plan.gca or plan.encoder:
         apply_lora(model, plan)
     if cfg.gca_gate_init:
-        model.set_gates(cfg.gca_gate_init)
+        model.set_gates(cfg.gca_gate_init, partitioner=partitioner)
     if cfg.init_from:
-        model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME)
+        model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME, partitioner=partitioner)
     set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)
     model.memory_encoder.grad_scale = cfg.encoder_grad_scale
     if cfg.gradient_checkpointing:

@@ -5,6 +5,8 @@ gradient and fp32 master weights plus Adam's two moments (2 + 12 B), the 12 B on
 the gathered working set (the largest layer, or Qwen3-MoE's whole sparse block, which is a ZeRO-3 leaf), activations,
 and the logits (the loss upcasts them to fp32). DeepSpeed's own ZeRO-3 estimator is shown beside ours when the whole
 model trains, the case it models.
+
+Loading has its own peak (`load_peak`), and a run fits only if the larger of the two does.
 """
 
 from __future__ import annotations
@@ -57,14 +59,25 @@ class MemoryPlan:
     rows: dict[str, float] = field(default_factory=dict)  # GiB per GPU
     cpu_gib_per_node: float = 0.0
     deepspeed_estimate_gib: float | None = None
+    load_rows: dict[str, float] = field(default_factory=dict)  # GiB per GPU while the pair is built (load_peak)
+    load_host_gib: dict[str, float] = field(default_factory=dict)  # GiB of host memory per node while loading
 
     @property
     def total_gib(self) -> float:
+        """The training peak per GPU."""
         return sum(self.rows.values())
 
     @property
+    def load_gib(self) -> float:
+        return sum(self.load_rows.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.total_gib, self.load_gib)
+
+    @property
     def fits(self) -> bool:
-        return self.total_gib <= self.inputs.gpu_memory_gib
+        return self.peak_gib <= self.inputs.gpu_memory_gib
 
     def table(self) -> str:
         i = self.inputs
@@ -74,13 +87,18 @@ class MemoryPlan:
                  "parameters: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in self.params.items()),
                  f"| {'per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.rows.items()]
-        lines.append(f"| {'total':<44} | {self.total_gib:8.2f} |")
+        lines.append(f"| {'total while training':<44} | {self.total_gib:8.2f} |")
+        lines += [f"| {'while loading (zero.Init build), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
+        lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.load_rows.items()]
+        lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
+        lines += [f"host memory while loading, {name}: {gib:.1f} GiB" for name, gib in self.load_host_gib.items()]
         if self.deepspeed_estimate_gib is not None:
             lines.append(f"DeepSpeed's ZeRO-3 estimate of model states (full training): {self.deepspeed_estimate_gib:.2f} GiB/GPU")
         if self.cpu_gib_per_node:
             lines.append(f"CPU memory for offloaded states: {self.cpu_gib_per_node:.1f} GiB per node")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"{verdict}: {self.total_gib:.1f} of {i.gpu_memory_gib:.0f} GiB per GPU")
+        lines.append(f"{verdict}: peak {self.peak_gib:.1f} (training {self.total_gib:.1f}, loading {self.load_gib:.1f}) "
+                     f"of {i.gpu_memory_gib:.0f} GiB per GPU")
         return "\n".join(lines)
 
 
@@ -135,7 +153,8 @@ def resolved_paths(config):
 
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
     """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
-    Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own."""
+    Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own. The model
+    comes back too, LoRA and all (its modules size the activations and the load peak)."""
     model = build_pair(inputs.pair, device="meta")
     if inputs.decoder == "lora":
         apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
@@ -173,6 +192,7 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
         plan.rows["expert weights with LoRA folded in"] = expert_lora_bytes(inputs, model) / GIB
     plan.rows |= activation_rows(inputs, model)
     plan.rows["CUDA context, NCCL, fragmentation"] = CUDA_OVERHEAD_GIB
+    plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
     if inputs.decoder == "full" and inputs.encoder == "full":
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
@@ -181,6 +201,41 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
             cpu_offload_params=inputs.offload_params)
         plan.deepspeed_estimate_gib = gpu / GIB
     return plan
+
+
+def load_peak(inputs: PlanInput, params: dict[str, int], model) -> tuple[dict[str, float], dict[str, float]]:
+    """Memory while a ZeRO-3 worker builds the pair (pipelines.train.engine.zero3_loading), read from transformers
+    5.23's loading code: per GPU, and host memory per node.
+
+    GPU: each module is constructed whole inside zero.Init and partitioned when its constructor returns; then
+    `_load_state_dict_into_zero3_model` walks the modules and, for each, gathers that module's own parameters
+    (not its children's) on every rank, copies the checkpoint values in on rank 0, broadcasts and re-partitions.
+    So at any time a GPU holds the partitions built so far (at most all of them, bf16, on CPU with offload_params)
+    plus one module's parameters in full: the largest module, an embedding or a Qwen3-MoE layer's fused experts.
+
+    Host: only global rank 0 reads values (the other ranks build meta tensors from the shard headers). It maps
+    every safetensors shard of the checkpoint it loads (the encoder's, then the decoder's; one is released before
+    the next) and touches every page as it copies: file-backed page cache, the largest checkpoint's size, on the
+    node of rank 0. Qwen3-MoE checkpoints store one tensor per expert, which transformers stacks into the fused
+    weights one layer at a time: that layer's experts as new host memory on rank 0. The assumption: the checkpoints
+    are bf16 (as Qwen's are), and the page cache holds the mapped shards until the load ends (nothing evicts them).
+    The processes' own baseline (Python, torch, CUDA libraries, a few GiB each) is not counted."""
+    n_gpus = inputs.nodes * inputs.gpus_per_node
+    total = sum(params.values()) - params.get("decoder LoRA", 0)  # LoRA is added after the build
+    modules = [m for m in model.modules() if not type(m).__name__.startswith("Lora")]
+    largest = max(sum(p.numel() for n, p in m.named_parameters(recurse=False) if "lora_" not in n) for m in modules)
+    rows = {"partitions of every parameter (bf16)": 0.0 if inputs.offload_params else 2 * total / n_gpus / GIB,
+            "one module gathered whole (largest)": 2 * largest / GIB,
+            "CUDA context, NCCL, fragmentation": CUDA_OVERHEAD_GIB}
+    checkpoint = 2 * max(params["decoder"], params["encoder"])
+    experts = max((sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n and "lora_" not in n)
+                   for layer in model.decoder.model.layers), default=0)
+    host = {"node of rank 0 (mapped checkpoint shards)": checkpoint / GIB}
+    if experts:
+        host["node of rank 0 (one MoE layer's experts stacked)"] = 2 * experts / GIB
+    if inputs.nodes > 1:
+        host["other nodes (shard headers only)"] = 0.0
+    return rows, host
 
 
 def expert_lora_bytes(inputs: PlanInput, model) -> int:

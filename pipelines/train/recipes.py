@@ -48,7 +48,9 @@ class Recipe(Protocol):
 
     def prepare(self, config: Any) -> Prepared: ...
 
-    def build_model(self, config: Any, worker: dict[str, Any]) -> torch.nn.Module: ...
+    def build_model(self, config: Any, worker: dict[str, Any], ds_config: dict[str, Any]) -> torch.nn.Module:
+        """The model on this worker; `ds_config` is the DeepSpeed config its engine will get (ZeRO-3 builds
+        partitioned)."""
 
     def parameter_groups(self, model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]: ...
 

@@ -23,6 +23,7 @@ from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import StageConfig
+from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Prepared, TrainState, trainable_groups
@@ -43,8 +44,10 @@ class StageRecipe:
         check_splits([config.data.train_path, config.data.val_path], hashes=False)  # jobs hash them before this
         return Prepared(config, tags={"stage": str(config.stage), **lineage_tags(config)})
 
-    def build_model(self, config: StageConfig, worker: dict[str, Any]) -> AwarenessModel:
-        return build_model(config.model)
+    def build_model(self, config: StageConfig, worker: dict[str, Any], ds_config: dict[str, Any]) -> AwarenessModel:
+        """Under ZeRO-3 built straight into partitions: no rank holds the whole pair."""
+        with zero3_loading(ds_config) as partitioner:
+            return build_model(config.model, partitioner=partitioner)
 
     def parameter_groups(self, model: AwarenessModel) -> dict[str, list[torch.nn.Parameter]]:
         return trainable_groups(model, parameter_group)  # gca, decoder (frozen for train.frozen_decoder_steps), encoder
@@ -98,6 +101,7 @@ class StageRecipe:
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)),  # what the gates started at, to compare
             **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
             "examples_seen": metrics.get("examples_seen"),
+            "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
             "export": export_dir,
         }
 
@@ -135,14 +139,16 @@ def check_memory_plan(config: StageConfig) -> None:
 
 
 def lineage_tags(config: StageConfig) -> dict[str, str]:
-    """What a registered model needs to trace: base checkpoints, data manifest hash, git commit, system info."""
+    """What a registered model needs to trace: base checkpoints, the previous stage's export it started from, data
+    manifest hash, git commit, system info."""
     spec = get_pair(config.model.pair)
     root = config.model.checkpoint_root
     return {"pair": config.model.pair, "decoder": spec.decoder, "encoder": spec.encoder,
             "base.decoder": str(Path(root) / spec.decoder) if root else spec.decoder,
             "base.encoder": str(Path(root) / spec.encoder) if root else spec.encoder,
             "data.manifest_hash": data_manifest_hash(config.data.train_path, dataclasses.asdict(config.needle)),
-            "git.commit": git_commit(), **system_info()}
+            "git.commit": git_commit(), **system_info(),
+            **({"init_from": str(Path(config.model.init_from).resolve())} if config.model.init_from else {})}
 
 
 def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:

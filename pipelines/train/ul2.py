@@ -43,7 +43,10 @@ class Ul2Recipe:
                         worker={"checkpoint": checkpoint, "start_token": vocab.start, "pad": vocab.pad},
                         tags={"job": "encoder_ul2", "checkpoint": checkpoint})
 
-    def build_model(self, config: Ul2Config, worker: dict[str, Any]) -> Qwen3ForSeq2SeqLM:
+    def build_model(self, config: Ul2Config, worker: dict[str, Any], ds_config: dict[str, Any]) -> Qwen3ForSeq2SeqLM:
+        """Built whole on every worker, then partitioned by deepspeed.initialize: from_qwen3 builds the seq2seq
+        model from a loaded decoder with plain tensor copies, which are not written for zero.Init's partitions
+        (the UL2 checkpoints, up to 1.7B, fit whole)."""
         cfg = config.model
         model = Qwen3ForSeq2SeqLM.from_qwen3(worker["checkpoint"], encoder_key_rope=cfg.encoder_key_rope,
                                              encoder_layers=cfg.encoder_layers,

@@ -54,3 +54,47 @@ def test_stage_job_refuses_a_plan_that_cannot_fit():
                          scaling=ScalingSettings(num_workers=1, use_gpu=True, gpu_memory_gib=24))
     with pytest.raises(ValueError, match="(?s)does not fit in GPU memory.*does NOT fit"):
         check_memory_plan(config)
+
+
+def test_load_peak_is_the_partitions_plus_one_gathered_module():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    plan = plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8))
+    pair = sum(v for k, v in plan.params.items() if k != "decoder LoRA")  # LoRA is added after the build
+    assert plan.load_rows["partitions of every parameter (bf16)"] * GIB == pytest.approx(2 * pair / 16)
+    # transformers gathers one module's own parameters at a time; prod's largest is the 8B encoder's embedding,
+    # just above a decoder layer's fused experts (128 x 3 x 768 x 2048)
+    largest = 151665 * 4096
+    assert plan.load_rows["one module gathered whole (largest)"] * GIB == 2 * largest
+    # DeepSpeed's estimator with everything offloaded keeps only the largest layer's bf16 parameters and gradients
+    # on a GPU; a load gathers the parameters alone
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(pair, largest, 8, 2, cpu_offload=True, cpu_offload_params=True)
+    assert plan.load_rows["one module gathered whole (largest)"] * GIB == gpu / 2
+    # only rank 0 reads values: it maps the larger checkpoint (the decoder, bf16) and stacks one MoE layer's experts
+    assert plan.load_host_gib["node of rank 0 (mapped checkpoint shards)"] * GIB == 2 * plan.params["decoder"]
+    assert plan.load_host_gib["node of rank 0 (one MoE layer's experts stacked)"] * GIB == 2 * 128 * 3 * 768 * 2048
+    assert plan.fits and plan.peak_gib == plan.total_gib > plan.load_gib
+
+
+def test_the_verdict_takes_the_larger_of_the_load_and_training_peaks():
+    plan = plan_memory(PlanInput(pair="proto1", nodes=1, gpus_per_node=1, gpu_memory_gib=40))
+    assert plan.fits
+    plan.load_rows["one module gathered whole (largest)"] = 50.0  # a load that alone would not fit
+    assert not plan.fits and plan.peak_gib == plan.load_gib
+    assert "does NOT fit: peak" in plan.table()
+
+
+def test_stage2_dry_run_of_prod_on_two_nodes_shows_the_load_peak_and_fits(tmp_path, capsys):
+    from pipelines.train.job import run_job
+    from pipelines.train.presets import STAGE2
+
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    with pytest.raises(SystemExit) as exit_:  # --dry-run prints and exits before any run
+        run_job(["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",
+                 "--train.memories_per_step", "16", "--data.train_path", str(tmp_path / "train"),
+                 "--data.val_path", str(tmp_path / "val"), "--dry-run"], STAGE2, "stage 2")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "2 node(s) x 8 GPU(s) of 80 GiB" in out and "total while loading" in out
+    assert "host memory while loading, node of rank 0" in out and "\nfits: peak" in out
