@@ -1,7 +1,6 @@
 """Stages 1 and 2 end to end on real shards: a git history -> jobs/build_corpus.py's commit corpus -> jobs/stage1.py
 and jobs/stage2.py on the tiny-text pair (Qwen3's vocabulary) through the sharded reader, packing and ZeRO-3 on 2
-workers; stage 2's
-export reloads outside DeepSpeed to the validation loss the job reported."""
+workers; stage 2's export reloads outside DeepSpeed to the validation loss the job reported."""
 
 from __future__ import annotations
 
