@@ -53,6 +53,21 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def for_other_nodes(tracking_uri: str, node_ip: str) -> str:
+    """The tracking URI as a process on another node must use it: a server named by loopback (the head's
+    http://127.0.0.1:5000, where the job's driver runs) is this node's address `node_ip`; any other URI is unchanged."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or parts.hostname not in LOOPBACK:
+        return tracking_uri
+    userinfo = parts.netloc.rpartition("@")[0]
+    host = f"[{node_ip}]" if ":" in node_ip else node_ip  # an IPv6 address is bracketed in a URI
+    netloc = (f"{userinfo}@" if userinfo else "") + host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 class Tracker:
     """Logs to one MLflow run through an explicit client. A call that fails (server down, network) is kept and
     retried on the next call; what never got through is listed by `close()` instead of raising."""
