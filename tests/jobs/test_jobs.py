@@ -55,6 +55,11 @@ def test_register_with_an_unknown_run_is_one_line_and_exit_2(tmp_path):
     assert user_lines(result.stderr) == ["register.py: Run with id=deadbeef not found"]
 
 
+def test_register_step_needs_a_run(tmp_path):
+    result = job("register", "--promote", "3", "--step", "200", cwd=tmp_path)
+    assert result.returncode == 2 and "--step picks a checkpoint of --run_id RUN_ID" in result.stderr
+
+
 def test_help_shows_each_fields_doc(tmp_path):
     result = job("stage2", "--help", cwd=tmp_path)
     assert result.returncode == 0
