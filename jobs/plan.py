@@ -1,7 +1,7 @@
 """Per-GPU memory plan for training a pair, before spending cluster time.
 
     python jobs/plan.py --pair prod --nodes 2 --gpus_per_node 8 [--lora_rank 64] [--offload_optimizer true]
-    python jobs/plan.py --pair proto1-moe --lora_targets q_proj k_proj v_proj o_proj experts
+    python jobs/plan.py --pair prod --nodes 2 --gpus_per_node 8 --lora_targets q_proj k_proj v_proj o_proj experts --gradient_checkpointing true
 
 Prints the plan, then a one-line JSON summary; exits 1 when it does not fit.
 """

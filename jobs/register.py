@@ -1,6 +1,7 @@
 """Register a training run's exported artifact in the MLflow model registry, or promote a version.
 
     python jobs/register.py --run_id RUN_ID [--name awareness] [--alias candidate]
+    python jobs/register.py --run_id RUN_ID --step 200   # the checkpoint of step 200 (the run's checkpoint.200 tag)
     python jobs/register.py --promote VERSION [--name awareness]       # moves the alias `production`
 
 Uses $MLFLOW_TRACKING_URI (or --tracking_uri), else ./mlflow.db. Prints a one-line JSON summary.
@@ -25,10 +26,13 @@ class RegisterArgs:
     name: str = DEFAULT_NAME  # registered model name
     alias: str | None = None  # None: candidate (register), production (promote)
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else ./mlflow.db
+    step: int | None = None  # the run's checkpoint of this step (its export/ on the storage path); None: final export
 
     def problems(self) -> list[str]:
         if (self.run_id is None) == (self.promote is None):
             return ["give exactly one of --run_id RUN_ID (register) and --promote VERSION"]
+        if self.step is not None and self.run_id is None:
+            return ["--step picks a checkpoint of --run_id RUN_ID"]
         return []
 
 
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if args.run_id:
             version = register_run(args.run_id, tracking_uri=args.tracking_uri, name=args.name,
-                                   alias=args.alias or "candidate")
+                                   alias=args.alias or "candidate", step=args.step)
         else:
             version = promote(args.promote, tracking_uri=args.tracking_uri, name=args.name,
                               alias=args.alias or "production")

@@ -3,6 +3,7 @@ lineage as version tags and the alias `candidate`; promotion moves the alias `pr
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ CODE_PATHS = tuple(str(Path(__file__).resolve().parents[2] / package) for packag
 
 
 def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DEFAULT_NAME, alias: str = "candidate",
-                 sweep_run_id: str | None = None, max_new_tokens: int | None = None):
-    """Logs the run's `export/` artifact as a pyfunc model into that run and registers it. Returns the
-    ModelVersion. The model references the base checkpoints the export names; they must exist where it is loaded."""
+                 sweep_run_id: str | None = None, max_new_tokens: int | None = None, step: int | None = None):
+    """Logs the run's `export/` artifact (or, with `step`, the export inside that step's checkpoint, found through
+    the run's checkpoint record) as a pyfunc model into that run and registers it. Returns the ModelVersion. The
+    model references the base checkpoints the export names; they must exist where it is loaded."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -30,8 +32,15 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(uri)
     run = client.get_run(run_id)
+    artifact, checkpoint_tags = MODEL_ARTIFACT, {}
     with tempfile.TemporaryDirectory() as tmp:
-        export = Path(_download_export(client, run_id, tmp))
+        if step is None:
+            export = Path(_download_export(client, run_id, tmp))
+        else:
+            record = checkpoint_record(client, run_id, step, tmp)
+            export = _copy_export(record, Path(tmp) / "checkpoint-export")
+            artifact = f"{MODEL_ARTIFACT}/step_{step}"
+            checkpoint_tags = {"checkpoint.step": str(step), "checkpoint.uri": record["uri"]}
         config = AwarenessConfig.load(export)
         ensure_tokenizer(config.decoder)
         settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
@@ -41,11 +50,12 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
             artifacts={"export": str(export)}, signature=signature(), model_config=settings,
             pip_requirements=_requirements(), code_paths=list(CODE_PATHS),
         )
-        client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
+        client.log_artifacts(run_id, str(model_dir), artifact)
     _ensure_registered_model(client, name)
-    tags = lineage_tags(run, config, sweep_run_id)
-    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}", run_id=run_id,
-                                          tags=tags, description=f"run {run.info.run_name} ({run_id})")
+    tags = lineage_tags(run, config, sweep_run_id) | checkpoint_tags
+    at = f", checkpoint of step {step}: {checkpoint_tags['checkpoint.uri']}" if step is not None else ""
+    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/{artifact}", run_id=run_id,
+                                          tags=tags, description=f"run {run.info.run_name} ({run_id}){at}")
     client.set_registered_model_alias(name, alias, version.version)
     return version
 
@@ -69,6 +79,42 @@ def lineage_tags(run, config, sweep_run_id: str | None) -> dict[str, str]:
     if sweep:
         tags["sweep_run_id"] = sweep
     return tags
+
+
+def checkpoint_record(client, run_id: str, step: int, directory: str) -> dict[str, Any]:
+    """The run's record of its checkpoint at `step` (pipelines.tracking.checkpoints), checked to still hold an
+    export; the errors say which steps there are and why one cannot be registered."""
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.tracking.checkpoints import RECORDS, exists, record_name
+
+    try:
+        path = client.download_artifacts(run_id, record_name(step), directory)
+    except (MlflowException, OSError):
+        steps = sorted(int(a.path.rsplit("_", 1)[1].split(".")[0]) for a in client.list_artifacts(run_id, RECORDS))
+        raise FileNotFoundError(f"MLflow run {run_id} recorded no checkpoint at step {step}; its checkpoints: "
+                                f"steps {steps or 'none'}") from None
+    record = json.loads(Path(path).read_text())
+    if not exists(record["uri"]):
+        raise FileNotFoundError(f"the checkpoint of step {step} ({record['uri']}) no longer exists: Ray Train keeps "
+                                f"only the last run.keep_checkpoints; keep more with --run.keep_checkpoints N")
+    if not record.get("export"):
+        raise FileNotFoundError(f"the checkpoint of step {step} ({record['uri']}) holds no export/: it was written "
+                                f"with run.export_every_checkpoint false; register the run's final export (no --step)")
+    return record
+
+
+def _copy_export(record: dict[str, Any], destination: Path) -> Path:
+    """A checkpoint's export/ from the storage path (local, NFS, or a bucket through pyarrow) to a local directory."""
+    import pyarrow.fs
+
+    from pipelines.tracking.checkpoints import open_uri
+
+    fs, path = open_uri(record["export"])
+    destination.mkdir(parents=True, exist_ok=True)
+    pyarrow.fs.copy_files(path, str(destination), source_filesystem=fs,
+                          destination_filesystem=pyarrow.fs.LocalFileSystem())
+    return destination
 
 
 def _download_export(client, run_id: str, directory: str) -> str:

@@ -32,7 +32,7 @@ RETRY_INTERVAL_S = 20.0  # after a failure, calls only queue until this much tim
 
 
 QUEUED_CALLS = {"log_metrics", "log_params", "log_dict", "log_artifacts", "log_bytes", "log_table", "log_text",
-                "set_tags", "terminate"}  # what a saved queue may replay
+                "set_tags", "delete_tags", "terminate"}  # what a saved queue may replay
 
 
 def _encode(value):
@@ -51,6 +51,21 @@ def resolve_tracking_uri(configured: str | None) -> str:
     """The configured URI, else $MLFLOW_TRACKING_URI, else MLflow's embedded default: sqlite:///mlflow.db in the
     working directory (made absolute, so Ray workers in other directories write to the same store)."""
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def for_other_nodes(tracking_uri: str, node_ip: str) -> str:
+    """The tracking URI as a process on another node must use it: a server named by loopback (the head's
+    http://127.0.0.1:5000, where the job's driver runs) is this node's address `node_ip`; any other URI is unchanged."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or parts.hostname not in LOOPBACK:
+        return tracking_uri
+    userinfo = parts.netloc.rpartition("@")[0]
+    host = f"[{node_ip}]" if ":" in node_ip else node_ip  # an IPv6 address is bracketed in a URI
+    netloc = (f"{userinfo}@" if userinfo else "") + host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class Tracker:
@@ -130,6 +145,8 @@ class Tracker:
         a file in the run directory is data, never code to unpickle."""
         if path and self.pending:
             Path(path).write_text(json.dumps([[name, list(a), kw] for name, a, kw in self.pending], default=_encode))
+        elif path:
+            Path(path).unlink(missing_ok=True)  # an earlier save's calls have since been logged
 
     def adopt_pending(self, path: str | Path | None) -> None:
         """Takes over a queue saved by `save_pending` (the same run); it is retried with this tracker's calls."""
@@ -159,6 +176,16 @@ class Tracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def delete_tags(self, keys: list[str]) -> None:
+        if keys:
+            self._call("delete_tags", list(keys))
+
+    def _delete_tags(self, keys: list[str]) -> None:
+        present = self.client.get_run(self.run_id).data.tags  # a replayed call may find some already gone
+        for key in keys:
+            if key in present:
+                self.client.delete_tag(self.run_id, key)
 
     def log_table(self, data: dict[str, list], name: str) -> None:
         """A table (columns of equal length) as MLflow's table artifact, which the UI's evaluation view reads."""

@@ -108,6 +108,7 @@ class RunSettings:
     storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
     max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
     keep_checkpoints: int = 2
+    export_every_checkpoint: bool = True  # every checkpoint carries export/ (register.py --step); false: the final one
     verbose: bool = False  # the workers' and Ray's own output (report dicts, progress bars) on the console too
 
 
@@ -233,7 +234,8 @@ class Ul2Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
-    run: RunSettings = field(default_factory=lambda: RunSettings(name="encoder-ul2"))
+    # its export is the whole encoder-decoder, so only the final checkpoint writes one
+    run: RunSettings = field(default_factory=lambda: RunSettings(name="encoder-ul2", export_every_checkpoint=False))
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
+from pipelines.tracking.checkpoints import CheckpointRecorder
+from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, for_other_nodes, resolve_tracking_uri
 from pipelines.train.config import StageConfig, Ul2Config
 from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
@@ -23,6 +24,7 @@ from pipelines.train.ul2 import UL2
 
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
+CHECKPOINTS_PENDING_FILE = "tracking_pending_checkpoints.json"  # the same, from the checkpoint recorder
 RECIPES: dict[type, Recipe] = {StageConfig: STAGE, Ul2Config: UL2}
 
 
@@ -30,6 +32,7 @@ def run_stage(config: StageConfig | Ul2Config, *, parent_run_id: str | None = No
               tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
     """Trains the job its config describes on Ray Train and returns the job's summary. A rerun with the same
     run.name and run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run).
+    Every checkpoint's URI, step and validation metrics are recorded on the run as Ray Train persists it.
     A sweep passes its MLflow `parent_run_id` (the run nests under it), extra `tags`, and Ray Train `callbacks`
     (Tune's report callback)."""
     recipe, config = RECIPES[type(config)], config.validate()  # a config error costs no cluster start
@@ -42,11 +45,13 @@ def run_stage(config: StageConfig | Ul2Config, *, parent_run_id: str | None = No
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
     tracker = (open_run(config, prepared, tracking_uri, run_dir, parent_run_id=parent_run_id, tags=tags)
                if config.tracking.enabled else Tracker(None, None))
+    recorder = CheckpointRecorder(tracking_uri, tracker.run_id, run_dir / CHECKPOINTS_PENDING_FILE)
     with Console(config.train.max_steps) as console:
         trainer = build_trainer(recipe, prepared, tracking_uri, tracker.run_id, run_dir,
-                                [console.callback, *(callbacks or [])])
+                                [console.callback, recorder, *(callbacks or [])])
         result = trainer.fit()
     tracker.adopt_pending(run_dir / PENDING_FILE)
+    tracker.adopt_pending(run_dir / CHECKPOINTS_PENDING_FILE)
     return summarise(recipe, config, result, tracker)
 
 
@@ -60,13 +65,15 @@ def init_ray(verbose: bool) -> None:
 def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id: str | None, run_dir: Path,
                   callbacks: list) -> TorchTrainer:
     """The one TorchTrainer: the recipe travels to the workers with the config; Ray Train restarts failed workers
-    from the last complete checkpoint."""
+    from the last complete checkpoint. Workers may run on other nodes, so a tracking server this node names as
+    loopback reaches them as this node's address."""
     config = prepared.config
     s = config.scaling
+    worker_uri = for_other_nodes(tracking_uri, ray.util.get_node_ip_address())
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"recipe": recipe, "config": config.to_dict(), "worker": prepared.worker,
-                           "tracking_uri": tracking_uri, "mlflow_run_id": run_id,
+                           "tracking_uri": worker_uri, "mlflow_run_id": run_id,
                            "tracking_pending": str(run_dir / PENDING_FILE)},
         scaling_config=ray.train.ScalingConfig(
             num_workers=s.num_workers, use_gpu=s.use_gpu,

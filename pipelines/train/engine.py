@@ -21,11 +21,11 @@ from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_conf
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from models import UNPARTITIONED, AwarenessModel, Partitioner
+from pipelines.tracking.checkpoints import EXPORT_DIR
 from pipelines.train.config import StageConfig, TrainConfig, Ul2Config
 
 ENGINE_TAG = "engine"
 STATE_FILE = "trainer_state.json"
-EXPORT_DIR = "export"
 
 
 def quiet_known_warnings() -> None:
@@ -140,8 +140,8 @@ def save_checkpoint(engine, state, metrics: dict[str, float], *, export: Callabl
                     hook: Callable[[str, int], None] | None = None) -> None:
     """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
     only once every worker has reported, so one that a dying worker left incomplete is never resumed from.
-    `export(directory)` (final checkpoints) adds what users load; `hook("save", step)` runs between the shards and the
-    report (where the fault-tolerance tests fail a worker)."""
+    `export(directory)` adds what users load (at every checkpoint unless run.export_every_checkpoint is false);
+    `hook("save", step)` runs between the shards and the report (where the fault-tolerance tests fail a worker)."""
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
         if dist.get_rank() == 0:

@@ -50,7 +50,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if logging_step:
             tracker.log_metrics(metrics, state.step)
         if state.step % t.checkpoint_every == 0 or final:
-            export = functools.partial(recipe.export, engine, config, worker) if final else None
+            # Every checkpoint carries the small export (GCA, projection, LoRA: gathered, not the base weights), so any
+            # of them can be registered; run.export_every_checkpoint false keeps it to the final one.
+            exported = final or config.run.export_every_checkpoint
+            export = functools.partial(recipe.export, engine, config, worker) if exported else None
             save_checkpoint(engine, state, metrics, export=export, hook=hook)
         elif logging_step:
             ray.train.report(metrics)

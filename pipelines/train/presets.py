@@ -39,11 +39,14 @@ STAGE1 = StageConfig(
 )
 
 # Stage 2: every prompt variant of the commit shards, usually starting from stage 1's export.
+# memories_per_step=16: the global batch must divide over the workers, and stage 2 is the job cluster.yaml runs on
+# 2 nodes x 8 GPUs (16 workers, one example per GPU per step); 16 also divides the laptop's 2 workers and a sweep
+# trial's 1. With 8, `--scaling.num_workers 16` was refused before it started.
 STAGE2 = StageConfig(
     stage=2,
     model=ModelConfig(pair="tiny-text", gca_layers="upper_third", decoder="lora", encoder="frozen", gca="full"),
     data=DataConfig(variants=None, max_tokens=4096, max_chunks=32, chunk_len=512),
-    train=TrainConfig(max_steps=2000, memories_per_step=8, lr=1e-4, warmup_steps=50, eval_every=250,
+    train=TrainConfig(max_steps=2000, memories_per_step=16, lr=1e-4, warmup_steps=50, eval_every=250,
                       checkpoint_every=250, log_every=20),
     scaling=ScalingSettings(cpus_per_worker=0.5),  # 2 workers and the driver on a 2-core laptop
     run=RunSettings(name="stage2"),
@@ -55,7 +58,7 @@ ENCODER_UL2 = Ul2Config(
     data=Ul2DataConfig(seq_len=128),
     train=TrainConfig(max_steps=200, memories_per_step=16, lr=2e-3, warmup_steps=10, log_every=10,
                       checkpoint_every=100),
-    run=RunSettings(name="encoder-ul2-tiny"),
+    run=RunSettings(name="encoder-ul2-tiny", export_every_checkpoint=False),  # its export is the whole model
 )
 
 STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}

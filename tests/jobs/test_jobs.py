@@ -2,8 +2,6 @@
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +55,11 @@ def test_register_with_an_unknown_run_is_one_line_and_exit_2(tmp_path):
     assert user_lines(result.stderr) == ["register.py: Run with id=deadbeef not found"]
 
 
+def test_register_step_needs_a_run(tmp_path):
+    result = job("register", "--promote", "3", "--step", "200", cwd=tmp_path)
+    assert result.returncode == 2 and "--step picks a checkpoint of --run_id RUN_ID" in result.stderr
+
+
 def test_help_shows_each_fields_doc(tmp_path):
     result = job("stage2", "--help", cwd=tmp_path)
     assert result.returncode == 0
@@ -73,44 +76,3 @@ def test_stage2_dry_run_prints_the_plan_without_ray(tmp_path):
     assert f"train_path: {tmp_path / 'C' / 'train'}" in result.stdout  # resolved
     assert "# memory plan" in result.stdout and "fits:" in result.stdout
     assert not (tmp_path / "outputs").exists() and "Started a local Ray" not in result.stderr
-
-
-def documented_commands() -> list[tuple[str, list[str]]]:
-    """Every `python jobs/NAME.py ...` in the README, the jobs' docstrings, the Makefile and cluster.yaml, with
-    optional parts ([...]) and comments dropped."""
-    texts = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "jobs").glob("*.py"))]
-    commands = []
-    for path in texts:
-        text = path.read_text().replace("\\\\\n", " ").replace("\\\n", " ")
-        for name, rest in re.findall(r"python jobs/(\w+)\.py([^\n`#(]*)", text):
-            args = shlex.split(re.sub(r"\[[^\]]*\]", "", rest).replace("...", ""))
-            commands.append((name, args))
-    return commands
-
-
-def test_every_documented_command_parses(tmp_path, monkeypatch):
-    """Flag names and value types of every documented command; paths and run ids are placeholders, so the
-    configs' own problems (missing directories) are not checked here."""
-    from jobs.build_corpus import BuildJob
-    from jobs.generate import GenerateArgs
-    from jobs.register import RegisterArgs
-    from pipelines.cli import parse_config, peek
-    from pipelines.train.config import StageConfig, Ul2Config
-    from pipelines.train.plan import PlanInput
-    from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2
-    from pipelines.tune.sweep import SweepJob
-
-    defaults = {"stage0": lambda a: STAGE0, "stage1": lambda a: STAGE1, "stage2": lambda a: STAGE2,
-                "encoder_ul2": lambda a: ENCODER_UL2, "sweep": lambda a: SweepJob.for_stage(peek(a, "stage", 0)),
-                "plan": lambda a: PlanInput(), "generate": lambda a: GenerateArgs(),
-                "register": lambda a: RegisterArgs(), "build_corpus": lambda a: BuildJob()}
-    for cls in (StageConfig, Ul2Config, SweepJob, PlanInput, GenerateArgs, RegisterArgs, BuildJob):
-        monkeypatch.setattr(cls, "problems", lambda self: [])
-    commands = documented_commands()
-    assert {name for name, _ in commands} == set(defaults)
-    (tmp_path / "my.yaml").write_text("train:\n  max_steps: 5\n")
-    (tmp_path / "ul2.yaml").write_text("train:\n  max_steps: 5\n")
-    monkeypatch.chdir(tmp_path)
-    for name, args in commands:
-        args = [a for a in args if a != "--dry-run"]
-        parse_config(args, defaults[name](args))

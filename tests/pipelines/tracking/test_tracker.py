@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.tracking.lineage import data_manifest_hash, system_info
-from pipelines.tracking.tracker import REDACTED, Tracker, redact, redact_tree
+from pipelines.tracking.tracker import REDACTED, Tracker, for_other_nodes, redact, redact_tree
 
 FAKE_TOKEN = "hf_FAKEtoken0123456789abcdef"
 
@@ -158,3 +158,13 @@ def test_a_workers_unlogged_queue_reaches_the_driver_as_data(tmp_path):
     driver.adopt_pending(path)
     assert driver.pending == [("log_metrics", ({"loss": 1.5}, 3), {}), ("log_bytes", (b"\x89PNG\x00", "gates.png"), {})]
     assert not path.exists()
+
+
+def test_a_loopback_server_reaches_other_nodes_as_the_drivers_address():
+    """On a cluster the driver runs on the head beside the MLflow server (http://127.0.0.1:5000); workers on the GPU
+    nodes must use the head's address for the same server. Remote servers and file stores are left alone."""
+    assert for_other_nodes("http://127.0.0.1:5000", "10.0.1.7") == "http://10.0.1.7:5000"
+    assert for_other_nodes("https://u:p@localhost:5000/prefix", "10.0.1.7") == "https://u:p@10.0.1.7:5000/prefix"
+    assert for_other_nodes("http://[::1]:5000", "fd00::7") == "http://[fd00::7]:5000"
+    for unchanged in ("http://10.0.0.2:5000", "https://mlflow.example.com", "sqlite:////tmp/mlflow.db"):
+        assert for_other_nodes(unchanged, "10.0.1.7") == unchanged
