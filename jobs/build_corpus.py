@@ -44,7 +44,10 @@ class BuildJob(BuildConfig):
 def main(argv: list[str] | None = None) -> dict:
     job = parse_config(argv, BuildJob(), description=__doc__)
     config = job.build_config()
-    ray.init(num_cpus=job.num_cpus, include_dashboard=False, ignore_reinit_error=True)
+    # --num_cpus asks for a local instance of that size; without it, Ray joins $RAY_ADDRESS or a cluster started on
+    # this machine (`ray start`), else starts one with every CPU.
+    ray.init(address="local" if job.num_cpus else None, num_cpus=job.num_cpus, include_dashboard=False,
+             ignore_reinit_error=True)
     try:
         manifest = build_corpus(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     finally:

@@ -1,11 +1,13 @@
-"""The fault-tolerance tests' worker hook, installed through $AWARENESS_TRAIN_HOOK (pipelines.train.loop): the
-last worker of a run raises once at the event and step `plan` wrote for that run name. A marker file makes it once
+"""The fault-tolerance tests' worker hooks, installed through $AWARENESS_TRAIN_HOOK (pipelines.train.loop).
+`inject`: the last worker of a run raises once at the event and step `plan` wrote for that run name. `await_kill`:
+the last worker stops at a step and waits for the test to SIGKILL its process. Marker files make each happen once
 per run, across the restarts Ray Train performs."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import ray.train
@@ -32,3 +34,26 @@ def inject(event: str, step: int) -> None:
         return
     marker.write_text(entry["fail_at"])
     raise RuntimeError(f"injected failure at {event} step {step}")
+
+
+KILL_DIR_ENV = "AWARENESS_KILL_DIR"  # where await_kill records workers and waits to be killed (the two-node test)
+AWAIT_KILL = "tests.pipelines.train.faults:await_kill"
+
+
+def await_kill(event: str, step: int) -> None:
+    """Records each worker's rank, pid and node; then the last worker, at the step named in KILL_DIR/plan.json
+    ({"event": "train", "step": 3}), writes its pid to KILL_DIR/victim.json once and waits there for the test to
+    SIGKILL it: a real death, not an exception. Fails loudly if nobody kills it."""
+    directory = Path(os.environ[KILL_DIR_ENV])
+    context = ray.train.get_context()
+    rank, pid = context.get_world_rank(), os.getpid()
+    seen = directory / f"worker-{rank}-{pid}.json"
+    if not seen.exists():
+        seen.write_text(json.dumps({"rank": rank, "pid": pid, "node": ray.get_runtime_context().get_node_id()}))
+    plan = json.loads((directory / "plan.json").read_text())
+    victim = directory / "victim.json"
+    if rank != context.get_world_size() - 1 or (event, step) != (plan["event"], plan["step"]) or victim.exists():
+        return
+    victim.write_text(json.dumps({"pid": pid, "step": step}))
+    time.sleep(300)
+    raise RuntimeError(f"await_kill: worker {pid} waited 300 s at {event} step {step} and was never killed")
