@@ -54,7 +54,7 @@ def documented_commands() -> list[Command]:
 
 
 @dataclass
-class TestPaths:
+class DocPaths:
     """Real stand-ins for what the documented commands name."""
 
     root: Path
@@ -86,7 +86,7 @@ class TestPaths:
                 "--sources": str(self.sources), "--data.paths": str(self.sources)}
 
 
-def with_test_paths(args: list[str], paths: TestPaths) -> list[str]:
+def with_test_paths(args: list[str], paths: DocPaths) -> list[str]:
     """Each path-valued flag's value (all of a list flag's values) replaced by its stand-in."""
     replace, out, i = paths.flags(), [], 0
     while i < len(args):
@@ -102,8 +102,8 @@ def with_test_paths(args: list[str], paths: TestPaths) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory, checkpoint_root) -> TestPaths:
-    return TestPaths(tmp_path_factory.mktemp("documented"), checkpoint_root)
+def paths(tmp_path_factory, checkpoint_root) -> DocPaths:
+    return DocPaths(tmp_path_factory.mktemp("documented"), checkpoint_root)
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def dry_run(job: str, args: list[str], capsys) -> str:
     return out
 
 
-def check(command: Command, paths: TestPaths, capsys) -> None:
+def check(command: Command, paths: DocPaths, capsys) -> None:
     from pipelines.cli import parse_config
 
     args = with_test_paths(command.args, paths)
