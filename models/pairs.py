@@ -133,9 +133,18 @@ def encoder_config(spec: PairSpec) -> Qwen3Config:
 
 
 def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
-    """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints."""
+    """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints. A pair whose
+    checkpoints are current (same architecture and seed) is not built at all: every worker of a run calls this
+    through build_pair, and building the whole pair there would hold it in each worker's memory (ZeRO-3 loading
+    must not)."""
     root = Path(root)
     decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
+    # Rewritten whenever the architecture or seed changed, so a cache never serves stale weights.
+    stamps = {directory: json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder},
+                                    sort_keys=True)
+              for directory, fields in ((decoder_dir, spec.decoder_config), (encoder_dir, spec.encoder_config))}
+    if all(_stamped(directory, stamp) for directory, stamp in stamps.items()):
+        return decoder_dir, encoder_dir
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
     torch.manual_seed(seed)
@@ -144,14 +153,16 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0)
     encoder = Qwen3Model(encoder_config(spec))
     if spec.encoder_from_decoder:
         _initialise_from(encoder, decoder.model)
-    for directory, fields, model in ((decoder_dir, spec.decoder_config, decoder), (encoder_dir, spec.encoder_config, encoder)):
-        # Rewritten whenever the architecture or seed changed, so a cache never serves stale weights.
-        stamp = json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder}, sort_keys=True)
-        marker = directory / RANDOM_WEIGHTS_MARKER
-        if not (marker.is_file() and marker.read_text() == stamp):
+    for directory, model in ((decoder_dir, decoder), (encoder_dir, encoder)):
+        if not _stamped(directory, stamps[directory]):
             model.save_pretrained(directory)
-            marker.write_text(stamp)
+            (directory / RANDOM_WEIGHTS_MARKER).write_text(stamps[directory])
     return decoder_dir, encoder_dir
+
+
+def _stamped(directory: Path, stamp: str) -> bool:
+    marker = directory / RANDOM_WEIGHTS_MARKER
+    return marker.is_file() and marker.read_text() == stamp
 
 
 @torch.no_grad()

@@ -207,8 +207,19 @@ def _peak_of_build(rank: int, out: Path, root: str, pair: str) -> dict:
     with PeakMemory() as memory:
         model = build_as_a_stage_does(config)
         dist.barrier()
-    partition = sum(p.ds_tensor.numel() * p.element_size() for p in model.parameters())
-    return {"growth": memory.growth(), "partition_bytes": partition}
+    end = PeakMemory._sample()
+    params = list(model.parameters())
+    return {"growth": memory.growth(), "end_growth": {k: end[k] - memory.start[k] for k in end},
+            "partition_bytes": sum(p.ds_tensor.numel() * p.element_size() for p in params),
+            "largest_bytes": max(p.ds_numel * p.element_size() for p in params)}
+
+
+# glibc's malloc raises its mmap threshold (up to 32 MiB) each time a freed block was mmapped, so the gathered
+# buffers that follow come from its heap and stay resident after they are freed: measured on MID, each rank ends
+# the build ~0.25x the pair above its partition and peaks ~1.2x (1.1x per byte over 156-626 MB pairs), all of
+# which malloc_trim(0) hands back. A fixed threshold (the variable below) keeps large buffers mmapped, so what is
+# measured is what is live. Jobs on big hosts can set it in the runtime_env; it changes no value.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +227,8 @@ def mid_build(tmp_path_factory) -> tuple[int, list[dict]]:
     """(the MID pair's checkpoint bytes, each rank's record of building it under ZeRO-3)."""
     tmp_path = tmp_path_factory.mktemp("mid")
     PAIRS[MID.name] = MID
+    saved = {k: os.environ.get(k) for k in FIXED_MMAP_THRESHOLD}
+    os.environ.update(FIXED_MMAP_THRESHOLD)  # read by glibc when the spawned ranks start
     try:
         decoder_dir, encoder_dir = write_random_checkpoints(MID, tmp_path / "checkpoints")
         pair_bytes = sum(f.stat().st_size for d in (decoder_dir, encoder_dir) for f in d.glob("*.safetensors"))
@@ -224,6 +237,8 @@ def mid_build(tmp_path_factory) -> tuple[int, list[dict]]:
         return pair_bytes, run_ranks(_peak_of_build, str(out), str(tmp_path / "checkpoints"), MID.name)
     finally:
         del PAIRS[MID.name]
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def test_zero3_build_maps_the_checkpoint_on_rank_0_only(mid_build):
@@ -235,10 +250,16 @@ def test_zero3_build_maps_the_checkpoint_on_rank_0_only(mid_build):
         assert record["growth"]["RssFile"] <= (1.05 * pair_bytes if rank == 0 else 0.05 * pair_bytes), (rank, record)
 
 
-@pytest.mark.xfail(strict=False, reason="measured: each rank's anonymous memory grows by ~1.0-1.4x the pair's bytes "
-                   "(partition 0.5x); the rest is not explained yet (allocator retention of gathered buffers? "
-                   "DeepSpeed's CPU comm buffers?)")
-def test_zero3_build_allocates_well_below_the_pair(mid_build):
+def test_zero3_build_allocates_its_partition_and_one_gathered_module(mid_build):
+    """No rank allocates the whole pair: a rank's memory ends at its partition, and peaks at its partition plus
+    the module being gathered (transformers gathers one module's parameters at a time to copy the checkpoint in;
+    the largest is an embedding or the LM head, gathered buffer and copy: measured ~2x its bytes). Measured per
+    rank, with the fixed mmap threshold, peak growth for pairs of 156 / 569 / 626 MB: 0.97x / 0.77x / 0.95x the
+    pair, where the 569 MB pair has MID's vocabulary and the others scale it with the pair: the excess over the
+    partition follows the largest tensor, not the pair. Before models.pairs stopped building cached random pairs, every rank also built the
+    whole pair (1.0x) before loading it."""
     pair_bytes, records = mid_build
     for rank, record in enumerate(records):
-        assert record["growth"]["RssAnon"] < record["partition_bytes"] + 0.2 * pair_bytes, (rank, record, pair_bytes)
+        partition, largest = record["partition_bytes"], record["largest_bytes"]
+        assert record["end_growth"]["RssAnon"] < partition + 0.05 * pair_bytes, (rank, record, pair_bytes)
+        assert record["growth"]["RssAnon"] < partition + 2.5 * largest + 0.05 * pair_bytes, (rank, record, pair_bytes)
