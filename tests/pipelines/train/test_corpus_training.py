@@ -18,7 +18,6 @@ from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_
 from pipelines.data.shards import load_split, rank_units
 from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrackingSettings,
                                     TrainConfig)
-from pipelines.train.loop import HOOK_ENV
 from tests.pipelines.data.test_shards import write_manifest
 from tests.pipelines.train import faults
 
@@ -89,22 +88,6 @@ def test_packing_reports_what_it_cuts():
     assert (stats.truncated_tokens, stats.dropped_chunks, stats.cut_chunks) == (1, 3, 1)
     with pytest.raises(ValueError, match="labels"):
         pack_examples([{"input_ids": [1, 2], "labels": [1], "memory_input_ids": []}], PackingSpec())
-
-
-@pytest.fixture(scope="module")
-def fault_plan(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults") / "plan.json"
-
-
-@pytest.fixture(scope="module")
-def local_ray(fault_plan):
-    """Workers get the fault hook; it does nothing for runs the plan does not name."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(fault_plan)}})
-    yield
-    ray.shutdown()  # only this test's local instance; never `ray stop`
 
 
 def corpus_config(tmp_path, checkpoint_root, steps: int, name: str = "corpus", grad_accum: int = 1,

@@ -17,7 +17,6 @@ from models import AwarenessModel
 from models.awareness import WEIGHTS_NAME
 from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.evaluate.needle import score_needles
-from pipelines.train.loop import HOOK_ENV
 from tests.pipelines.train import faults
 
 pytestmark = pytest.mark.ray  # every test here starts Ray
@@ -36,22 +35,6 @@ def small_config(tmp_path: Path, checkpoint_root: Path, name: str, steps: int, *
         run=RunSettings(name=name, storage_path=str(tmp_path / "ray"), max_failures=1),
         tracking=TrackingSettings(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
     )
-
-
-@pytest.fixture(scope="module")
-def fault_plan(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults") / "plan.json"
-
-
-@pytest.fixture(scope="module")
-def local_ray(fault_plan):
-    """Workers get the fault hook; it does nothing for runs the plan does not name."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(fault_plan)}})
-    yield
-    ray.shutdown()  # only this test's local instance; never `ray stop`
 
 
 def expected_checksum(steps: int) -> int:
