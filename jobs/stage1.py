@@ -4,7 +4,7 @@ hunk headers) or an imperative instruction, reading the repository at the parent
     python jobs/build_corpus.py --stage 2 --sources PATH/TO/REPO --out corpus     # the commit shards, once
     python jobs/stage1.py --data.train_path corpus/train --data.val_path corpus/val
     ray job submit --working-dir . -- python jobs/stage1.py --model.pair proto2 --scaling.use_gpu true \\
-        --data.train_path s3://bucket/corpus/train --data.val_path s3://bucket/corpus/val
+        --data.train_path /mnt/shared/corpora/c2/train --data.val_path /mnt/shared/corpora/c2/val  # shared storage
 
 The plan's schedule: GCA and projection alone first (decoder frozen for train.frozen_decoder_steps), then LoRA on
 the decoder too; the encoder stays frozen. Ends with a one-line JSON summary; its `export` feeds stage 2's
