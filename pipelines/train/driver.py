@@ -13,7 +13,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from pipelines.tracking.checkpoints import CheckpointRecorder
-from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, for_other_nodes, resolve_tracking_uri
+from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig, Ul2Config
 from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
@@ -65,15 +65,15 @@ def init_ray(verbose: bool) -> None:
 def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id: str | None, run_dir: Path,
                   callbacks: list) -> TorchTrainer:
     """The one TorchTrainer: the recipe travels to the workers with the config; Ray Train restarts failed workers
-    from the last complete checkpoint. Workers may run on other nodes, so a tracking server this node names as
-    loopback reaches them as this node's address."""
+    from the last complete checkpoint. Workers may run on other nodes: they learn this node's address, so a tracking
+    server it names as loopback reaches them (pipelines.train.loop.worker_tracking_uri)."""
     config = prepared.config
     s = config.scaling
-    worker_uri = for_other_nodes(tracking_uri, ray.util.get_node_ip_address())
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"recipe": recipe, "config": config.to_dict(), "worker": prepared.worker,
-                           "tracking_uri": worker_uri, "mlflow_run_id": run_id,
+                           "tracking_uri": tracking_uri, "driver_ip": ray.util.get_node_ip_address(),
+                           "mlflow_run_id": run_id,
                            "tracking_pending": str(run_dir / PENDING_FILE)},
         scaling_config=ray.train.ScalingConfig(
             num_workers=s.num_workers, use_gpu=s.use_gpu,

@@ -14,7 +14,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from pipelines.tracking.tracker import Tracker
+from pipelines.tracking.tracker import Tracker, for_other_nodes
 from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
                                     setup_deepspeed)
 from pipelines.train.recipes import Recipe, TrainState
@@ -33,7 +33,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     engine = setup_deepspeed(model, config, recipe.parameter_groups(model), ds_config)
     state = resumed_state(engine, world)
     stream = recipe.stream(config, worker, rank, world, state.step)
-    tracker = Tracker(loop_config.get("tracking_uri"), loop_config.get("mlflow_run_id") if rank == 0 else None)
+    tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []
     while state.step < t.max_steps:
         metrics = train_step(engine, recipe, t, state, stream)
@@ -59,6 +59,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
     recipe.finish(engine, config, state, tracker, rank, world)
     tracker.save_pending(loop_config.get("tracking_pending"))  # the driver retries what the server refused
+
+
+def worker_tracking_uri(loop_config: dict[str, Any]) -> str | None:
+    """The driver's tracking URI as this worker reaches it: a loopback server on the driver's node is that node's
+    address from any other node (a server bound to loopback alone, e.g. a local test server, stays loopback here)."""
+    uri, driver_ip = loop_config.get("tracking_uri"), loop_config.get("driver_ip")
+    if uri is None or driver_ip is None or ray.util.get_node_ip_address() == driver_ip:
+        return uri
+    return for_other_nodes(uri, driver_ip)
 
 
 def train_step(engine, recipe: Recipe, t, state: TrainState, stream) -> dict[str, float]:
