@@ -197,11 +197,12 @@ class RankReader:
     bytes)."""
 
     def __init__(self, split: Split, rank: int, world: int, *, columns: list[str], variants: list[str] | None = None):
-        self.units, self.columns = rank_units(split, rank, world), columns
+        units = split_units(split, world)
+        self.units, self.columns = units[rank::world], columns
         self.variants = set(variants) if variants else None
         self.read_rows = self.read_bytes = 0
-        self._files: dict[str, pq.ParquetFile] = {}
-        self._where = f"rank {rank} of {world} (the split holds {split.rows} rows in {len(split_units(split, world))} units)"
+        self._file: tuple[str, pq.ParquetFile] | None = None  # one open at a time: a rank's units come file by file
+        self._where = f"rank {rank} of {world} (the split holds {split.rows} rows in {len(units)} units)"
 
     def rows(self, position: int = 0) -> Iterator[dict[str, Any]]:
         """The rows from `position` of this rank's cycle on, forever; whole units before it are skipped unread."""
@@ -238,9 +239,9 @@ class RankReader:
         return sum(v in self.variants for v in variants)
 
     def _read_group(self, unit: Unit, columns: list[str]):
-        if unit.path not in self._files:  # one file open at a time: a rank's units come file by file
-            self._files = {unit.path: pq.ParquetFile(unit.path)}
-        f = self._files[unit.path]
+        if self._file is None or self._file[0] != unit.path:
+            self._file = (unit.path, pq.ParquetFile(unit.path))
+        f = self._file[1]
         group = f.metadata.row_group(unit.row_group)
         self.read_rows += group.num_rows
         self.read_bytes += sum(group.column(c).total_compressed_size for c in range(group.num_columns)

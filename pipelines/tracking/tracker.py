@@ -57,8 +57,9 @@ LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 def for_other_nodes(tracking_uri: str, node_ip: str) -> str:
-    """The tracking URI as a process on another node must use it: a server named by loopback (the head's
-    http://127.0.0.1:5000, where the job's driver runs) is this node's address `node_ip`; any other URI is unchanged."""
+    """The tracking URI as a process on another node must use it: a server the driver names by loopback (the head's
+    http://127.0.0.1:5000, where the job's driver runs) is the driver node's address `node_ip`; any other URI is
+    unchanged."""
     parts = urlsplit(tracking_uri)
     if parts.scheme not in ("http", "https") or parts.hostname not in LOOPBACK:
         return tracking_uri
