@@ -17,7 +17,8 @@ import torch
 
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.shards import RankReader, Split, head_rows, load_split
-from pipelines.data.synthetic_needles import NeedleSpec, make_batch
+from pipelines.data.memory_modes import MemoryMode, memory_into_prompt
+from pipelines.data.synthetic_needles import GCA, NeedleSpec, make_batch, needle_batch
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
@@ -26,8 +27,8 @@ class NeedleStream:
     """Synthetic key -> value needles, example i drawn from seed (seed, i): any worker can make any example."""
 
     def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
-                 world: int):
-        self.spec, self.seed, self.rank, self.world = spec, seed, rank, world
+                 world: int, mode: MemoryMode = GCA):
+        self.spec, self.seed, self.rank, self.world, self.mode = spec, seed, rank, world, mode
         self.memories_per_step, self.grad_accum = memories_per_step, grad_accum
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -36,8 +37,9 @@ class NeedleStream:
         per_rank = per_micro // self.world
         start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
         indices = list(range(start, start + per_rank))
-        batch = make_batch(self.spec, self.seed, indices)
-        return {k: batch[k] for k in ("input_ids", "labels", "memory_input_ids")}, len(indices), sum(indices)
+        batch = needle_batch(self.spec, self.seed, indices, self.mode)
+        keys = ("input_ids", "labels", "memory_input_ids") if self.mode.kind == "gca" else ("input_ids", "labels")
+        return {k: batch[k] for k in keys}, len(indices), sum(indices)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:
         batch = make_batch(self.spec, self.seed + 2, [self.rank])
@@ -49,8 +51,8 @@ class CorpusStream:
     `start_step` left off at; the checksum sums the rows' global ids."""
 
     def __init__(self, split: Split, packing: PackingSpec, *, variants: list[str] | None, memories_per_step: int,
-                 grad_accum: int, rank: int, world: int, start_step: int):
-        self.packing = packing
+                 grad_accum: int, rank: int, world: int, start_step: int, mode: MemoryMode = GCA):
+        self.packing, self.mode = packing, mode
         self.stats = PackStats()
         self.per_rank = memories_per_step // (grad_accum * world)
         self.reader = RankReader(split, rank, world, columns=TOKEN_COLUMNS, variants=variants)
@@ -59,7 +61,7 @@ class CorpusStream:
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
         rows = list(islice(self._rows, self.per_rank))
-        batch = collate_packed(pack_examples(rows, self.packing, self.stats), self.packing, self.stats)
+        batch = collate_memory_mode(rows, self.packing, self.mode, self.stats)
         if self._probe is None:
             self._probe = {k: v[:1] for k, v in batch.items() if k != "labels"}
         return batch, len(rows), sum(row["id"] for row in rows)
@@ -74,3 +76,14 @@ def validation_rows(path: str, variants: list[str] | None, limit: int) -> list[d
     """The validation split's first `limit` rows: every rank reads them (a few row groups; evaluation splits the
     batches over ranks)."""
     return head_rows(load_split(path), columns=TOKEN_COLUMNS, variants=variants, limit=limit)
+
+
+def collate_memory_mode(rows: list[dict], packing: PackingSpec, mode: MemoryMode,
+                        stats: PackStats | None = None) -> dict[str, torch.Tensor]:
+    """Packed batch of corpus rows as the system with memory `mode` reads them: a prompt-memory or no-memory system
+    gets its chunks in the prompt (or none) and no memory tensors."""
+    if mode.kind == "gca":
+        return collate_packed(pack_examples(rows, packing, stats), packing, stats)
+    rows = [memory_into_prompt(row, mode, packing.pad_id) for row in rows]
+    batch = collate_packed(pack_examples(rows, packing, stats), packing, stats)
+    return {k: v for k, v in batch.items() if not k.startswith("memory_")}

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipelines.data.memory_modes import MemoryMode, prompt_memory
+
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
 VALUES = range(10, 100)  # value tokens: a value position draws from the first `value_range` of them
 DIGITS = VALUES[:10]
@@ -24,6 +26,7 @@ KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
 IGNORE = -100
 PROMPT_LEN = 2  # BOS key
+GCA = MemoryMode()
 
 
 @dataclass(frozen=True)
@@ -110,3 +113,43 @@ def make_batch(spec: NeedleSpec, seed: int, indices: list[int]) -> dict[str, tor
 def answer_span(spec: NeedleSpec) -> slice:
     """Positions of the logits that predict the value digits (the prompt is BOS key)."""
     return slice(PROMPT_LEN - 1, PROMPT_LEN - 1 + spec.value_digits)
+
+
+def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMode = GCA) -> dict[str, torch.Tensor]:
+    """The batch a system with memory `mode` trains and is scored on, plus where each question's value digits stand:
+    `answer_rows` (Q,) and `answer_positions` (Q, value_digits), Q = memories x questions, in make_batch's order.
+
+    gca: make_batch (memories read through the encoder). in_context: one row per memory, the memory's tokens then
+    its questions one after another (they share the prefix, as GCA's questions share one encoder pass; a question
+    sees the ones before it, never its own answer). rag: one row per question, its top-k chunks then the question.
+    none: the questions alone."""
+    digits = torch.arange(spec.value_digits)
+    if mode.kind == "gca":
+        batch = make_batch(spec, seed, indices)
+        q = batch["input_ids"].shape[0]
+        return {**batch, "answer_rows": torch.arange(q), "answer_positions": (PROMPT_LEN + digits).expand(q, -1)}
+    rows: list[list[int]] = []
+    labels: list[list[int]] = []
+    answer_rows, answer_starts, depth = [], [], []
+    for index in indices:
+        example = make_example(spec, seed, index)
+        chunks = example["memory"].tolist()
+        depth.append(example["depth"])
+        if mode.kind == "in_context":
+            rows.append(prompt_memory(chunks, [], mode))
+            labels.append([IGNORE] * len(rows[-1]))
+        for question, target in zip(example["input_ids"].tolist(), example["labels"].tolist(), strict=True):
+            if mode.kind != "in_context":
+                rows.append(prompt_memory(chunks, question[:PROMPT_LEN], mode))
+                labels.append([IGNORE] * len(rows[-1]))
+            answer_rows.append(len(rows) - 1)
+            answer_starts.append(len(rows[-1]) + PROMPT_LEN)
+            rows[-1] = rows[-1] + question
+            labels[-1] = labels[-1] + target
+    width = max(len(r) for r in rows)  # rows are right-padded: causal attention never reads the padding
+    input_ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    label_ids = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, (ids, labs) in enumerate(zip(rows, labels, strict=True)):
+        input_ids[r, : len(ids)], label_ids[r, : len(labs)] = torch.tensor(ids), torch.tensor(labs)
+    return {"input_ids": input_ids, "labels": label_ids, "depth": torch.from_numpy(np.concatenate(depth)),
+            "answer_rows": torch.tensor(answer_rows), "answer_positions": torch.tensor(answer_starts)[:, None] + digits}

@@ -5,13 +5,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pipelines.data.packing import PackingSpec, collate_packed, pack_examples
+from pipelines.data.memory_modes import MemoryMode
+from pipelines.data.packing import PackingSpec
+from pipelines.data.streams import collate_memory_mode
+
+GCA, NO_MEMORY = MemoryMode("gca"), MemoryMode("none")
 
 
 @torch.no_grad()
-def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec) -> dict[str, float]:
-    """Validation loss and next-token accuracy on the targets of `rows` (the same on every rank), with the memory and
-    with it withheld: the gap is what reading the memory is worth. Without a process group (a reloaded export,
+def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec, mode: MemoryMode = GCA) -> dict[str, float]:
+    """Validation loss and next-token accuracy on the targets of `rows` (the same on every rank), with the memory (read
+    as `mode` says) and with it withheld: the gap is what reading the memory is worth. Without a process group (a reloaded export,
     outside DeepSpeed) one process evaluates them all."""
     if rows is None:
         return {}
@@ -26,17 +30,16 @@ def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec) -> dict[s
     rounds = -(-len(batches) // world)
     for index in (r * world + rank for r in range(rounds)):
         counted = index < len(batches)
-        batch = collate_packed(pack_examples(batches[index if counted else 0], spec), spec)
-        batch = {k: v.to(model.device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        target, valid = labels[:, 1:], labels[:, 1:] != -100
-        with_memory = model(**batch).logits.float()[:, :-1]
-        without = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-        without = without.logits.float()[:, :-1]
-        if not counted:
-            continue
-        totals[1] += int(valid.sum())
-        for logits, loss_at, correct_at in ((with_memory, 0, 2), (without, 3, 4)):
+        for system, loss_at, correct_at in ((mode, 0, 2), (NO_MEMORY, 3, 4)):
+            batch = collate_memory_mode(batches[index if counted else 0], spec, system)
+            batch = {k: v.to(model.device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            target, valid = labels[:, 1:], labels[:, 1:] != -100
+            logits = model(**batch, use_cache=False).logits.float()[:, :-1]
+            if not counted:
+                continue
+            if system is mode:
+                totals[1] += int(valid.sum())  # the same targets in both systems' batches
             totals[loss_at] += float(torch.nn.functional.cross_entropy(logits[valid], target[valid], reduction="sum"))
             totals[correct_at] += int((logits.argmax(-1)[valid] == target[valid]).sum())
     model.train(was_training)

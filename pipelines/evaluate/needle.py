@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel
-from pipelines.data.synthetic_needles import NeedleSpec, answer_span, make_batch
+from pipelines.data.memory_modes import MemoryMode
+from pipelines.data.synthetic_needles import GCA, NeedleSpec, needle_batch
+
+NO_MEMORY = MemoryMode("none")
 
 
 @dataclass
@@ -51,25 +54,25 @@ def score_needles(
     seed: int,
     indices: list[int],
     *,
-    with_memory: bool = True,
+    mode: MemoryMode = GCA,
     batch_memories: int = 16,
     depth_bins: int = 4,
 ) -> NeedleScores:
-    """Exact match of all value digits. Teacher-forced argmax at each answer position equals greedy decoding for
-    exact match: greedy emits the right digits exactly when each is the argmax given the right ones before it."""
+    """Exact match of all value digits, for the system that reads its memory as `mode` says (NO_MEMORY: withheld).
+    Teacher-forced argmax at each answer position equals greedy decoding for exact match: greedy emits the right
+    digits exactly when each is the argmax given the right ones before it."""
     was_training = model.training
     model.eval()
     device = model.device
-    span = answer_span(spec)
     scores = NeedleScores(0, 0, 0.0, 0, [0] * depth_bins, [0] * depth_bins)
     for start in range(0, len(indices), batch_memories):
-        batch = make_batch(spec, seed, indices[start : start + batch_memories])
+        batch = needle_batch(spec, seed, indices[start : start + batch_memories], mode)
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        memory = batch["memory_input_ids"].to(device) if with_memory else None
-        logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (B*Q, T, V)
-        answer_logits = logits[:, span]  # the logits that predict the value digits
-        answer = ids[:, span.start + 1 : span.stop + 1]
-        exact = (answer_logits.argmax(-1) == answer).all(-1).cpu()
+        memory = batch["memory_input_ids"].to(device) if "memory_input_ids" in batch else None
+        logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (rows, T, V)
+        rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
+        predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each digit predict it: (Q, D)
+        exact = (predicted == ids[rows, positions]).all(-1).cpu()
         scores.correct += int(exact.sum())
         scores.total += exact.numel()
         shifted_labels = labels[:, 1:]
@@ -97,27 +100,29 @@ def _summed(scores: NeedleScores) -> NeedleScores:
 
 
 def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
-                     world: int) -> dict[str, float]:
-    """Held-out needles (memories `seed`, 0..val_memories-1), with the memory and with it withheld."""
+                     world: int, mode: MemoryMode = GCA) -> dict[str, float]:
+    """Held-out needles (memories `seed`, 0..val_memories-1), with the memory (read as `mode` says) and with it
+    withheld."""
     indices = list(range(rank, val_memories, world))
     metrics = {}
-    for label, with_memory in (("needle", True), ("no_memory", False)):
-        scores = _summed(score_needles(model, spec, seed, indices, with_memory=with_memory))
+    for label, system in (("needle", mode), ("no_memory", NO_MEMORY)):
+        scores = _summed(score_needles(model, spec, seed, indices, mode=system))
         metrics[f"{label}_accuracy"] = scores.accuracy
         metrics[f"{label}_val_loss"] = scores.loss
-        if with_memory:
+        if system is mode:
             for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
                 metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
     return metrics
 
 
 def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
-                   world: int) -> dict[str, Any]:
+                   world: int, mode: MemoryMode = GCA) -> dict[str, Any]:
     """Needle accuracy by depth and memory size, on held-out memories (the needle-in-a-haystack picture)."""
     indices = list(range(rank, val_memories, world))
     columns = []
     for distractors in HEATMAP_DISTRACTORS:
-        scores = _summed(score_needles(model, dataclasses.replace(spec, distractors=distractors), seed, indices))
+        scores = _summed(score_needles(model, dataclasses.replace(spec, distractors=distractors), seed, indices,
+                                      mode=mode))
         columns.append([c / max(n, 1) for c, n in zip(scores.depth_correct, scores.depth_total, strict=True)])
     sizes = [dataclasses.replace(spec, distractors=d).chunks * spec.chunk_len for d in HEATMAP_DISTRACTORS]
     return {"memory_tokens": sizes, "accuracy_by_depth": [list(row) for row in zip(*columns)]}

@@ -11,6 +11,7 @@ from models import PAIRS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.cli import ConfigError, from_typed_dict
+from pipelines.data.memory_modes import MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
 
@@ -35,6 +36,15 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     encoder_checkpoint: str | None = None  # e.g. jobs/encoder_ul2.py's export/encoder: replaces the pair's encoder
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
+    # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
+    # in_context (its chunks in the prompt: long context), rag (the top rag_k chunks by BM25, queried by the prompt, in
+    # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused.
+    memory: str = "gca"
+    context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
+    rag_k: int = 2  # chunks retrieved per question (rag)
+
+    def memory_mode(self) -> MemoryMode:
+        return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k)
 
 
 @dataclass
@@ -171,6 +181,7 @@ class StageConfig:
         if m.init_from and not (Path(m.init_from) / "awareness.safetensors").is_file():
             p.append(f"model.init_from {m.init_from} holds no awareness.safetensors: pass a finished stage's "
                      f"export directory (the `export` path in its summary line)")
+        p += m.memory_mode().problems()
         p += [f"needle: {q}" for q in self.needle.spec().problems()]
         for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
             if getattr(t, name) <= 0:

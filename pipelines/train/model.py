@@ -23,10 +23,12 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Parti
     gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU).
     LoRA adapters are created whole (they are small); deepspeed.initialize partitions them with rank 0's values."""
     targets = tuple(cfg.lora_targets)
+    # a baseline (model.memory in_context | rag | none) never runs the encoder or the GCA blocks: only the decoder trains
+    encoder, gca = (cfg.encoder, cfg.gca) if cfg.memory == "gca" else ("frozen", "frozen")
     plan = LoraPlan(
         decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
-        gca=LoraSettings(rank=cfg.gca_lora_rank) if cfg.gca == "lora" else None,
-        encoder=LoraSettings(rank=cfg.encoder_lora_rank) if cfg.encoder == "lora" else None,
+        gca=LoraSettings(rank=cfg.gca_lora_rank) if gca == "lora" else None,
+        encoder=LoraSettings(rank=cfg.encoder_lora_rank) if encoder == "lora" else None,
     )
     if plan.decoder or plan.gca or plan.encoder:
         apply_lora(model, plan)
@@ -34,7 +36,7 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Parti
         model.set_gates(cfg.gca_gate_init, partitioner=partitioner)
     if cfg.init_from:
         model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME, partitioner=partitioner)
-    set_trainable(model, decoder=cfg.decoder, encoder=cfg.encoder, gca=cfg.gca)
+    set_trainable(model, decoder=cfg.decoder, encoder=encoder, gca=gca)
     model.memory_encoder.grad_scale = cfg.encoder_grad_scale
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -4,6 +4,7 @@ the small GCA/LoRA export, and the lineage tags a registered model needs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from models.trainable import is_added_parameter, parameter_group
+from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.shards import check_splits
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
@@ -59,16 +61,17 @@ class StageRecipe:
         return int((batch["labels"] != -100).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
-        return probe_metrics(engine, config, state, stream)
+        """Gates and attention entropy: only a GCA system reads its memory through them."""
+        return probe_metrics(engine, config, state, stream) if config.model.memory == "gca" else {}
 
     def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
         """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""
         if config.data.train_path:
             d = config.data
             rows = validation_rows(d.val_path, d.variants, d.val_examples) if d.val_path else None
-            return evaluate_corpus(engine.module, rows, packing_spec(config))
+            return evaluate_corpus(engine.module, rows, packing_spec(config), config.model.memory_mode())
         return evaluate_needles(engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories,
-                                rank, world)
+                                rank, world, config.model.memory_mode())
 
     def export(self, engine, config: StageConfig, worker: dict[str, Any], directory: Path) -> None:
         """The small artifact (GCA, projection, LoRA, any base weight trained in full), gathered from the ZeRO-3
@@ -78,13 +81,15 @@ class StageRecipe:
         with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.zero_stage == 3):
             if dist.get_rank() == 0:
                 model.save_pretrained(directory)
+                write_system(directory, config)
         dist.barrier()
 
     def finish(self, engine, config: StageConfig, state: TrainState, tracker: Tracker, rank: int, world: int) -> None:
         """The needle heatmap (every rank scores its share) and the gates' history, as figures on the run."""
         heatmap = None if config.data.train_path else needle_heatmap(
-            engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories, rank, world)
-        if rank == 0 and tracker.client is not None and state.gate_history:
+            engine.module, config.needle.spec(), config.needle.seed + 1, config.needle.val_memories, rank, world,
+            config.model.memory_mode())
+        if rank == 0 and tracker.client is not None:
             log_figures(tracker, state, engine.module.gca_layers, heatmap)
 
     def summary(self, config: StageConfig, metrics: dict[str, Any], export_dir: str | None,
@@ -95,6 +100,7 @@ class StageRecipe:
         return {
             "job": f"stage{config.stage}",
             "pair": config.model.pair,
+            "memory": config.model.memory,
             "needle_accuracy": metrics.get("needle_accuracy"),
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
@@ -136,6 +142,14 @@ def check_memory_plan(config: StageConfig) -> None:
             f"this run does not fit in GPU memory:\n{plan.table()}\nuse LoRA (model.decoder=lora), more workers, "
             f"gradient checkpointing, or deepspeed.offload_optimizer / offload_params"
         )
+
+
+def write_system(directory: Path, config: StageConfig) -> None:
+    """How the exported model reads its memory (gca, or a baseline's prompt memory) and the task it learned, so
+    jobs/evaluate.py scores it as the system it was trained as."""
+    system = {"memory": config.model.memory, "context_budget": config.model.context_budget,
+              "rag_k": config.model.rag_k, "needle": None if config.data.train_path else dataclasses.asdict(config.needle)}
+    (Path(directory) / SYSTEM_FILE).write_text(json.dumps(system, indent=1))
 
 
 def lineage_tags(config: StageConfig) -> dict[str, str]:
@@ -188,6 +202,8 @@ def log_figures(tracker: Tracker, state: TrainState, layers: list[int], heatmap:
         figure = plots.needle_heatmap_figure(heatmap)
         tracker.log_figure(figure, "needle_heatmap.png")
         plots.close(figure)
+    if not state.gate_history:  # a baseline has no gates to show
+        return
     figure = plots.gate_figure(state.gate_history, layers)
     tracker.log_figure(figure, "gates.png")
     plots.close(figure)

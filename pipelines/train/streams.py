@@ -17,7 +17,8 @@ def packing_spec(config: StageConfig) -> PackingSpec:
 def make_stream(config: StageConfig, rank: int, world: int, start_step: int) -> CorpusStream | NeedleStream:
     """This rank's part of the corpus shards when data.train_path is set, else the synthetic needles."""
     t = config.train
-    sizes = {"memories_per_step": t.memories_per_step, "grad_accum": t.grad_accum, "rank": rank, "world": world}
+    sizes = {"memories_per_step": t.memories_per_step, "grad_accum": t.grad_accum, "rank": rank, "world": world,
+             "mode": config.model.memory_mode()}
     if config.data.train_path:
         return CorpusStream(load_split(config.data.train_path), packing_spec(config), variants=config.data.variants,
                             start_step=start_step, **sizes)

@@ -1,0 +1,98 @@
+"""How a system sees its memory: through GCA (`gca`), as text in its prompt (`in_context`, long context; `rag`, the
+top-k chunks by BM25), or not at all (`none`). The baselines are data transforms, so they train and evaluate through
+the same stage jobs, model and loss as `gca` (issue 14: does the memory beat RAG, long context and no memory at equal
+data?).
+
+For a prompt-memory system the chunks go before the prompt, padding stripped, labels ignored on them; the budget
+counts memory tokens and keeps whole chunks, so truncation shows up as missing facts, not cut ones. RAG queries BM25
+(`bm25s`) with the prompt's tokens over the example's own chunks, each chunk's tokens as its terms: ids are words, so
+the same index works on needles (token-id vocabulary) and on tokenized corpus rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import bm25s
+import numpy as np
+
+MEMORY_MODES = ("gca", "in_context", "rag", "none")
+IGNORE = -100
+SYSTEM_FILE = "system.json"  # in a stage's export: how the model reads its memory, and the needle task it learned
+
+
+@dataclass(frozen=True)
+class MemoryMode:
+    kind: str = "gca"
+    context_budget: int = 4096  # memory tokens placed in the prompt (in_context, rag)
+    rag_k: int = 2  # chunks retrieved per question (rag)
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.kind in ("in_context", "rag")
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.kind not in MEMORY_MODES:
+            p.append(f"model.memory must be one of {MEMORY_MODES}, got {self.kind!r}")
+        if self.context_budget <= 0:
+            p.append("model.context_budget must be positive (memory tokens a prompt may hold)")
+        if self.rag_k <= 0:
+            p.append("model.rag_k must be positive (chunks retrieved per question)")
+        return p
+
+
+def top_chunks(chunks: list[list[int]], query: list[int], k: int) -> list[int]:
+    """Indices of the k chunks BM25 ranks highest for the query, best first (ties: memory order)."""
+    if not chunks:
+        return []
+    k = min(k, len(chunks))
+    retriever = bm25s.BM25()
+    retriever.index([[str(t) for t in chunk] or [""] for chunk in chunks], show_progress=False)
+    scores = retriever.get_scores([str(t) for t in query])  # (chunks,)
+    order = np.argsort(-np.asarray(scores), kind="stable")
+    return [int(i) for i in order[:k]]
+
+
+def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode, pad_id: int | None = None) -> list[int]:
+    """The memory tokens a prompt-memory system puts before its prompt: every chunk in memory order (in_context) or
+    the top-k by BM25 in memory order (rag), padding stripped, whole chunks up to the budget."""
+    if pad_id is not None:
+        chunks = [[t for t in chunk if t != pad_id] for chunk in chunks]
+    if mode.kind == "rag":
+        chunks = [chunks[i] for i in sorted(top_chunks(chunks, query, mode.rag_k))]
+    elif mode.kind != "in_context":
+        return []
+    tokens: list[int] = []
+    for chunk in chunks:
+        if len(tokens) + len(chunk) > mode.context_budget:
+            break
+        tokens += chunk
+    return tokens
+
+
+def memory_into_prompt(example: dict, mode: MemoryMode, pad_id: int | None = None) -> dict:
+    """A corpus row for a prompt-memory (or no-memory) system: its chunks in the prompt (or dropped), no memory.
+    The query is the prompt, the tokens before the first label."""
+    if mode.kind == "gca":
+        return example
+    input_ids, labels = list(example["input_ids"]), list(example["labels"])
+    prompt_len = next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
+    chunks = [list(chunk) for chunk in example["memory_input_ids"]]
+    memory = prompt_memory(chunks, input_ids[:prompt_len], mode, pad_id)
+    return {**example, "input_ids": memory + input_ids, "labels": [IGNORE] * len(memory) + labels,
+            "memory_input_ids": []}
+
+
+def read_system(export_dir: str | Path) -> dict[str, Any]:
+    """An export's system.json; an export written before baselines existed reads its memory through GCA."""
+    path = Path(export_dir) / SYSTEM_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"memory": "gca", "needle": None}
+
+
+def system_mode(system: dict[str, Any]) -> MemoryMode:
+    return MemoryMode(system.get("memory", "gca"), context_budget=system.get("context_budget", 4096),
+                      rag_k=system.get("rag_k", 2))

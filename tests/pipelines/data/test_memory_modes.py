@@ -1,0 +1,76 @@
+"""The baselines' inputs: where the memory goes for in_context, rag and none, and that the answers stay where the
+scorer looks for them."""
+
+import pytest
+import torch
+
+from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, prompt_memory, top_chunks
+from pipelines.data.streams import collate_memory_mode
+from pipelines.data.packing import PackingSpec
+from pipelines.data.synthetic_needles import BOS, EQ, PROMPT_LEN, NeedleSpec, make_example, needle_batch
+
+SPEC = NeedleSpec()
+MODES = [MemoryMode(kind) for kind in ("gca", "in_context", "rag", "none")]
+
+
+def test_bm25_ranks_the_chunk_holding_the_query_term_first():
+    chunks = [[300, 301, 302], [150, 2, 11, 12], [303, 304], [160, 2, 13, 150]]
+    assert top_chunks(chunks, [BOS, 150], k=2) == [1, 3]  # 150 is rarer relative to length in chunk 1
+    assert top_chunks(chunks, [BOS, 160], k=1) == [3]
+    assert top_chunks(chunks, [999], k=2) == [0, 1]  # nothing matches: ties keep memory order
+    assert top_chunks([], [1], k=2) == []
+
+
+def test_prompt_memory_keeps_whole_chunks_within_the_budget_in_memory_order():
+    chunks = [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
+    assert prompt_memory(chunks, [], MemoryMode("in_context"), pad_id=0) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert prompt_memory(chunks, [], MemoryMode("in_context", context_budget=6), pad_id=0) == [1, 2, 3, 4, 5]
+    assert prompt_memory(chunks, [7, 9], MemoryMode("rag", rag_k=1), pad_id=0) == [6, 7, 8, 9]
+    assert prompt_memory(chunks, [7], MemoryMode("none")) == []
+
+
+def test_a_corpus_row_gets_its_memory_in_the_prompt_with_labels_ignored():
+    row = {"input_ids": [50, 51, 52, 53], "labels": [-100, -100, 52, 53], "memory_input_ids": [[7, 51], [8, 9]]}
+    moved = memory_into_prompt(row, MemoryMode("rag", rag_k=1))
+    assert moved["input_ids"] == [7, 51, 50, 51, 52, 53]  # the chunk sharing a term with the prompt
+    assert moved["labels"] == [-100, -100, -100, -100, 52, 53]
+    assert moved["memory_input_ids"] == []
+    assert memory_into_prompt(row, MemoryMode("gca")) is row
+    batch = collate_memory_mode([row, row], PackingSpec(max_tokens=16, chunk_len=4), MemoryMode("in_context"))
+    assert not any(key.startswith("memory_") for key in batch)
+    assert batch["input_ids"][0, :6].tolist() == [7, 51, 8, 9, 50, 51]
+    assert int((batch["labels"] != -100).sum()) == 4  # the same targets as the GCA system's
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.kind)
+def test_every_system_scores_the_same_answers(mode):
+    reference = needle_batch(SPEC, 5, [0, 1, 2])
+    batch = needle_batch(SPEC, 5, [0, 1, 2], mode)
+    want = reference["input_ids"][reference["answer_rows"][:, None], reference["answer_positions"]]
+    got = batch["input_ids"][batch["answer_rows"][:, None], batch["answer_positions"]]
+    assert torch.equal(got, want)
+    assert torch.equal(batch["depth"], reference["depth"])
+    labelled = batch["labels"] != -100
+    assert int(labelled.sum()) == 3 * SPEC.questions * (SPEC.value_digits + 1)  # digits and EOS, nothing else
+    assert ("memory_input_ids" in batch) == (mode.kind == "gca")
+
+
+def test_in_context_rows_hold_the_whole_memory_and_rag_rows_the_asked_fact():
+    example = make_example(SPEC, 5, 0)
+    in_context = needle_batch(SPEC, 5, [0], MemoryMode("in_context"))
+    assert in_context["input_ids"].shape[0] == 1  # the questions share the memory prefix
+    assert in_context["input_ids"][0, : SPEC.chunks * SPEC.chunk_len].tolist() == example["memory"].ravel().tolist()
+    rag = needle_batch(SPEC, 5, [0], MemoryMode("rag", rag_k=1))
+    for row, question in zip(rag["input_ids"].tolist(), example["input_ids"].tolist(), strict=True):
+        key, digits = question[1], question[PROMPT_LEN : PROMPT_LEN + SPEC.value_digits]
+        retrieved = row[: SPEC.chunk_len]
+        at = retrieved.index(key)
+        assert retrieved[at + 1 : at + 2 + SPEC.value_digits] == [EQ, *digits]  # the fact itself, before the question
+    none = needle_batch(SPEC, 5, [0], MemoryMode("none"))
+    assert torch.equal(none["input_ids"], torch.from_numpy(example["input_ids"]))
+
+
+def test_memory_mode_problems_name_the_field():
+    assert MemoryMode("retrieval").problems() == [
+        "model.memory must be one of ('gca', 'in_context', 'rag', 'none'), got 'retrieval'"]
+    assert "model.rag_k must be positive" in MemoryMode("rag", rag_k=0).problems()[0]
