@@ -11,7 +11,14 @@ Output rows (Parquet, `OUT/train`, `OUT/val`; schema `ROW_SCHEMA`):
     answer            the bare answer (targets may add `<read>chunk</read>` or a plan around it)
     memory            list<str>: memory chunks, each starting with `### <path> [chunk <k>]`
     source, unit      the --source name and the repository (train/val split unit)
-    evidence          struct {path, start_line, end_line}: where the answer stands (path relative to the source)
+    evidence          struct {path, start_line, end_line}: where the answer stands (path relative to the source):
+                      Q&A: from the first to the last line of the question's subject and its answer (for a
+                      method, its `class` line to its `def` line)
+    evidence_chunks   list<str>: the memory chunks (`### <path> [chunk <k>]`) that hold those lines, in file order
+                      (a method's `class` and `def` chunks, not the chunks between): the answer stands in their
+                      text (a path in their headers); an agentic target reads each, in this order, then answers.
+                      Needles: the chunks of the needles the answer needs (hops: along the chain); commits: the
+                      changed file's chunks around the hunks
     depth             needles: where the asked needle sits (0 = first chunk, 1 = last); null otherwise
     memory_chunks, memory_tokens
     diff              commits: the unified diff (for evaluation); "" otherwise

@@ -5,7 +5,8 @@ aggregates one small statistics row per repository into the manifest.
     OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: pipelines.data.corpora.ROW_SCHEMA); split by repository
     OUT/rejects/*.parquet                    one row per rejected input: source, path, reason, detail
     OUT/manifest.json                        rows per task and split, token statistics, rejects by reason,
-                                             inputs seen = used + rejected, sources, tokenizer, content hash, and
+                                             inputs seen = used + rejected, facts that made no row by reason
+                                             (`dropped_facts`, stage 0), sources, tokenizer, content hash, and
                                              every shard's bytes, rows, rows per row group and sha256 (`shards`)
 
 Shards hold row groups of at most `row_group_rows` rows: the training job's unit of sharding
@@ -40,6 +41,7 @@ ROW_SCHEMA = pa.schema([
     ("target", pa.string()), ("answer", pa.string()), ("memory", pa.list_(pa.string())), ("source", pa.string()),
     ("unit", pa.string()),
     ("evidence", pa.struct([("path", pa.string()), ("start_line", pa.int32()), ("end_line", pa.int32())])),
+    ("evidence_chunks", pa.list_(pa.string())),
     ("depth", pa.float64()), ("memory_chunks", pa.int32()), ("memory_tokens", pa.int32()), ("diff", pa.string()),
     ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
     ("memory_input_ids", pa.list_(pa.list_(pa.int32()))),
@@ -68,13 +70,15 @@ class BuildConfig:
 def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, checkpoint: str | None,
                row_group_rows: int = ROW_GROUP_ROWS) -> str:
     """All records of one repository -> rows -> Parquet shards, on a worker; returns its statistics (JSON), with
-    each shard's record for the manifest (hashed here, in parallel, while the file is still in the page cache)."""
+    each shard's record for the manifest (hashed here, in parallel, while the file is still in the page cache).
+    make_rows returns (rows, extra input rejects) or (rows, extra input rejects, facts dropped by reason); the
+    last two may fill while the rows are consumed, and are read after."""
     tokenizer = cached_tokenizer(checkpoint)
     unit = records[0]["unit"]
     split = tasks.split_of(unit, settings.val_fraction, settings.seed)
     rejects = [sources.reject(r["source"], r["path"], r["reject"], r.get("detail", "")) for r in records
                if r["reject"]]
-    rows, extra_rejects = make_rows(records, tokenizer, settings)  # rows: an iterable, written as it comes
+    rows, extra_rejects, *dropped = make_rows(records, tokenizer, settings)  # rows: an iterable, written as it comes
     tag = hashlib.sha256(unit.encode()).hexdigest()[:10] + "-" + uuid.uuid4().hex[:6]
     digest, counts, variants = hashlib.sha256(), Counter(), Counter()
     input_tokens, memory_tokens, shard, pending, shards = [0, 0], [0, 0], 0, [], {}
@@ -110,6 +114,7 @@ def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, 
         "rejected_inputs": len(rejects),  # record rejects + rows-stage rejects (duplicates), all input-level
         "rejects": dict(Counter(r["reason"] for r in rejects)),
         "rows": dict(counts), "variants": dict(variants),
+        "dropped_facts": {k: n for k, n in (dropped[0] if dropped else {}).items() if n},
         "input_tokens": input_tokens, "memory_tokens": memory_tokens,
         "source_tokens": sum(r.get("tokens", 0) for r in records), "source_bytes": sum(r.get("bytes", 0) for r in records),
         "hash": digest.hexdigest(), "shards": shards,
@@ -187,12 +192,13 @@ def task_groups(units: list[list[dict]], cpus: int, tasks_per_cpu: int = 4) -> l
 
 
 def make_manifest(config: BuildConfig, units: list[dict], seconds: float) -> dict:
-    rows, rejects, variants = defaultdict(Counter), Counter(), Counter()
+    rows, rejects, variants, dropped = defaultdict(Counter), Counter(), Counter(), Counter()
     tokens = defaultdict(lambda: [0, 0, 0])  # split -> [rows, sum, max]
     for u in sorted(units, key=lambda u: u["unit"]):
         rows[u["split"]].update(u["rows"])
         rejects.update(u["rejects"])
         variants.update(u["variants"])
+        dropped.update(u.get("dropped_facts", {}))
         t = tokens[u["split"]]
         t[0] += sum(u["rows"].values())
         t[1] += u["input_tokens"][0]
@@ -209,6 +215,7 @@ def make_manifest(config: BuildConfig, units: list[dict], seconds: float) -> dic
         "source_tokens": sum(u["source_tokens"] for u in units), "source_bytes": sum(u["source_bytes"] for u in units),
         "inputs": {"seen": inputs, "used": inputs - rejected, "rejected": rejected},
         "rejects": dict(rejects),
+        "dropped_facts": dict(dropped),
         "tokenizer": describe(cached_tokenizer(config.tokenizer)),
         "settings": asdict(config.stage0) if config.stage == 0 else {"max_commits": config.max_commits},
         "content_hash": hashlib.sha256("".join(sorted(u["hash"] for u in units)).encode()).hexdigest(),
@@ -232,7 +239,8 @@ def stage0_items(config: BuildConfig) -> list[dict]:
 
 
 def stage0_rows(records, tokenizer, settings):
-    return tasks.unit_rows(records, tokenizer, settings), []  # a generator: rows are written as they are made
+    dropped = Counter()  # filled as the generator runs: rows are written as they are made
+    return tasks.unit_rows(records, tokenizer, settings, dropped), [], dropped
 
 
 def build_corpus(config: BuildConfig, progress: Callable[[str], None] = print) -> dict:

@@ -142,7 +142,8 @@ def commit_rows(item, path, message, diff, new_text, parent, tokenizer, settings
     if len(target_ids) > settings.max_target_tokens:
         return []
     seed = stable_seed(settings.seed, item["unit"], item["commit"])
-    memory, read = parent_memory(item["root"], parent, path, hs, tokenizer, settings, seed)
+    memory, evidence_chunks = parent_memory(item["root"], parent, path, hs, tokenizer, settings, seed)
+    read = evidence_chunks[0] if evidence_chunks else f"### {path} [new file]"
     new_lines = [(c, c + max(d, 1) - 1) for _, _, c, d in hs] or [(1, 1)]
     evidence = (path, min(s for s, _ in new_lines), max(e for _, e in new_lines))
     subject = message.splitlines()[0] if message else ""
@@ -160,7 +161,8 @@ def commit_rows(item, path, message, diff, new_text, parent, tokenizer, settings
     return [make_row(task="commit", variant=v, kind="add" if not any(a for a, _, _, _ in hs) else "modify",
                      prompt=prompts[v], target=targets[v], answer=new_text, memory=[c.text for c in memory],
                      memory_ids=[c.ids for c in memory], source=item["source"], unit=item["unit"],
-                     evidence=evidence, tokenizer=tokenizer, diff=diff) for v in VARIANTS]
+                     evidence=evidence, evidence_chunks=evidence_chunks, tokenizer=tokenizer, diff=diff)
+            for v in VARIANTS]
 
 
 PAST = {"added": "Add", "adds": "Add", "fixed": "Fix", "fixes": "Fix", "removed": "Remove", "removes": "Remove",
@@ -191,7 +193,7 @@ def blob_chunks(root: str, sha: str, path: str, chunk_tokens: int, checkpoint_na
 
 def parent_memory(root, parent, path, hs, tokenizer, settings, seed):
     """Memory at the parent commit: the changed file's chunks around the hunks, distractors from other files;
-    returns (chunks, name of the chunk the planning target reads)."""
+    returns (chunks, names of the changed file's chunks around the hunks; the planning target reads the first)."""
     entries = []
     for line in git(root, "ls-tree", "-r", "--long", parent).splitlines():
         meta, _, p = line.partition("\t")
@@ -212,8 +214,7 @@ def parent_memory(root, parent, path, hs, tokenizer, settings, seed):
     pool = [c for p, s in rng.sample(others, min(len(others), settings.distractor_files))
             for c in blob_chunks(root, s, p, settings.chunk_tokens, tokenizer.name, tokenizer)]
     memory = chunking.select_memory(evidence, pool, settings.max_chunks, seed)
-    read = chunking.chunk_name(evidence[0].path, evidence[0].index) if evidence else f"### {path} [new file]"
-    return memory, read
+    return memory, [chunking.chunk_name(c.path, c.index) for c in evidence]
 
 
 def unit_rows(records: list[dict], tokenizer, settings) -> tuple[list[dict], list[dict]]:

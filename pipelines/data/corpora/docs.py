@@ -3,7 +3,8 @@
 Markdown is parsed with markdown-it-py (its token `map` gives line spans); plain text and JSONL documents go
 through the same parser; HTML is first turned into Markdown-like text line by line (`html_to_text`, lines kept in
 place, so evidence line numbers still point into the file). Every answer is a substring of the document text
-between its evidence lines.
+(whitespace-normalised) in its evidence `spans`; a section's spans also hold its heading line, which the question
+names.
 """
 
 from __future__ import annotations
@@ -43,24 +44,26 @@ def first_sentence(paragraph: str) -> str | None:
 
 def doc_facts(text: str, path: str) -> list[dict]:
     """Facts with evidence line spans; a sentence that wraps over lines is answered in its one-line form."""
-    out, heading = [], None
+    out, heading, heading_lines = [], None, None
     tokens = _MD.parse(text)
     for i, tok in enumerate(tokens):
         if tok.type == "heading_open":
             heading = tokens[i + 1].content.strip()
+            heading_lines = [tok.map[0] + 1, tok.map[1]] if tok.map else None
         elif tok.type == "paragraph_open" and tok.map:
             paragraph = tokens[i + 1].content
             start, end = tok.map[0] + 1, tok.map[1]
             sentence = first_sentence(paragraph)
-            if heading and sentence and tokens[i - 1].type == "heading_close":
-                out.append({"kind": "section", "name": heading, "path": path, "start_line": start, "end_line": end,
+            if heading and heading_lines and sentence and tokens[i - 1].type == "heading_close":
+                out.append({"kind": "section", "name": heading, "path": path, "start_line": heading_lines[0],
+                            "end_line": end, "spans": [heading_lines, [start, end]],
                             "question": f"In {path}, what does the section \"{heading}\" begin by saying?",
                             "answer": sentence})
             m = DEFINITION.match(" ".join(paragraph.split()))
             if m:
                 out.append({"kind": "definition", "name": m.group(1), "path": path, "start_line": start,
-                            "end_line": end, "question": f"According to {path}, what is {m.group(1)}?",
-                            "answer": m.group(0)})
+                            "end_line": end, "spans": [[start, end]],
+                            "question": f"According to {path}, what is {m.group(1)}?", "answer": m.group(0)})
     return out
 
 

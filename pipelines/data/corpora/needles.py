@@ -2,7 +2,8 @@
 
 A needle is one sentence inserted as its own line right after a chunk's header, in the chunk at index
 `round(depth * (n - 1))` of a memory of n chunks; the row records `depth` and the memory size. Keys are drawn so
-that they occur nowhere in the haystack, so each needle stands in the memory exactly once per key.
+that they occur nowhere in the haystack, so each needle stands in the memory exactly once per key. A row's evidence
+chunks (and an agentic target's reads) are the chunks of the needles its answer needs (`answer_needles`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def make_needles(variant: str, rng: random.Random, haystack: str) -> tuple[list[
     needles = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
     needles = [needles[-1]] + needles[:-1]  # the asked variable's line first: its depth is the recorded one
     return needles, f"Which value does VAR {names[-1]} hold?", value, names
+
+
+def answer_needles(variant: str, n: int) -> list[int]:
+    """Which of make_needles' n needles the answer needs, in reading order: the asked one (single, multi-key: the
+    other keys are distractors), every value (multi-value), or the chain from the asked variable to the value
+    (hops: needle 0 sets the asked variable to needle n - 1's, needle k > 1 sets its variable to needle k - 1's,
+    needle 1 sets the value)."""
+    if variant == "multivalue":
+        return list(range(n))
+    if variant.startswith("hop"):
+        return [0, *range(n - 1, 0, -1)]
+    return [0]
 
 
 def insert_needles(memory_texts: list[str], needles: list[str], depth: float, rng: random.Random) -> list[int]:

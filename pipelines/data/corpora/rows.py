@@ -15,7 +15,8 @@ IGNORE = -100
 
 def make_row(*, task: str, variant: str, kind: str, prompt: list[str], target: list[str], answer: str,
              memory: list[str], memory_ids: list[list[int]], source: str, unit: str,
-             evidence: tuple[str, int, int], tokenizer, depth: float | None = None, diff: str = "") -> dict:
+             evidence: tuple[str, int, int], tokenizer, depth: float | None = None, diff: str = "",
+             evidence_chunks: list[str] = ()) -> dict:
     prompt_ids = tokenizer.encode_parts(prompt)
     target_ids = tokenizer.encode_parts(target) + [SPECIAL_IDS[EOS]]
     path, start, end = evidence
@@ -23,6 +24,7 @@ def make_row(*, task: str, variant: str, kind: str, prompt: list[str], target: l
         "task": task, "variant": variant, "kind": kind, "prompt": "".join(prompt), "target": "".join(target),
         "answer": answer, "memory": memory, "source": source, "unit": unit,
         "evidence": {"path": path, "start_line": int(start), "end_line": int(end)},
+        "evidence_chunks": list(evidence_chunks),
         "depth": depth, "memory_chunks": len(memory), "memory_tokens": sum(len(m) for m in memory_ids),
         "diff": diff,
         "input_ids": prompt_ids + target_ids, "labels": [IGNORE] * len(prompt_ids) + target_ids,
