@@ -94,6 +94,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.gate = nn.Parameter(torch.zeros(1))
         self.probe_entropy = False  # when set, forward also records the attention entropy over the memory
         self.last_entropy: torch.Tensor | None = None
+        self.probe_attention = False  # when set, forward also keeps the attention over the memory (evaluation)
+        self.last_attention: torch.Tensor | None = None  # (B_mem, H, r*T, M)
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -137,21 +139,24 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         )  # (B_mem, H, r*T, hd)
         if padding.has_memory is not None:
             out = out * padding.has_memory.to(out.dtype)
-        if self.probe_entropy:
-            self.last_entropy = self._entropy(query.detach(), memory)
+        if self.probe_entropy or self.probe_attention:
+            probs = self._probabilities(query.detach(), memory)
+            if self.probe_entropy:  # mean entropy (nats): it should fall as the blocks learn to look up
+                self.last_entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
+            if self.probe_attention:
+                self.last_attention = probs
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, H*hd)
         return self.o_proj(out)
 
 
-    def _entropy(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        """Mean entropy (nats) of the attention over memory tokens: it should fall as the blocks learn to look up.
-        Materialises the probabilities, so it runs only when probed (at logging steps)."""
+    def _probabilities(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+        """The attention over memory tokens (B_mem, H, r*T, M) that SDPA computed without keeping it: materialised
+        only when probed (logging steps, evaluation)."""
         key = memory.key.detach().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B_mem, H, M, hd)
         scores = (query @ key.transpose(-1, -2)).float() * self.head_dim**-0.5  # (B_mem, H, r*T, M)
         if memory.padding.attn_mask is not None:
             scores = scores.masked_fill(~memory.padding.attn_mask, float("-inf"))
-        probs = scores.softmax(-1)
-        return -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
+        return scores.softmax(-1)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -129,13 +130,10 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
 
 
 def load_system(name: str, export: str, system: dict[str, Any], device: str = "cpu"):
-    import torch
-
     from models import AwarenessModel
     from pipelines.evaluate.suites import System
 
     model = AwarenessModel.from_pretrained(export).to(device).eval()
-    torch.set_grad_enabled(False)
     return System(name, model, system_mode(system), needle_spec(system))
 
 
@@ -236,6 +234,12 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
         metrics[f"{name}/ci95"] = list(rate_interval(exact, len(group)))
         metrics[f"{name}/string_match"] = sum(float(r["score"]) for r in group) / len(group)
         counts[name] = len(group)
+        read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
+        if read:
+            metrics[f"attention/{variant}/{multiplier}x/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
+            top = sum(int(r["top_chunk"]) for r in read)
+            metrics[f"attention/{variant}/{multiplier}x/top_chunk"] = top / len(read)
+            metrics[f"attention/{variant}/{multiplier}x/top_chunk/ci95"] = list(rate_interval(top, len(read)))
     sizes = sorted({int(r["multiplier"]) for r in rows if r["variant"] == "single"})
     heatmap = {"memory_tokens": [memory_chunks(spec, m) * spec.chunk_len for m in sizes], "accuracy_by_depth": []}
     for b in range(depth_bins):

@@ -22,13 +22,15 @@ VARIANTS = ("single", "multi_key", "multi_value", "multi_query", "variable_track
 
 @dataclass
 class Probe:
-    """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain and
-    where (as a fraction of the memory) the fact holding the answer starts."""
+    """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, where
+    (as a fraction of the memory) the fact holding the answer starts, and the chunks its evidence lies in (every fact
+    the answer needs: both values, both keys, every hop)."""
 
     memory: np.ndarray
     questions: list[list[int]]
     references: list[list[list[int]]]
     depth: list[float]
+    evidence: list[list[int]]
 
 
 def memory_chunks(spec: NeedleSpec, multiplier: int) -> int:
@@ -55,6 +57,8 @@ def make_probe(variant: str, spec: NeedleSpec, multiplier: int, seed: int, index
         asked = [[BOS, chain[0]] for chain in chains]
         refs = [[v] for v in values]
         answer_fact = [len(facts) - questions + q for q in range(questions)]
+        hops_before = hops - 1
+        needed = [[q * hops_before + h for h in range(hops_before)] + [answer_fact[q]] for q in range(questions)]
     else:
         n_facts = min(spec.facts * (multiplier if variant == "multi_key" else 1), len(KEYS), slots // 2)
         keys = rng.choice(np.array(KEYS), size=n_facts, replace=False).tolist()
@@ -66,17 +70,21 @@ def make_probe(variant: str, spec: NeedleSpec, multiplier: int, seed: int, index
             asked = [[BOS, keys[a], keys[b]] for a, b in pairs]
             refs = [[values[a], values[b]] for a, b in pairs]
             answer_fact = [a for a, _ in pairs]
+            needed = [list(pair) for pair in pairs]
         else:
             asked = [[BOS, keys[f]] for f in order.tolist()]
             refs = [[values[f]] for f in order.tolist()]
             answer_fact = order.tolist()
+            needed = [[f] for f in answer_fact]
             if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
                 second = digits(len(order))
+                needed = [[f, len(facts) + q] for q, f in enumerate(answer_fact)]
                 facts += [[keys[f], EQ, *v, SEP] for f, v in zip(order.tolist(), second, strict=True)]
                 refs = [[values[f], s] for f, s in zip(order.tolist(), second, strict=True)]
     memory, starts = place(facts, spec, chunks, rng)
     return Probe(memory=memory, questions=asked, references=refs,
-                 depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact])
+                 depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact],
+                 evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed])
 
 
 def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:

@@ -17,6 +17,7 @@ import torch
 from models import AwarenessModel
 from pipelines.data.memory_modes import MemoryMode, prompt_memory, top_chunks
 from pipelines.data.synthetic_needles import EOS, FILLER, PAD, NeedleSpec
+from pipelines.evaluate.metrics import attention_mass, string_match_all, top_chunk_is_evidence
 from pipelines.evaluate.ruler import Probe, as_text, make_probe
 
 
@@ -56,17 +57,46 @@ def answer_probe(system: System, probe: Probe) -> list[list[int]]:
 
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4) -> list[dict[str, Any]]:
-    """One row per question: RULER's string_match_all score (share of references found), exact (all found), the
-    depth bin of the fact holding the answer."""
+    """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
+    found), the depth bin of the fact holding the answer, and for gca where its attention went."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops)
+    answers = answer_probe(system, probe)
+    reading = memory_attention(system, probe) if system.mode.kind == "gca" else [{}] * len(answers)
     rows = []
-    for answer, refs, depth in zip(answer_probe(system, probe), probe.references, probe.depth, strict=True):
-        found = sum(as_text(ref)[:-1] in as_text(answer) for ref in refs)  # whole tokens, order within a ref kept
+    for answer, refs, depth, read in zip(answers, probe.references, probe.depth, reading, strict=True):
+        score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
         rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
                      "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
-                     "score": found / len(refs), "exact": found == len(refs),
-                     "depth_bin": min(int(depth * depth_bins), depth_bins - 1)})
+                     "score": score, "exact": score == 1.0, "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
+                     "evidence_mass": read.get("evidence_mass", float("nan")),
+                     "top_chunk": read.get("top_chunk", float("nan"))})
     return rows
+
+
+@torch.no_grad()
+def memory_attention(system: System, probe: Probe) -> list[dict[str, float]]:
+    """Memory-attention accuracy: at the question's last token (which predicts the first answer token), the share of
+    GCA attention mass on the evidence chunks and whether the chunk read most is one of them, in the GCA layer that
+    puts the most mass on the evidence (one layer usually carries retrieval: shared/notes/needle-feasibility.md)."""
+    blocks = list(system.model.gca_blocks().values())
+    for block in blocks:
+        block.probe_attention = True
+    try:
+        inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+        system.model(**inputs)
+        maps = [block.last_attention[:, :, -1].cpu() for block in blocks]  # per layer (questions, heads, M)
+    finally:
+        for block in blocks:
+            block.probe_attention, block.last_attention = False, None
+    length = probe.memory.shape[1]
+    chunks = [(c * length, (c + 1) * length) for c in range(probe.memory.shape[0])]
+    out = []
+    for q, evidence in enumerate(probe.evidence):
+        spans = [chunks[c] for c in evidence]
+        per_layer = [(attention_mass(m[q], spans), top_chunk_is_evidence(m[q], chunks, evidence)) for m in maps]
+        mass, top = max(per_layer)
+        out.append({"evidence_mass": mass, "top_chunk": float(top)})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- efficiency

@@ -160,8 +160,10 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         from jobs.build_corpus import BuildJob
         from jobs.generate import GenerateArgs
         from jobs.register import RegisterArgs
+        from pipelines.evaluate.job import EvaluateConfig
 
-        default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs()}[command.job]
+        default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs(),
+                   "evaluate": EvaluateConfig()}[command.job]
         parse_config(args, default)  # exits 2 with the problem on stderr when the command is wrong
 
 

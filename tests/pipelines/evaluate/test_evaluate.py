@@ -193,3 +193,40 @@ def test_evaluate_refuses_a_missing_model_with_exit_2(tmp_path):
     assert result.returncode == 2
     assert "not an export directory, a run id" in result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_path, checkpoint_root):
+    """The probed attention is the one the GCA block used (its weighted values are the block's output before o_proj),
+    and the evidence chunks are where each question's facts are."""
+    from pipelines.evaluate.job import load_system
+    from pipelines.evaluate.suites import memory_attention
+
+    export = export_of(tmp_path, checkpoint_root, "gca")
+    system = load_system("gca", str(export), read_system(export))
+    probe = make_probe("multi_value", SPEC, 4, seed=2, index=0)
+    for question, refs, evidence in zip(probe.questions, probe.references, probe.evidence, strict=True):
+        text = " ".join(as_text(probe.memory[c].tolist()) for c in evidence)
+        assert all(as_text([question[1], EQ, *ref])[:-1] in text for ref in refs)  # both facts, in those chunks
+    read = memory_attention(system, probe)
+    assert len(read) == len(probe.questions)
+    assert all(0 <= r["evidence_mass"] <= 1 and r["top_chunk"] in (0.0, 1.0) for r in read)
+    block = next(iter(system.model.gca_blocks().values()))
+    assert not block.probe_attention and block.last_attention is None  # the probe is switched off again
+
+    import torch
+
+    from models.gca import MemoryPadding
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 3, system.model.decoder.config.hidden_size)
+    states = torch.randn(2, 5, system.model.decoder.config.hidden_size)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    memory = block.project_memory(states, MemoryPadding.from_mask(mask))
+    block.probe_attention = True
+    attended = block._attend(block.input_norm(hidden), memory)
+    probs = block.last_attention  # (B, H, T, M)
+    assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[:-1]))
+    assert float(probs[0, :, :, 3:].abs().max()) == 0.0  # padded memory gets no attention
+    value = memory.value.repeat_interleave(block.num_heads // block.num_kv_heads, dim=1)  # (B, H, M, hd)
+    mixed = (probs @ value).transpose(1, 2).reshape(2, 3, -1)
+    assert torch.allclose(block.o_proj(mixed), attended, atol=1e-5)

@@ -22,3 +22,16 @@ def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
     assert summary["needle_accuracy"] >= 0.9, summary
     assert summary["no_memory_accuracy"] <= 0.2, summary
     assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
+    # the README's registry example, asked of this model through the served pyfunc's own code
+    import types
+
+    from pipelines.tracking.pyfunc import AwarenessPyfunc, ensure_tokenizer
+    from models import AwarenessConfig
+    from tests.pipelines.tracking.test_registry import readme_registry_example
+
+    ensure_tokenizer(AwarenessConfig.load(Path(summary["export"])).decoder)
+    served = AwarenessPyfunc()
+    served.load_context(types.SimpleNamespace(artifacts={"export": summary["export"]},
+                                              model_config={"max_new_tokens": 4, "eos_token": "<eos>"}))
+    memory, questions, answers = readme_registry_example()
+    assert served.predict(None, [{"question": q, "memory": memory} for q in questions]) == answers
