@@ -98,6 +98,7 @@ class Source:
     system: dict[str, Any]
     run_id: str | None = None  # the training run, when known (metrics are logged onto it too)
     registered: tuple[str, str] | None = None  # (name, version), for a models:/ URI
+    served: str | None = None  # the models:/ URI: its needles are answered by the registered pyfunc, as served
 
 
 def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
@@ -126,13 +127,21 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
     if "export" not in names:
         raise FileNotFoundError(f"MLflow run {run_id} has no `export` artifact: evaluate a run that finished training")
     export = client.download_artifacts(run_id, "export", str(workdir / run_id))
-    return Source("", export, read_system(export), run_id=run_id, registered=registered)
+    return Source("", export, read_system(export), run_id=run_id, registered=registered,
+                  served=reference if registered else None)
 
 
-def load_system(name: str, export: str, system: dict[str, Any], device: str = "cpu"):
+def load_system(name: str, export: str, system: dict[str, Any], device: str = "cpu", served: str | None = None,
+                tracking_uri: str | None = None):
+    """The export as an AwarenessModel, or for a registered version its pyfunc as MLflow serves it."""
     from models import AwarenessModel
     from pipelines.evaluate.suites import System
 
+    if served:
+        import mlflow
+
+        mlflow.set_tracking_uri(tracking_uri)
+        return System(name, None, system_mode(system), needle_spec(system), served=mlflow.pyfunc.load_model(served))
     model = AwarenessModel.from_pretrained(export).to(device).eval()
     return System(name, model, system_mode(system), needle_spec(system))
 
@@ -147,8 +156,9 @@ def needle_spec(system: dict[str, Any]) -> NeedleSpec:
 class NeedleScorer:
     """A Ray Data actor: loads one system, scores batches of probe items."""
 
-    def __init__(self, name: str, export: str, system: dict[str, Any], depth_bins: int, seed: int, use_gpu: bool):
-        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu")
+    def __init__(self, name: str, export: str, system: dict[str, Any], depth_bins: int, seed: int, use_gpu: bool,
+                 served: str | None = None, tracking_uri: str | None = None):
+        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
         self.depth_bins, self.seed = depth_bins, seed
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
@@ -192,7 +202,7 @@ def needle_items(config: EvaluateConfig) -> list[dict[str, Any]]:
     return items
 
 
-def run_needles(config: EvaluateConfig, source: Source) -> list[dict[str, Any]]:
+def run_needles(config: EvaluateConfig, source: Source, tracking_uri: str) -> list[dict[str, Any]]:
     import ray
 
     items = needle_items(config)
@@ -202,7 +212,7 @@ def run_needles(config: EvaluateConfig, source: Source) -> list[dict[str, Any]]:
         num_gpus=1 if config.use_gpu else 0,
         fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
                                "depth_bins": config.needle.depth_bins, "seed": config.needle.seed,
-                               "use_gpu": config.use_gpu})
+                               "use_gpu": config.use_gpu, "served": source.served, "tracking_uri": tracking_uri})
     return scored.take_all()
 
 
@@ -292,7 +302,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         entry: dict[str, Any] = {"metrics": {}, "counts": {}, "export": source.export, "memory": source.system.get("memory")}
         spec = needle_spec(source.system)
         if "needle" in config.suites():
-            rows = run_needles(config, source)
+            rows = run_needles(config, source, tracking_uri)
             metrics, counts, heatmap = needle_metrics(rows, spec, config.needle.depth_bins)
             entry["metrics"] |= metrics
             entry["counts"] |= counts

@@ -23,12 +23,14 @@ from pipelines.evaluate.ruler import Probe, as_text, make_probe
 
 @dataclass(frozen=True)
 class System:
-    """A loaded model and how it reads its memory; `name` labels it in results.json."""
+    """A loaded model and how it reads its memory; `name` labels it in results.json. `served`: the registered
+    version's pyfunc (mlflow.pyfunc.load_model), which then answers instead, text in and text out, as users get it."""
 
     name: str
-    model: AwarenessModel
+    model: AwarenessModel | None
     mode: MemoryMode
     spec: NeedleSpec
+    served: Any = None
 
 
 # ---------------------------------------------------------------------------------------------- needles
@@ -43,9 +45,25 @@ def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def served_answers(system: System, probe: Probe) -> list[list[int]]:
+    """The registered pyfunc's answers to the probe as text (the needle vocabulary's words: `k117`, digits, `w300`),
+    read back into ids through the same tokenizer."""
+    from pipelines.tracking.pyfunc import needle_tokenizer
+
+    tokenizer = needle_tokenizer()
+    words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    memory = [words(chunk) for chunk in probe.memory.tolist()]
+    rows = [{"question": words(question[1:]), "memory": memory} for question in probe.questions]  # BOS: the tokenizer's
+    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
+    answers = system.served.predict(rows, params={"max_new_tokens": new})
+    return [tokenizer.encode(answer, add_special_tokens=False).ids for answer in answers]
+
+
 @torch.no_grad()
 def answer_probe(system: System, probe: Probe) -> list[list[int]]:
     """Greedy answers, each cut at EOS: long enough for every reference of the question plus EOS."""
+    if system.served is not None:
+        return served_answers(system, probe)
     inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
     new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
     out = system.model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
@@ -61,7 +79,8 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
     found), the depth bin of the fact holding the answer, and for gca where its attention went."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops)
     answers = answer_probe(system, probe)
-    reading = memory_attention(system, probe) if system.mode.kind == "gca" else [{}] * len(answers)
+    read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
+    reading = memory_attention(system, probe) if read_attention else [{}] * len(answers)
     rows = []
     for answer, refs, depth, read in zip(answers, probe.references, probe.depth, reading, strict=True):
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])

@@ -188,3 +188,24 @@ def test_the_readme_example_asks_in_the_training_format():
     for question, answer in zip(questions, answers, strict=True):
         assert len(tokenizer.encode(question).ids) == PROMPT_LEN  # BOS key, nothing after the key
         assert f"{question} = {answer} ;" in " ".join(memory)
+
+
+def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, mlflow_server):
+    """jobs/evaluate.py --model models:/NAME@ALIAS asks the pyfunc users are served (text in, text out): its
+    answers to the needle probes are the model's own greedy answers."""
+    from pipelines.data.memory_modes import MemoryMode
+    from pipelines.evaluate.job import load_system
+    from pipelines.evaluate.ruler import make_probe
+    from pipelines.evaluate.suites import System, answer_probe, score_probe
+
+    model, _, _ = registered
+    served = load_system("gca", "", {"memory": "gca"}, served=f"models:/{NAME}@candidate",
+                         tracking_uri=mlflow_server.uri)
+    direct = System("gca", model, MemoryMode(), NeedleSpec())
+    known = set(needle_tokenizer().get_vocab().values())  # text can only carry ids the vocabulary names (this random
+    for variant in ("single", "multi_value"):  # tiny decoder's 512 ids go past the needle vocabulary's 496)
+        probe = make_probe(variant, NeedleSpec(), 1, seed=0, index=0)
+        answers = answer_probe(served, probe)
+        assert answers == [[t for t in a if t in known] for a in answer_probe(direct, probe)] and any(answers)
+    rows = score_probe(served, "single", 1, seed=0, index=0)
+    assert all(r["evidence_mass"] != r["evidence_mass"] for r in rows)  # NaN: a pyfunc does not show its attention
