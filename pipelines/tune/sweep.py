@@ -247,7 +247,9 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
 
 def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri: str) -> None:
     """Finds each trial's nested MLflow run; a run ASHA stopped mid-training never reached its own close, so it is
-    marked KILLED here (its metrics, params and checkpoints up to the stop are kept)."""
+    marked KILLED here (its metrics, params and checkpoints up to the stop are kept). A trial that trained to the end
+    but whose close is still queued (a slow tracking server: rank 0 hands what it could not log to the driver) is
+    marked FINISHED, not KILLED (seen once in CI under load)."""
     if parent.client is None:
         return
     from mlflow.tracking import MlflowClient
@@ -261,9 +263,10 @@ def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri:
         if run is None:
             continue
         row["mlflow_run_id"] = run.info.run_id
-        if run.info.status == "RUNNING":
+        if run.info.status == "RUNNING":  # stopped by ASHA, or its own close did not reach the server in time
             client.set_tag(run.info.run_id, "sweep.stopped_early", str(row["stopped_early"]).lower())
-            client.set_terminated(run.info.run_id, "KILLED")
+            status = "FAILED" if row["error"] else "KILLED" if row["stopped_early"] else "FINISHED"
+            client.set_terminated(run.info.run_id, status)
 
 
 def finish_sweep(sweep: SweepConfig, base: StageConfig, parent: Tracker, rows: list[dict[str, Any]], wall: float,
