@@ -124,6 +124,7 @@ def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, lo
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~2 min; a worker failure and exact resume stay in `make test` (test_stage0.py, save:4)
 def test_two_workers_on_their_own_shards_survive_a_failure_exactly(tmp_path, checkpoint_root, local_ray, fault_plan):
     """Two workers, each on its own row groups (uneven: 24 and 19 rows), 2 micro-batches a step; the last worker
     fails at step 5, after checkpoint 4: the run restarts from it and ends with the examples and index checksum of

@@ -87,7 +87,8 @@ def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray)
     assert [row[0] for row in state["gate_history"]] == list(range(1, 9))  # log_every=1: probed every step
 
 
-@pytest.mark.parametrize("fail_at", ["train:3", "save:4"])
+# train:3 (~75 s) runs in `make test-slow`; save:4, the harder case (an incomplete checkpoint), in `make test`
+@pytest.mark.parametrize("fail_at", [pytest.param("train:3", marks=pytest.mark.slow), "save:4"])
 def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, checkpoint_root, local_ray, fault_plan,
                                                                      fail_at):
     """train:3 dies between checkpoints; save:4 dies after writing its shard but before reporting, so checkpoint 4
@@ -103,13 +104,21 @@ def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, ch
     assert (tmp_path / "ray" / f"fail-{fail_at[:5]}" / f"injected-failure-{fail_at}").is_file()  # it did fail
 
 
-def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray):
+@pytest.mark.parametrize("memory", ["gca", "in_context"])
+def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, memory):
+    """Also for a baseline (the memory in the prompt; only the decoder trains, under ZeRO-3 with the unused GCA
+    blocks frozen): its export names its system, and reloaded it scores what the run reported."""
+    from pipelines.data.memory_modes import read_system, system_mode
     from pipelines.train.driver import run_stage
 
-    config = small_config(tmp_path, checkpoint_root, "export", steps=4)
+    config = small_config(tmp_path, checkpoint_root, f"export-{memory}", steps=4, memory=memory)
     summary = run_stage(config)
+    assert summary["memory"] == memory
+    system = read_system(summary["export"])
+    assert system["memory"] == memory and system["needle"]["facts"] == config.needle.facts
     model = AwarenessModel.from_pretrained(summary["export"])
-    scores = score_needles(model, config.needle.spec(), config.needle.seed + 1, list(range(8)))
+    scores = score_needles(model, config.needle.spec(), config.needle.seed + 1, list(range(8)),
+                           mode=system_mode(system))
     from mlflow.tracking import MlflowClient
 
     history = MlflowClient(config.tracking.tracking_uri).get_metric_history(summary["mlflow_run_id"], "needle_val_loss")
@@ -118,6 +127,7 @@ def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray):
     assert scores.accuracy == summary["needle_accuracy"]
 
 
+@pytest.mark.slow  # ~35 s; test_zero3_trains_expert_lora trains the same MoE pair under ZeRO-3 in `make test`
 def test_zero3_trains_the_moe_pair(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.driver import run_stage
 

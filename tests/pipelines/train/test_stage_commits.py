@@ -40,6 +40,7 @@ def build_commit_corpus(tmp_path: Path) -> Path:
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~70 s; `make test` keeps stage 2 on the same built commit corpus (below)
 def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
     split = build_commit_corpus(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

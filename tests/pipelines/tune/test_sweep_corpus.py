@@ -17,7 +17,8 @@ from models import AwarenessModel
 from pipelines.data.tokenizer import EOS, SPECIAL_IDS, QwenTokenizer
 from tests.pipelines.train.test_stage_commits import build_commit_corpus
 
-pytestmark = pytest.mark.ray  # every test here starts Ray
+# every test here starts Ray; ~80 s of a 2-trial sweep, in `make test-slow` (test_sweep.py keeps a sweep in `make test`)
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS, EVAL_EVERY = 4, 2
 
