@@ -137,11 +137,12 @@ def load_system(name: str, export: str, system: dict[str, Any], device: str = "c
     from models import AwarenessModel
     from pipelines.evaluate.suites import System
 
-    if served:
+    if served:  # explicit URIs: mlflow.set_tracking_uri would also set $MLFLOW_TRACKING_URI for every later process
         import mlflow
 
-        mlflow.set_tracking_uri(tracking_uri)
-        return System(name, None, system_mode(system), needle_spec(system), served=mlflow.pyfunc.load_model(served))
+        local = mlflow.artifacts.download_artifacts(artifact_uri=served, tracking_uri=tracking_uri,
+                                                    registry_uri=tracking_uri)
+        return System(name, None, system_mode(system), needle_spec(system), served=mlflow.pyfunc.load_model(local))
     model = AwarenessModel.from_pretrained(export).to(device).eval()
     return System(name, model, system_mode(system), needle_spec(system))
 

@@ -142,7 +142,6 @@ def test_config_errors_name_the_field():
 def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root):
     """The issue's command on a stage-0 export and a baseline's, through Ray Data actors; the training run gets the
     metrics too when the model is named by run id."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -183,7 +182,6 @@ def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root)
     assert trained.data.metrics["eval/needle/single/4x"] == results["systems"]["rag"]["metrics"]["needle/single/4x"]
     assert trained.data.tags["eval.run_id"] == logged.info.run_id
     assert not [line for line in result.stdout.splitlines() if "Running Dataset" in line or "%|" in line]
-    mlflow.set_tracking_uri(None)
 
 
 def test_evaluate_refuses_a_missing_model_with_exit_2(tmp_path):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -199,6 +201,7 @@ def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, m
     from pipelines.evaluate.suites import System, answer_probe, score_probe
 
     model, _, _ = registered
+    tracking_env = os.environ.get("MLFLOW_TRACKING_URI")
     served = load_system("gca", "", {"memory": "gca"}, served=f"models:/{NAME}@candidate",
                          tracking_uri=mlflow_server.uri)
     direct = System("gca", model, MemoryMode(), NeedleSpec())
@@ -209,3 +212,4 @@ def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, m
         assert answers == [[t for t in a if t in known] for a in answer_probe(direct, probe)] and any(answers)
     rows = score_probe(served, "single", 1, seed=0, index=0)
     assert all(r["evidence_mass"] != r["evidence_mass"] for r in rows)  # NaN: a pyfunc does not show its attention
+    assert os.environ.get("MLFLOW_TRACKING_URI") == tracking_env  # no global state left for later tests' processes
