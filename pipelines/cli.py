@@ -252,6 +252,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if value is None:
         if type(None) in options:
             return None
+        if str in options:  # `--model.memory none` names the no-memory baseline: a word, not an empty value
+            return "none"
         raise ConfigError(f"{name} cannot be empty: give it a {_metavar(hint).lower()}")
     item = _list_item(hint)
     if item is not None:

@@ -93,3 +93,12 @@ def test_peek_reads_a_field_before_the_parse(tmp_path):
     assert peek(["--config", str(path)], "stage", 0) == 2
     assert peek(["--config", str(path), "--stage", "1"], "stage", 0) == 1
     assert peek([], "stage", 0) == 0
+
+
+def test_none_is_a_word_for_a_string_field_and_empty_for_an_optional_one():
+    """`--model.memory none` is the no-memory baseline; `--model.init_from none` clears an optional path."""
+    from pipelines.cli import parse_config
+    from pipelines.train.config import StageConfig
+
+    config = parse_config(["--model.memory", "none", "--model.init_from", "none"], StageConfig())
+    assert config.model.memory == "none" and config.model.init_from is None
