@@ -98,7 +98,7 @@ class Source:
     system: dict[str, Any]
     run_id: str | None = None  # the training run, when known (metrics are logged onto it too)
     registered: tuple[str, str] | None = None  # (name, version), for a models:/ URI
-    served: str | None = None  # the models:/ URI: its needles are answered by the registered pyfunc, as served
+    served: str | None = None  # a registered version's pyfunc artifacts: its needles are answered by it, as served
 
 
 def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
@@ -121,14 +121,14 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
             *reference[len("models:/"):].split("/", 1))
         run_id = version.run_id
         registered = (version.name, str(version.version))
+        served = client.get_model_version_download_uri(version.name, version.version)  # its pyfunc, where it lies
     else:
-        run_id, registered = reference, None
+        run_id, registered, served = reference, None, None
     names = {a.path for a in client.list_artifacts(run_id)}
     if "export" not in names:
         raise FileNotFoundError(f"MLflow run {run_id} has no `export` artifact: evaluate a run that finished training")
     export = client.download_artifacts(run_id, "export", str(workdir / run_id))
-    return Source("", export, read_system(export), run_id=run_id, registered=registered,
-                  served=reference if registered else None)
+    return Source("", export, read_system(export), run_id=run_id, registered=registered, served=served)
 
 
 def load_system(name: str, export: str, system: dict[str, Any], device: str = "cpu", served: str | None = None,
@@ -140,8 +140,7 @@ def load_system(name: str, export: str, system: dict[str, Any], device: str = "c
     if served:  # explicit URIs: mlflow.set_tracking_uri would also set $MLFLOW_TRACKING_URI for every later process
         import mlflow
 
-        local = mlflow.artifacts.download_artifacts(artifact_uri=served, tracking_uri=tracking_uri,
-                                                    registry_uri=tracking_uri)
+        local = mlflow.artifacts.download_artifacts(artifact_uri=served, tracking_uri=tracking_uri)
         return System(name, None, system_mode(system), needle_spec(system), served=mlflow.pyfunc.load_model(local))
     model = AwarenessModel.from_pretrained(export).to(device).eval()
     return System(name, model, system_mode(system), needle_spec(system))

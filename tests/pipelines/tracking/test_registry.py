@@ -192,18 +192,19 @@ def test_the_readme_example_asks_in_the_training_format():
         assert f"{question} = {answer} ;" in " ".join(memory)
 
 
-def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, mlflow_server):
+def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, mlflow_server, tmp_path):
     """jobs/evaluate.py --model models:/NAME@ALIAS asks the pyfunc users are served (text in, text out): its
     answers to the needle probes are the model's own greedy answers."""
     from pipelines.data.memory_modes import MemoryMode
-    from pipelines.evaluate.job import load_system
+    from pipelines.evaluate.job import load_system, resolve_model
     from pipelines.evaluate.ruler import make_probe
     from pipelines.evaluate.suites import System, answer_probe, score_probe
 
     model, _, _ = registered
     tracking_env = os.environ.get("MLFLOW_TRACKING_URI")
-    served = load_system("gca", "", {"memory": "gca"}, served=f"models:/{NAME}@candidate",
-                         tracking_uri=mlflow_server.uri)
+    source = resolve_model(f"models:/{NAME}@candidate", mlflow_server.uri, tmp_path)
+    assert source.registered and source.served and source.system["memory"] == "gca"
+    served = load_system("gca", source.export, source.system, served=source.served, tracking_uri=mlflow_server.uri)
     direct = System("gca", model, MemoryMode(), NeedleSpec())
     known = set(needle_tokenizer().get_vocab().values())  # text can only carry ids the vocabulary names (this random
     for variant in ("single", "multi_value"):  # tiny decoder's 512 ids go past the needle vocabulary's 496)
