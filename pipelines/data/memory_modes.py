@@ -45,6 +45,9 @@ class MemoryMode:
         return p
 
 
+GCA, NO_MEMORY = MemoryMode("gca"), MemoryMode("none")  # the GCA system, and any model with its memory withheld
+
+
 def top_chunks(chunks: list[list[int]], query: list[int], k: int) -> list[int]:
     """Indices of the k chunks BM25 ranks highest for the query, best first (ties: memory order)."""
     if not chunks:

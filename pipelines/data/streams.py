@@ -17,8 +17,8 @@ import torch
 
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.shards import RankReader, Split, head_rows, load_split
-from pipelines.data.memory_modes import MemoryMode, memory_into_prompt
-from pipelines.data.synthetic_needles import GCA, NeedleSpec, make_batch, needle_batch
+from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
+from pipelines.data.synthetic_needles import NeedleSpec, make_batch, needle_batch
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 

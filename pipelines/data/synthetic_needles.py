@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipelines.data.memory_modes import MemoryMode, prompt_memory
+from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memory
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
 VALUES = range(10, 100)  # value tokens: a value position draws from the first `value_range` of them
@@ -26,7 +26,6 @@ KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
 IGNORE = -100
 PROMPT_LEN = 2  # BOS key
-GCA = MemoryMode()
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pipelines.data.memory_modes import MemoryMode
+from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
-
-GCA, NO_MEMORY = MemoryMode("gca"), MemoryMode("none")
 
 
 @torch.no_grad()

@@ -13,10 +13,8 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel
-from pipelines.data.memory_modes import MemoryMode
-from pipelines.data.synthetic_needles import GCA, NeedleSpec, needle_batch
-
-NO_MEMORY = MemoryMode("none")
+from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
+from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
 
 
 @dataclass
