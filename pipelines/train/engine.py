@@ -23,6 +23,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from models import UNPARTITIONED, AwarenessModel, Partitioner
 from pipelines.tracking.checkpoints import EXPORT_DIR
 from pipelines.train.config import StageConfig, TrainConfig, Ul2Config
+from pipelines.train.prebuild import clear_stale_build_lock
 
 ENGINE_TAG = "engine"
 STATE_FILE = "trainer_state.json"
@@ -101,6 +102,7 @@ def setup_deepspeed(model: torch.nn.Module, config, groups: dict[str, list[torch
     scheduler = lr_scheduler(optimizer, t)
     if config.deepspeed.zero_stage == 3:
         mark_zero3_leaf_modules(model)
+    clear_stale_build_lock()  # initialize loads DeepSpeed's CPU comm op; a killed build's lock would hang it
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine
 
