@@ -191,7 +191,7 @@ def test_the_issue_must_show_prod_on_16_gpus_dry_runs_and_fits(paths):
 
 # ---------------------------------------------------------------------------------------------- ray, hf, mlflow
 TOOLS = ("ray job submit", "ray up", "ray down", "ray exec", "ray attach", "ray dashboard", "hf download",
-         "mlflow server", "mlflow ui")
+         "mlflow server", "mlflow ui", "mlflow models serve")
 
 
 def tool_commands() -> dict[str, set[str]]:
@@ -212,7 +212,7 @@ def tool_commands() -> dict[str, set[str]]:
 def test_every_documented_ray_hf_and_mlflow_flag_exists():
     used = tool_commands()
     assert {"ray job submit", "ray up", "ray exec", "ray dashboard", "ray attach", "hf download",
-            "mlflow server"} <= set(used), used
+            "mlflow server", "mlflow models serve"} <= set(used), used
     bin_dir = Path(sys.executable).parent
     for tool, flags in sorted(used.items()):
         program, *sub = tool.split()

@@ -70,3 +70,65 @@ def _wait_port_closed(port: int, timeout: float = 10) -> None:
             if s.connect_ex(("127.0.0.1", port)) != 0:
                 return
         time.sleep(0.2)
+
+
+class ModelServer:
+    """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (README)."""
+
+    def __init__(self, model_uri: str, tracking_uri: str, root: Path):
+        self.model_uri, self.tracking_uri, self.root = model_uri, tracking_uri, root
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300) -> "ModelServer":
+        command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", self.model_uri, "--env-manager", "local",
+                   "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        log = open(self.root / "serve.log", "ab")  # noqa: SIM115 - closed with the process
+        # the venv's bin on PATH, as after `source .venv/bin/activate`: the scoring server is run as `uvicorn`
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PATH": path}
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, cwd=self.root, start_new_session=True, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow models serve exited: {(self.root / 'serve.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/ping", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"mlflow models serve did not answer on {self.url} within {timeout}s")
+
+    def predict(self, rows: list[dict], params: dict | None = None) -> list:
+        """POST /invocations with dataframe_records, as the README's curl does; the answers."""
+        import json
+
+        body = {"dataframe_records": rows, **({"params": params} if params else {})}
+        request = urllib.request.Request(f"{self.url}/invocations", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return json.loads(response.read())["predictions"]
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _wait_port_closed(self.port)
+
+    def __enter__(self) -> "ModelServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

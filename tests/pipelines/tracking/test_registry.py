@@ -39,6 +39,19 @@ def registered(tmp_path_factory, checkpoint_root, mlflow_server):
     return model, version, run.info.run_id
 
 
+def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) -> tuple[list[dict], list[str]]:
+    """Stage-0 needle questions as served text: rows of {question, memory} and each question's true value."""
+    tokenizer = needle_tokenizer()
+    rows, values = [], []
+    for index in range(memories):
+        example = make_example(spec, seed=seed, index=index)
+        memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
+        for question in example["input_ids"]:
+            rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
+            values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
+    return rows, values
+
+
 def test_needle_tokenizer_maps_text_to_the_training_ids():
     tokenizer = needle_tokenizer()
     example = make_example(NeedleSpec(), seed=7, index=3)
@@ -214,3 +227,21 @@ def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, m
     rows = score_probe(served, "single", 1, seed=0, index=0)
     assert all(r["evidence_mass"] != r["evidence_mass"] for r in rows)  # NaN: a pyfunc does not show its attention
     assert os.environ.get("MLFLOW_TRACKING_URI") == tracking_env  # no global state left for later tests' processes
+
+
+@pytest.mark.slow
+def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_path, monkeypatch):
+    """`mlflow models serve -m models:/NAME@candidate` (the README's command) answers needle questions over REST
+    exactly as the pyfunc loaded in process does (the slow learning test scores a trained model over REST)."""
+    import mlflow
+
+    from tests.pipelines.mlflow_server import ModelServer
+
+    rows, _ = needle_questions(seed=5, memories=2)
+    with ModelServer(f"models:/{NAME}@candidate", mlflow_server.uri, tmp_path) as server:
+        served = server.predict(rows)
+        limited = server.predict(rows[:1], params={"max_new_tokens": 1})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    here = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate").predict(rows)
+    assert served == here and len(served) == len(rows)
+    assert len(limited[0].split()) <= 1  # request params reach predict

@@ -14,24 +14,31 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.slow
 def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
+    tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = subprocess.run([sys.executable, str(ROOT / "jobs" / "stage0.py"), "--run.storage_path",
-                             str(tmp_path / "ray")], cwd=tmp_path, capture_output=True, text=True, timeout=1500)
+                             str(tmp_path / "ray"), "--tracking.tracking_uri", tracking_uri],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     print(json.dumps(summary))  # shown by `pytest -rA`: the numbers the README reports
     assert summary["needle_accuracy"] >= 0.9, summary
     assert summary["no_memory_accuracy"] <= 0.2, summary
     assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
-    # the README's registry example, asked of this model through the served pyfunc's own code
-    import types
+    # registered with jobs/register.py and served with `mlflow models serve` (the README's commands): the README's
+    # registry example and fresh needle questions, asked over REST in text
+    from tests.pipelines.mlflow_server import ModelServer
+    from tests.pipelines.tracking.test_registry import needle_questions, readme_registry_example
 
-    from pipelines.tracking.pyfunc import AwarenessPyfunc, ensure_tokenizer
-    from models import AwarenessConfig
-    from tests.pipelines.tracking.test_registry import readme_registry_example
-
-    ensure_tokenizer(AwarenessConfig.load(Path(summary["export"])).decoder)
-    served = AwarenessPyfunc()
-    served.load_context(types.SimpleNamespace(artifacts={"export": summary["export"]},
-                                              model_config={"max_new_tokens": 4, "eos_token": "<eos>"}))
+    registered = subprocess.run([sys.executable, str(ROOT / "jobs" / "register.py"), "--run_id",
+                                 summary["mlflow_run_id"], "--tracking_uri", tracking_uri],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert registered.returncode == 0, registered.stderr[-3000:]
+    version = json.loads(registered.stdout.strip().splitlines()[-1])
     memory, questions, answers = readme_registry_example()
-    assert served.predict(None, [{"question": q, "memory": memory} for q in questions]) == answers
+    rows, values = needle_questions(seed=99, memories=8)
+    with ModelServer(f"models:/{version['name']}@candidate", tracking_uri, tmp_path) as server:
+        assert server.predict([{"question": q, "memory": memory} for q in questions]) == answers
+        served = server.predict(rows)
+    accuracy = sum(a == v for a, v in zip(served, values, strict=True)) / len(values)
+    print(json.dumps({"rest_needle_accuracy": accuracy, "questions": len(values)}))
+    assert accuracy >= 0.9, list(zip(served, values))
