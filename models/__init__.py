@@ -1,9 +1,11 @@
-"""Awareness models: Qwen3 decoders reading an encoder memory through gated cross-attention.
+"""Awareness models: Qwen3 decoders reading an encoder memory through gated cross-attention
+(or, in `models/cross_attention.py`, a classic per-layer cross-attention decoder).
 
 Imports torch and transformers only (no ray, deepspeed or mlflow), so it runs anywhere.
 """
 
 from models.awareness import AwarenessConfig, AwarenessModel, AwarenessOutput
+from models.cross_attention import Qwen3CrossAttentionConfig, Qwen3CrossAttentionForCausalLM
 from models.flops import StepFlops, training_flops
 from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, gca_parameter_count
 from models.memory import MemoryEncoder
@@ -28,6 +30,8 @@ __all__ = [
     "MemoryPadding",
     "PairSpec",
     "Partitioner",
+    "Qwen3CrossAttentionConfig",
+    "Qwen3CrossAttentionForCausalLM",
     "Qwen3EncoderDecoderConfig",
     "Qwen3EncoderModel",
     "Qwen3ForSeq2SeqLM",
