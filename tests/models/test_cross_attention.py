@@ -1,6 +1,7 @@
 """The classic cross-attention decoder: causality, cached decoding against full forwards, memory padding, gradients,
-one layer against a hand-written reference (GQA, RoPE on self-attention only), memory keys/values projected once
-per generation, beam search against a written-out beam search, save/load, gradient checkpointing."""
+parity with Qwen3ForCausalLM when there is nothing to read, one layer against a hand-written reference (GQA, RoPE on
+self-attention only), memory keys/values projected once per generation, beam search against a written-out beam
+search, save/load, gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from models import Qwen3CrossAttentionConfig, Qwen3CrossAttentionForCausalLM
 from models.cross_attention import CrossAttentionDecoderLayer
@@ -93,6 +95,24 @@ def test_gradients_reach_the_memory_and_every_parameter(model):
     assert mem.grad is not None and mem.grad.abs().sum() > 0
     missing = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert not missing, f"no gradient for {missing}"
+
+
+def test_with_no_memory_to_read_it_is_qwen3_on_qwen3_weights():
+    """Self-attention, MLP and norms are Qwen3's under Qwen3's names: a Qwen3ForCausalLM state dict loads by name
+    (only the cross-attention and the projection are new), and with every memory position masked the logits are
+    Qwen3ForCausalLM's."""
+    model = make_model()
+    fields = {k: v for k, v in model.config.to_dict().items()
+              if k not in ("model_type", "memory_hidden_size", "architectures", "transformers_version")}
+    torch.manual_seed(1)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**fields)).eval()
+    result = model.load_state_dict(qwen3.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert all(".cross_attn" in k or "memory_projection" in k for k in result.missing_keys), result.missing_keys
+    ids = random_ids(2, 9, vocab=V, seed=1)
+    got = logits(model, ids, memory(2, 5, seed=2), memory_mask=torch.zeros(2, 5, dtype=torch.bool))
+    with torch.no_grad():
+        torch.testing.assert_close(got, qwen3(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------- one layer, written out
