@@ -146,6 +146,26 @@ def test_a_store_from_another_encoder_is_refused(store, export, pair_root, tmp_p
     MemoryStore(store).check(encoder_identity(pair_root / spec.encoder, dtype=torch.bfloat16))
 
 
+def test_the_pyfunc_answers_from_a_store_as_from_the_chunk_texts(store, export):
+    from pipelines.tracking.pyfunc import AwarenessPyfunc, ensure_tokenizer
+
+    ensure_tokenizer(AwarenessModel.from_pretrained(export).config.decoder)  # the served model's tokenizer.json
+    texts = MemoryStore(store).texts()
+    questions = ["Which function returns x * 7?", "What is the answer?"]
+    pyfunc = AwarenessPyfunc()
+    pyfunc.load_context(SimpleNamespace(artifacts={"export": str(export)}, model_config={"max_new_tokens": 6}))
+    from_texts = pyfunc.predict(None, [{"question": q, "memory": texts} for q in questions])
+    from_store = pyfunc.predict(None, [{"question": q, "memory_store": str(store)} for q in questions])
+    without = pyfunc.predict(None, [{"question": q} for q in questions])
+    assert from_store == from_texts and from_store != without
+    configured = AwarenessPyfunc()
+    configured.load_context(SimpleNamespace(artifacts={"export": str(export)},
+                                            model_config={"max_new_tokens": 6, "memory_store": str(store)}))
+    assert configured.predict(None, [{"question": q} for q in questions]) == from_texts
+    with pytest.raises(ValueError, match="not both"):
+        pyfunc.predict(None, [{"question": questions[0], "memory": texts, "memory_store": str(store)}])
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_job_builds_the_same_store_on_ray_data(store, export, repo, tmp_path):
