@@ -166,6 +166,24 @@ def test_the_pyfunc_answers_from_a_store_as_from_the_chunk_texts(store, export):
         pyfunc.predict(None, [{"question": questions[0], "memory": texts, "memory_store": str(store)}])
 
 
+def test_the_efficiency_suite_reads_gca_memory_from_a_store(export, monkeypatch):
+    """gca's time to first token is timed over a store written to disk and read back, checked against its encoder."""
+    from pipelines.data.memory_modes import MemoryMode
+    from pipelines.data.synthetic_needles import NeedleSpec
+    from pipelines.evaluate import suites
+
+    model = AwarenessModel.from_pretrained(export).eval()
+    reads = []
+    original = memory_store.read
+    monkeypatch.setattr(memory_store, "read", lambda *a, **k: reads.append(a) or original(*a, **k))
+    row = suites.efficiency_row(suites.System("gca", model, MemoryMode(), NeedleSpec(), export=str(export)), 256,
+                                decode_tokens=2, repeats=2)
+    assert row["ttft_s"] > 0 and row["encode_s"] > 0
+    assert len(reads) == 1 + 2 + 1  # the warm-up and each timed first token read the store; generate reads it once
+    with pytest.raises(ValueError, match="export"):
+        suites.efficiency_row(suites.System("gca", model, MemoryMode(), NeedleSpec()), 256, decode_tokens=2)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_job_builds_the_same_store_on_ray_data(store, export, repo, tmp_path):
