@@ -184,6 +184,16 @@ def test_the_efficiency_suite_reads_gca_memory_from_a_store(export, monkeypatch)
         suites.efficiency_row(suites.System("gca", model, MemoryMode(), NeedleSpec()), 256, decode_tokens=2)
 
 
+def test_the_job_refuses_a_model_that_is_no_export_nor_encoder_before_starting_ray(repo, tmp_path, capsys):
+    import jobs.encode_memory
+
+    with pytest.raises(SystemExit) as exit:
+        jobs.encode_memory.main(["--model", str(tmp_path), "--sources", str(repo), "--out", str(tmp_path / "s")])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and "neither an export" in err
+    assert json.loads(out.strip().splitlines()[-1])["job"] == "encode_memory"
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_the_job_builds_the_same_store_on_ray_data(store, export, repo, tmp_path):
