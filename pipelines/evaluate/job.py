@@ -143,7 +143,7 @@ def load_system(name: str, export: str, system: dict[str, Any], device: str = "c
         local = mlflow.artifacts.download_artifacts(artifact_uri=served, tracking_uri=tracking_uri)
         return System(name, None, system_mode(system), needle_spec(system), served=mlflow.pyfunc.load_model(local))
     model = AwarenessModel.from_pretrained(export).to(device).eval()
-    return System(name, model, system_mode(system), needle_spec(system))
+    return System(name, model, system_mode(system), needle_spec(system), export=export)
 
 
 def needle_spec(system: dict[str, Any]) -> NeedleSpec:

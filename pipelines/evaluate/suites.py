@@ -5,6 +5,7 @@ Data actors (pipelines.evaluate.job); they take no Ray themselves, so a test can
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import psutil
 import torch
 
 from models import AwarenessModel
+from pipelines.data import memory_store
 from pipelines.data.memory_modes import MemoryMode, prompt_memory, top_chunks
 from pipelines.data.synthetic_needles import EOS, FILLER, PAD, NeedleSpec
 from pipelines.evaluate.metrics import attention_mass, string_match_all, top_chunk_is_evidence
@@ -24,13 +26,15 @@ from pipelines.evaluate.ruler import Probe, as_text, make_probe
 @dataclass(frozen=True)
 class System:
     """A loaded model and how it reads its memory; `name` labels it in results.json. `served`: the registered
-    version's pyfunc (mlflow.pyfunc.load_model), which then answers instead, text in and text out, as users get it."""
+    version's pyfunc (mlflow.pyfunc.load_model), which then answers instead, text in and text out, as users get it.
+    `export`: the directory the model was loaded from (its encoder's identity, for the memory store gca reads)."""
 
     name: str
     model: AwarenessModel | None
     mode: MemoryMode
     spec: NeedleSpec
     served: Any = None
+    export: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- needles
@@ -167,8 +171,10 @@ def _timed(fn, repeats: int) -> tuple[float, Any]:
 @torch.no_grad()
 def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 16, repeats: int = 3) -> dict[str, Any]:
     """Time to first token, per-token decode and peak memory for one question over a memory of `memory_tokens`.
-    gca reads a memory store encoded once (its encode time is reported apart, as `encode_s`); in_context pays the
-    prefill of the whole memory, rag its retrieval and the prefill of its k chunks, none only the question."""
+    gca reads a memory store encoded once and written to disk (pipelines.data.memory_store, in this process's temp
+    dir): its first token pays loading the store, the projection and the prefill of the question, and the encoding is
+    reported apart (`encode_s`); in_context pays the prefill of the whole memory, rag its retrieval and the prefill of
+    its k chunks, none only the question."""
     model, mode, device = system.model, system.mode, system.model.device
     memory = filler_memory(memory_tokens, system.spec.chunk_len)
     question = [1, 100]  # BOS key
@@ -176,17 +182,18 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    with PeakRss() as rss:
+    with PeakRss() as rss, tempfile.TemporaryDirectory(prefix="memory-store-") as store:
         if mode.kind == "gca":
-            ids = torch.from_numpy(memory)[None].to(device)
-            row["encode_s"], (states, mask) = _timed(lambda: model.encode_memory(ids), 1)
+            row["encode_s"], identity = write_filler_store(system, memory, store)
 
             def first_token():
+                states, mask = memory_store.read(store, identity, device=device)
                 gca_memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
                 logits = model(input_ids=prompt, gca_memory=gca_memory).logits
                 return logits[:, -1].argmax(-1)
 
             prompt = torch.tensor([question], device=device)
+            states, mask = memory_store.read(store, identity, device=device)
             generate_kwargs = {"memory_states": states, "memory_states_mask": mask}
         else:
             def first_token():
@@ -205,6 +212,21 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
     row["peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else rss.grown_mib
     row["peak_kind"] = "cuda_max_allocated" if cuda else "rss_growth"
     return row
+
+
+def write_filler_store(system: System, memory: np.ndarray, directory: str) -> tuple[float, memory_store.EncoderIdentity]:
+    """Encodes the memory's chunks (C, L) with the system's encoder and writes them as a store; returns the encoding
+    seconds (one timed call after a warm-up) and the export's encoder identity, which the store carries and a reader
+    is checked against."""
+    if system.export is None:
+        raise ValueError(f"{system.name}: gca's efficiency reads a memory store, which names the export's encoder; "
+                         f"load the system from its export (pipelines.evaluate.job.load_system)")
+    ids = torch.from_numpy(memory)[None].to(system.model.device)  # (1, C, L)
+    seconds, (states, _) = _timed(lambda: system.model.encode_memory(ids), 1)  # (1, C*L, H_enc)
+    identity = memory_store.encoder_identity(system.export, dtype=system.model.memory_encoder.encoder.dtype)
+    chunks = [("filler", i, "") for i in range(memory.shape[0])]
+    memory_store.write(directory, chunks, states[0].split(memory.shape[1]), identity)
+    return seconds, identity
 
 
 @torch.no_grad()

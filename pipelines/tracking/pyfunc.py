@@ -9,6 +9,9 @@ corpora's offline Qwen3 tokenizer converted to tokenizer.json; the 512-id needle
 WordLevel tokenizer over stage 0's needle vocabulary, so a needle question is text too (`k117 =` -> `4 0 7`).
 The question is a template (special-token strings in it are control tokens, as the corpus prompts' parts are);
 memory chunks are plain text (special-token strings stay text, as the corpus builder encodes chunks).
+Instead of chunk texts, a row may name a memory store (`memory_store`: a directory jobs/encode_memory.py wrote; or
+`memory_store` in the model_config, for rows that give no memory): the model then reads the stored encoder states
+and runs no encoder. A store made by another encoder is refused (pipelines.data.memory_store).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def ensure_tokenizer(decoder_dir: str | Path) -> Path:
 
 
 class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
-    """predict(rows of {question: str, memory: list[str]}) -> list of answers (greedy, memory read through GCA)."""
+    """predict(rows of {question: str, memory: list[str]} or {question: str, memory_store: str}) -> list of answers
+    (greedy, memory read through GCA)."""
 
     def load_context(self, context) -> None:
         from tokenizers import Tokenizer
@@ -72,7 +76,8 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         from models import AwarenessModel
         from pipelines.data.tokenizer import text_tokenizer
 
-        self.model = AwarenessModel.from_pretrained(context.artifacts["export"]).eval()
+        self.export = context.artifacts["export"]
+        self.model = AwarenessModel.from_pretrained(self.export).eval()
         path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
         self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
         self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text
@@ -83,10 +88,17 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         self.pad_token_id = self.tokenizer.token_to_id(settings.get("pad_token") or "<pad>") or 0
         # False for corpus-trained models: their answers may be made of agentic tokens (<plan>, <read>, <edit>)
         self.skip_special_tokens = bool(settings.get("skip_special_tokens", True))
+        self.memory_store = settings.get("memory_store")  # read by rows that give neither memory nor memory_store
+        self.identity = None  # the encoder's identity, computed (hashing its files) when a store is first read
+        self.stores: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
         max_new_tokens = int((params or {}).get("max_new_tokens") or self.max_new_tokens)
-        return [self.answer(question, list(memory), max_new_tokens) for question, memory in _rows(model_input)]
+        answers = []
+        for question, memory, store in _rows(model_input):
+            store = store or (None if memory else self.memory_store)
+            answers.append(self.answer(question, memory, max_new_tokens, store=store))
+        return answers
 
     def encode(self, question: str, memory: list[str]) -> dict[str, torch.Tensor]:
         """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded."""
@@ -101,8 +113,27 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
             ids[0, i, : len(chunk)], mask[0, i, : len(chunk)] = torch.tensor(chunk), 1
         return {"input_ids": prompt, "memory_input_ids": ids, "memory_attention_mask": mask}
 
-    def answer(self, question: str, memory: list[str], max_new_tokens: int) -> str:
-        inputs = self.encode(question, memory)
+    def stored_memory(self, directory: str) -> dict[str, torch.Tensor]:
+        """A store's states as memory_states/memory_states_mask, checked against this model's encoder; the last store
+        read is kept (until its manifest changes), so a run of questions over one repository reads it once."""
+        from pipelines.data.memory_store import MANIFEST, MemoryStore, encoder_identity
+
+        if self.identity is None:
+            self.identity = encoder_identity(self.export, dtype=self.model.memory_encoder.encoder.dtype)
+        manifest = Path(directory) / MANIFEST
+        key = (str(Path(directory).resolve()), manifest.stat().st_mtime_ns if manifest.is_file() else 0)
+        if key not in self.stores:
+            store = MemoryStore(directory)
+            store.check(self.identity)
+            self.stores = {key: store.memory(device=self.model.device)}
+        states, mask = self.stores[key]
+        return {"memory_states": states, "memory_states_mask": mask}
+
+    def answer(self, question: str, memory: list[str], max_new_tokens: int, store: str | None = None) -> str:
+        if store and memory:
+            raise ValueError("a row gives either memory (chunk texts) or memory_store (a store directory), not both")
+        inputs = self.encode(question, memory) if not store else {
+            "input_ids": self.encode(question, [])["input_ids"], **self.stored_memory(store)}
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
         return self.decode(out[0, inputs["input_ids"].shape[1]:].tolist())
@@ -114,8 +145,9 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         return self.tokenizer.decode(ids[:end], skip_special_tokens=self.skip_special_tokens)
 
 
-def _rows(model_input) -> list[tuple[str, list[str]]]:
-    """A DataFrame with columns question and memory, a dict, or a list of dicts."""
+def _rows(model_input) -> list[tuple[str, list[str], str | None]]:
+    """(question, memory texts, memory store) from a DataFrame with columns question and memory or memory_store, a
+    dict, or a list of dicts."""
     if hasattr(model_input, "to_dict"):
         model_input = model_input.to_dict(orient="records")
     if isinstance(model_input, dict):
@@ -123,9 +155,12 @@ def _rows(model_input) -> list[tuple[str, list[str]]]:
     rows = []
     for row in model_input:
         if "question" not in row:
-            raise ValueError(f"each input needs a 'question' (text) and a 'memory' (list of chunk texts); got {sorted(row)}")
-        memory = row.get("memory")
-        rows.append((str(row["question"]), [] if memory is None else [str(m) for m in memory]))
+            raise ValueError(f"each input needs a 'question' (text) and a 'memory' (list of chunk texts) or a "
+                             f"'memory_store' (a directory written by jobs/encode_memory.py); got {sorted(row)}")
+        memory, store = row.get("memory"), row.get("memory_store")
+        memory = [] if memory is None or isinstance(memory, float) else [str(m) for m in memory]  # float: a NaN cell
+        store = store if isinstance(store, str) and store else None
+        rows.append((str(row["question"]), memory, store))
     return rows
 
 
@@ -134,7 +169,8 @@ def signature():
     from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
     return ModelSignature(
-        inputs=Schema([ColSpec(DataType.string, "question"), ColSpec(Array(DataType.string), "memory")]),
+        inputs=Schema([ColSpec(DataType.string, "question"), ColSpec(Array(DataType.string), "memory", required=False),
+                       ColSpec(DataType.string, "memory_store", required=False)]),
         outputs=Schema([ColSpec(DataType.string)]),
         params=ParamSchema([ParamSpec("max_new_tokens", DataType.long, 0)]),
     )

@@ -2,7 +2,7 @@
 (its comments) and the jobs' docstrings, with placeholders (corpus paths, exports, checkpoint roots, sources) replaced
 by test paths that exist. The training jobs and the sweep dry-run through their own entry points (validation and the
 memory plan must pass; a GPU command's plan must fit), jobs/plan.py runs for real, the others parse and validate
-(build_corpus checks its sources exist). The issue's must-show command runs as a process. The `ray`, `hf` and
+(build_corpus and encode_memory check their sources exist). The issue's must-show command runs as a process. The `ray`, `hf` and
 `mlflow` commands shown beside them use only flags their own --help lists."""
 
 from __future__ import annotations
@@ -160,10 +160,11 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         from jobs.build_corpus import BuildJob
         from jobs.generate import GenerateArgs
         from jobs.register import RegisterArgs
+        from pipelines.data.memory_encoding import EncodeMemoryConfig
         from pipelines.evaluate.job import EvaluateConfig
 
         default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs(),
-                   "evaluate": EvaluateConfig()}[command.job]
+                   "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig()}[command.job]
         parse_config(args, default)  # exits 2 with the problem on stderr when the command is wrong
 
 

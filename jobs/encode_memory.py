@@ -1,0 +1,54 @@
+"""Encode a repository once into a memory store, on Ray Data: what `jobs/evaluate.py` and the served pyfunc read
+instead of running the encoder for every query.
+
+    python jobs/encode_memory.py --model EXPORT_OR_ENCODER --sources REPO --out STORE
+    python jobs/encode_memory.py --model EXPORT --sources REPO --out STORE --use_gpu true --actors 4
+
+Writes STORE/store.json (chunks, token counts, rejected files by reason, the encoder's identity), STORE/chunks.jsonl
+and STORE/states-*.safetensors; ends with a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+
+from pipelines.cli import parse_config
+from pipelines.data.memory_encoding import EncodeMemoryConfig, encode_repository
+from pipelines.data.memory_store import encoder_source
+
+
+def refuse(error: Exception) -> None:
+    """A problem the user fixes (no such model, nothing to encode): one line on stderr, the summary, exit 2."""
+    print(f"encode_memory: {error}", file=sys.stderr)
+    print(json.dumps({"job": "encode_memory", "error": str(error)}), flush=True)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_config(argv, EncodeMemoryConfig(), description=__doc__)
+    try:
+        encoder_source(config.model, config.encoder_attention)  # before Ray starts: an export or encoder directory
+    except FileNotFoundError as error:
+        refuse(error)
+    # --num_cpus asks for a local instance of that size; without it, Ray joins $RAY_ADDRESS or a cluster started on
+    # this machine, else starts one with every CPU.
+    ray.init(address="local" if config.num_cpus else None, num_cpus=config.num_cpus, include_dashboard=False,
+             ignore_reinit_error=True, log_to_driver=False)
+    try:
+        manifest = encode_repository(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (FileNotFoundError, ValueError) as error:
+        refuse(error)
+    finally:
+        ray.shutdown()
+    summary = {"job": "encode_memory", "store": config.out, "chunks": len(manifest["chunks"]),
+               "tokens": manifest["tokens"], "files": manifest["files"], "rejects": manifest["rejects"],
+               "encoder": manifest["encoder"]["checkpoint"], "seconds": manifest["seconds"]}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
