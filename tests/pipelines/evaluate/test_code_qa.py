@@ -159,7 +159,8 @@ def test_each_system_sees_the_memory_where_it_reads_it(rows):
     prompt = row["input_ids"][: row["labels"].index(next(label for label in row["labels"] if label != -100))]
     gca = prompt_inputs(row, MemoryMode("gca"))
     assert gca["input_ids"][0].tolist() == prompt
-    chunks = [ids[mask.bool()].tolist() for ids, mask in zip(gca["memory_input_ids"][0], gca["memory_attention_mask"][0])]
+    memory, mask = gca["memory_input_ids"][0], gca["memory_attention_mask"][0].bool()  # (chunks, longest chunk)
+    chunks = [ids[keep].tolist() for ids, keep in zip(memory, mask)]
     assert chunks == [list(c) for c in row["memory_input_ids"]]  # every chunk whole, none cut
     in_context = prompt_inputs(row, MemoryMode("in_context"))
     assert set(in_context) == {"input_ids"}
@@ -215,7 +216,8 @@ def test_refusals_name_the_fix(tmp_path, corpus):
             held_out_rows(CodeQaSuite(corpus=str(directory)))
         return str(error.value)
 
-    assert "no such directory" in refusal(tmp_path / "nope") and "build_corpus.py --stage 0" in refusal(tmp_path / "nope")
+    missing = refusal(tmp_path / "nope")
+    assert "no such directory" in missing and "build_corpus.py --stage 0" in missing
     assert "not a corpus (no manifest.json)" in refusal(tmp_path)
     only_train = tmp_path / "only-train"
     (only_train / "train").mkdir(parents=True)
