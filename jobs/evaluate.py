@@ -3,6 +3,7 @@
     python jobs/evaluate.py --model outputs/ray/stage0-tiny/checkpoint_X/export --suite needle --out eval/
     python jobs/evaluate.py --model EXPORT_GCA EXPORT_IN_CONTEXT EXPORT_RAG EXPORT_NONE --suite needle,efficiency --out eval/
     python jobs/evaluate.py --model models:/awareness@candidate --suite needle --out eval/
+    python jobs/evaluate.py --model EXPORT --suite code_qa --code_qa.corpus DIR --out eval/
 
 Writes OUT/results.json ({"systems": {name: {"metrics": ..., "counts": ...}}}) and plots, logs them to MLflow, and
 ends with a one-line JSON summary.

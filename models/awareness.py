@@ -180,6 +180,21 @@ class AwarenessModel(nn.Module):
         """|tanh(gate)| of each GCA layer's attention: how much each layer reads the memory."""
         return {i: float(block.gate.detach().float().tanh().abs()) for i, block in self.gca_blocks().items()}
 
+    @torch.no_grad()
+    def memory_attention(self, **inputs: Any) -> list[torch.Tensor]:
+        """Where each GCA layer reads when it predicts the token after each row: one forward over `inputs` (one
+        memory row per prompt row) and, per GCA layer in layer order, the attention over the memory at the last
+        position, (B, H, M) on the CPU. Evaluation's memory-attention accuracy; the probe is switched off again."""
+        blocks = list(self.gca_blocks().values())
+        for block in blocks:
+            block.probe_attention = True
+        try:
+            self(**inputs)
+            return [block.last_attention[:, :, -1].cpu() for block in blocks]  # (B_mem, H, r*T, M) -> (B, H, M)
+        finally:
+            for block in blocks:
+                block.probe_attention, block.last_attention = False, None
+
     @property
     def device(self) -> torch.device:
         return self.decoder.get_input_embeddings().weight.device

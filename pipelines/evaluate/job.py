@@ -20,11 +20,13 @@ from typing import Any
 
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.evaluate import code_qa
+from pipelines.evaluate.code_qa import CodeQaSuite
 from pipelines.evaluate.metrics import rate_interval
 from pipelines.evaluate.ruler import VARIANTS, memory_chunks
 
 SUITES = ("needle", "efficiency", "code_qa", "commits")
-AVAILABLE = ("needle", "efficiency")  # code_qa and commits: metrics and the sandbox exist, the suites do not yet
+AVAILABLE = ("needle", "efficiency", "code_qa")  # commits: its metrics and the sandbox exist, the suite not yet
 RESULTS = "results.json"
 
 
@@ -59,6 +61,7 @@ class EvaluateConfig:
     use_gpu: bool = False  # one GPU per actor
     needle: NeedleSuite = field(default_factory=NeedleSuite)
     efficiency: EfficiencySuite = field(default_factory=EfficiencySuite)
+    code_qa: CodeQaSuite = field(default_factory=CodeQaSuite)  # held-out repositories: a stage-0 corpus's val split
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
     experiment: str = "awareness-evaluate"
     track: bool = True  # log to MLflow (a new run; also onto the evaluated run or registered version when known)
@@ -87,6 +90,8 @@ class EvaluateConfig:
             p.append("needle.hops must be >= 2 (a chain of one is the single task)")
         if self.actors < 1:
             p.append("actors must be >= 1")
+        if "code_qa" in self.suites():
+            p += self.code_qa.problems()
         return p
 
 
@@ -192,6 +197,19 @@ class EfficiencyMeter:
         return {key: [row[key] for row in rows] for key in rows[0]}
 
 
+class CodeQaScorer:
+    """A Ray Data actor: loads one system, answers and scores batches of held-out corpus rows."""
+
+    def __init__(self, name: str, export: str, system: dict[str, Any], max_new_tokens: int, use_gpu: bool,
+                 served: str | None = None, tracking_uri: str | None = None):
+        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, batch) -> dict[str, list]:
+        rows = code_qa.score_rows(self.system, batch.to_pylist(), self.max_new_tokens)  # batch: a pyarrow Table
+        return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+
+
 def needle_items(config: EvaluateConfig) -> list[dict[str, Any]]:
     items = []
     for variant in config.needle.variants:
@@ -213,6 +231,20 @@ def run_needles(config: EvaluateConfig, source: Source, tracking_uri: str) -> li
         fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
                                "depth_bins": config.needle.depth_bins, "seed": config.needle.seed,
                                "use_gpu": config.use_gpu, "served": source.served, "tracking_uri": tracking_uri})
+    return scored.take_all()
+
+
+def run_code_qa(config: EvaluateConfig, source: Source, rows: list[dict[str, Any]],
+                tracking_uri: str) -> list[dict[str, Any]]:
+    import ray
+
+    dataset = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // 4, 64)))
+    scored = dataset.map_batches(
+        CodeQaScorer, batch_size=4, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=config.actors),
+        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
+        fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                               "max_new_tokens": config.code_qa.max_new_tokens, "use_gpu": config.use_gpu,
+                               "served": source.served, "tracking_uri": tracking_uri})
     return scored.take_all()
 
 
@@ -283,6 +315,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     out = Path(config.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tracking_uri = resolve_tracking_uri(config.tracking_uri)
+    held_out = code_qa.held_out_rows(config.code_qa) if "code_qa" in config.suites() else []  # before any model
     workdir = Path(tempfile.mkdtemp(prefix="evaluate-"))
     sources = [resolve_model(m, tracking_uri, workdir) for m in config.model]
     for i, source in enumerate(sources):
@@ -310,6 +343,14 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
             single = {k: v for k, v in metrics.items() if k.startswith("needle/single/") and k.endswith("x")}
             print(f"{source.name}: needle " + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in single.items()),
                   flush=True)
+        if "code_qa" in config.suites():
+            rows = run_code_qa(config, source, held_out, tracking_uri)
+            metrics, counts = code_qa.code_qa_metrics(rows)
+            entry["metrics"] |= metrics
+            entry["counts"] |= counts
+            with open(out / f"code_qa_{source.name}.jsonl", "w") as answers:  # every answer, to read what it said
+                answers.writelines(json.dumps(row) + "\n" for row in rows)
+            print(code_qa.summary_line(source.name, metrics, counts), flush=True)
         if "efficiency" in config.suites():
             rows = run_efficiency(config, source)
             results["efficiency"][source.name] = rows

@@ -158,3 +158,12 @@ def top_chunk_is_evidence(attention: Any, chunks: Any, evidence_chunks: Sequence
     """Whether the chunk the model reads most is an evidence chunk; averaged over samples it is a retrieval
     accuracy that needs no decoding."""
     return int(np.argmax(chunk_mass(attention, chunks))) in set(evidence_chunks)
+
+
+def evidence_reading(layer_maps: Sequence[Any], chunks: Any, evidence_chunks: Sequence[int]) -> tuple[float, bool]:
+    """Memory-attention accuracy of one query read by several GCA layers: (attention mass on the evidence chunks,
+    whether the most-read chunk is one of them) in the layer that puts the most mass on the evidence, since one layer
+    usually carries retrieval (shared/notes/needle-feasibility.md). `chunks` are (start, stop) spans of memory
+    positions; each map is (heads, positions) or (heads, queries, positions)."""
+    spans = [chunks[c] for c in evidence_chunks]
+    return max((attention_mass(m, spans), top_chunk_is_evidence(m, chunks, evidence_chunks)) for m in layer_maps)

@@ -19,7 +19,7 @@ from models import AwarenessModel
 from pipelines.data import memory_store
 from pipelines.data.memory_modes import MemoryMode, prompt_memory, top_chunks
 from pipelines.data.synthetic_needles import EOS, FILLER, PAD, NeedleSpec
-from pipelines.evaluate.metrics import attention_mass, string_match_all, top_chunk_is_evidence
+from pipelines.evaluate.metrics import evidence_reading, string_match_all
 from pipelines.evaluate.ruler import Probe, as_text, make_probe
 
 
@@ -100,24 +100,14 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
 def memory_attention(system: System, probe: Probe) -> list[dict[str, float]]:
     """Memory-attention accuracy: at the question's last token (which predicts the first answer token), the share of
     GCA attention mass on the evidence chunks and whether the chunk read most is one of them, in the GCA layer that
-    puts the most mass on the evidence (one layer usually carries retrieval: shared/notes/needle-feasibility.md)."""
-    blocks = list(system.model.gca_blocks().values())
-    for block in blocks:
-        block.probe_attention = True
-    try:
-        inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
-        system.model(**inputs)
-        maps = [block.last_attention[:, :, -1].cpu() for block in blocks]  # per layer (questions, heads, M)
-    finally:
-        for block in blocks:
-            block.probe_attention, block.last_attention = False, None
+    puts the most mass on the evidence (metrics.evidence_reading)."""
+    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+    maps = system.model.memory_attention(**inputs)  # per layer (questions, heads, M)
     length = probe.memory.shape[1]
     chunks = [(c * length, (c + 1) * length) for c in range(probe.memory.shape[0])]
     out = []
     for q, evidence in enumerate(probe.evidence):
-        spans = [chunks[c] for c in evidence]
-        per_layer = [(attention_mass(m[q], spans), top_chunk_is_evidence(m[q], chunks, evidence)) for m in maps]
-        mass, top = max(per_layer)
+        mass, top = evidence_reading([m[q] for m in maps], chunks, evidence)
         out.append({"evidence_mass": mass, "top_chunk": float(top)})
     return out
 

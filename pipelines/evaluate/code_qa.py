@@ -1,0 +1,221 @@
+"""The code_qa suite: questions about repositories no system trained on (the val split of a stage-0 corpus,
+jobs/build_corpus.py --stage 0), answered by greedy generation as each system reads its memory, and scored by
+
+- exact match per question kind (`code_qa/exact/<kind>`: defines, params, method_of, returns, raises, callers,
+  constant, section, definition, and the needle rows as `needle_<variant>`): the answer after the generation's
+  `<read>` actions equals the row's answer, whitespace-normalised;
+- `<read>` compliance on rows whose target is agentic (`code_qa/read_compliance`): the generation reads a chunk that
+  holds the evidence (the row's `evidence_chunks`) before it answers;
+- memory-attention accuracy for gca (`code_qa/attention/evidence_mass`, `.../top_chunk`): at the prompt's last token,
+  the share of GCA attention mass on the evidence chunks and whether the most-read chunk is one of them.
+
+A system sees a row as training showed it to that system (`streams.collate_memory_mode`): gca reads the chunks
+through the encoder, in_context/rag get them (or their top-k) before the prompt, none gets the prompt alone. A
+registered version answers through its pyfunc, text in (the prompt and the chunk texts) and text out.
+pipelines.evaluate.job runs `score_rows` inside Ray Data actors; nothing here starts Ray, so a test calls it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.data.memory_modes import MemoryMode
+from pipelines.data.packing import IGNORE, PackingSpec
+from pipelines.data.shards import MANIFEST, RankReader, ShardError, check_split
+from pipelines.data.streams import collate_memory_mode
+from pipelines.data.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
+from pipelines.evaluate.metrics import evidence_reading, rate_interval
+
+TASKS = ("code_qa", "doc_qa", "needle")  # the stage-0 row tasks (pipelines.data.corpora)
+COLUMNS = ["task", "variant", "kind", "prompt", "target", "answer", "memory", "evidence_chunks", "unit", "input_ids",
+           "labels", "memory_input_ids"]
+BUILD = "python jobs/build_corpus.py --stage 0 --sources SRC --out DIR"
+LEADING_READ = re.compile(rf"\s*{re.escape(READ)}(.*?){re.escape(END_READ)}", re.S)
+PAD_ID = 0  # as DataConfig.pad_id: training stripped it from a prompt memory's chunks, so evaluation does too
+
+
+@dataclass
+class CodeQaSuite:
+    corpus: str | None = None  # a stage-0 corpus directory (jobs/build_corpus.py --out DIR): its val split is scored
+    max_rows: int = 256  # the val split's first rows of `tasks`, in the shards' fixed order
+    max_new_tokens: int = 64  # greedy tokens per answer, an agentic answer's <read> actions included
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))  # row tasks to ask: code_qa, doc_qa, needle
+
+    def problems(self) -> list[str]:
+        p = []
+        if not self.corpus:
+            p.append(f"code_qa.corpus: name the stage-0 corpus whose val split holds the held-out repositories: "
+                     f"--code_qa.corpus DIR (built by `{BUILD}`)")
+        if self.max_rows < 1 or self.max_new_tokens < 1:
+            p.append("code_qa.max_rows and code_qa.max_new_tokens must be positive")
+        if not self.tasks or set(self.tasks) - set(TASKS):
+            p.append(f"code_qa.tasks {self.tasks} must name some of {TASKS}")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------- the rows
+def held_out_rows(suite: CodeQaSuite) -> list[dict[str, Any]]:
+    """The first `max_rows` rows of the corpus's val split whose task is asked, after checking that the corpus is a
+    stage-0 one with held-out repositories and that its val shards match the manifest (sizes). FileNotFoundError
+    naming the fix otherwise."""
+    root = Path(suite.corpus or "").expanduser()
+    if not (root / MANIFEST).is_file():
+        what = "no such directory" if not root.is_dir() else f"not a corpus (no {MANIFEST})"
+        raise FileNotFoundError(f"--code_qa.corpus {root}: {what}; build one with `{BUILD}` and pass DIR")
+    manifest = json.loads((root / MANIFEST).read_text())
+    if manifest.get("stage") != 0:
+        raise FileNotFoundError(f"--code_qa.corpus {root} is a stage-{manifest.get('stage')} corpus; code_qa asks "
+                                f"stage 0's questions: build one with `{BUILD}`")
+    if not any(name.startswith("val/") for name in manifest.get("shards", {})):
+        raise FileNotFoundError(
+            f"--code_qa.corpus {root} has no val split: all {len(manifest.get('repositories', {}).get('train', []))} "
+            f"of its repositories went to train; rebuild it from more repositories (--per_subdir true splits a "
+            f"source by its first-level directories) or with a larger --stage0.val_fraction")
+    try:
+        split = check_split(root / "val", hashes=False)
+    except ShardError as error:
+        raise FileNotFoundError(f"--code_qa.corpus {root}: {error}") from error
+    reader, rows = RankReader(split, 0, 1, columns=COLUMNS), []
+    for unit in reader.units:
+        rows += [row for row in reader.read(unit) if row["task"] in suite.tasks][: suite.max_rows - len(rows)]
+        if len(rows) >= suite.max_rows:
+            break
+    if not rows:
+        raise FileNotFoundError(f"--code_qa.corpus {root}: its val split holds no rows of tasks {suite.tasks}")
+    return rows
+
+
+def question_kind(row: dict[str, Any]) -> str:
+    """What a row asks: its fact kind (defines, section, ...), or for a needle `needle_<variant>`."""
+    return f"needle_{row['variant']}" if row["task"] == "needle" else row["kind"]
+
+
+def is_agentic(row: dict[str, Any]) -> bool:
+    return READ in row["target"]
+
+
+def evidence_indices(row: dict[str, Any]) -> list[int]:
+    """The positions in the row's memory of its evidence chunks (a chunk's first line is its name)."""
+    names = set(row["evidence_chunks"])
+    return [i for i, text in enumerate(row["memory"]) if text.split("\n", 1)[0].strip() in names]
+
+
+def prompt_inputs(row: dict[str, Any], mode: MemoryMode) -> dict[str, torch.Tensor]:
+    """The row's prompt as the system reads it, one row of model inputs: its memory chunks for the encoder (gca,
+    each padded to the longest, none cut), before the prompt (in_context, rag), or dropped (none)."""
+    prompt_len = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
+    chunks = [list(chunk) for chunk in row["memory_input_ids"]]
+    question = {"input_ids": list(row["input_ids"][:prompt_len]), "labels": [IGNORE] * prompt_len,
+                "memory_input_ids": chunks}
+    spec = PackingSpec(max_tokens=prompt_len + sum(map(len, chunks)), max_chunks=max(len(chunks), 1),
+                       chunk_len=max(map(len, chunks), default=1), pad_id=PAD_ID)
+    batch = collate_memory_mode([question], spec, mode)
+    return {k: v for k, v in batch.items() if k in ("input_ids", "memory_input_ids", "memory_attention_mask")}
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def answer_of(text: str) -> str:
+    """The answer in a generation: what follows its last `</read>`, whitespace-normalised."""
+    return " ".join(text.rpartition(END_READ)[2].split())
+
+
+def read_compliance(text: str, evidence_chunks: list[str]) -> bool:
+    """Whether the generation reads a chunk holding the evidence before it answers: it opens with `<read>` actions
+    (only whitespace around them), one names an evidence chunk, and an answer follows them."""
+    position, names = 0, set()
+    while match := LEADING_READ.match(text, position):
+        names.add(match.group(1).strip())
+        position = match.end()
+    return bool(names & set(evidence_chunks)) and bool(text[position:].strip())
+
+
+def score_answer(row: dict[str, Any], text: str) -> dict[str, Any]:
+    """One row's scores from its generated text (attention left to the caller)."""
+    agentic = is_agentic(row)
+    return {"task": row["task"], "kind": question_kind(row), "unit": row["unit"], "agentic": agentic,
+            "exact": answer_of(text) == " ".join(row["answer"].split()),
+            "read": float(read_compliance(text, row["evidence_chunks"])) if agentic else math.nan,
+            "evidence_mass": math.nan, "top_chunk": math.nan, "prompt": row["prompt"], "answer": row["answer"],
+            "generated": text}
+
+
+@torch.no_grad()
+def generate_text(model, inputs: dict[str, torch.Tensor], max_new_tokens: int) -> str:
+    """Greedy generation cut at `<|im_end|>`, as text (agentic tokens kept; ids past the tokenizer's, which a
+    decoder's spare embedding rows can emit, dropped)."""
+    eos = SPECIAL_IDS[EOS]
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=PAD_ID)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    ids = ids[: ids.index(eos)] if eos in ids else ids
+    return cached_tokenizer(None).decode([i for i in ids if i < VOCAB_SIZE])
+
+
+def attention_scores(model, inputs: dict[str, torch.Tensor], row: dict[str, Any]) -> dict[str, float]:
+    """Memory-attention accuracy at the prompt's last token: mass on the evidence chunks and whether the top chunk
+    is one, in the GCA layer that reads the evidence most (metrics.evidence_reading)."""
+    maps = model.memory_attention(**inputs)  # per layer (1, heads, chunks * chunk_len)
+    count, length = inputs["memory_input_ids"].shape[1:]
+    chunks = [(c * length, (c + 1) * length) for c in range(count)]
+    mass, top = evidence_reading([m[0] for m in maps], chunks, evidence_indices(row))
+    return {"evidence_mass": mass, "top_chunk": float(top)}
+
+
+def score_rows(system, rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Each row answered by the system (suites.System) and scored; a registered version's pyfunc answers them all
+    at once from the prompt and the chunk texts (it shows no attention)."""
+    if system.served is not None:
+        texts = system.served.predict([{"question": row["prompt"], "memory": list(row["memory"])} for row in rows],
+                                      params={"max_new_tokens": max_new_tokens})
+        return [{"system": system.name, **score_answer(row, text)} for row, text in zip(rows, texts, strict=True)]
+    scored = []
+    for row in rows:
+        inputs = {k: v.to(system.model.device) for k, v in prompt_inputs(row, system.mode).items()}
+        result = {"system": system.name, **score_answer(row, generate_text(system.model, inputs, max_new_tokens))}
+        if system.mode.kind == "gca" and evidence_indices(row):
+            result |= attention_scores(system.model, inputs, row)
+        scored.append(result)
+    return scored
+
+
+# ---------------------------------------------------------------------------------------------- results
+def code_qa_metrics(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, int]]:
+    """metrics (rates with their 95% Wilson intervals as NAME/ci95) and counts, from the scored rows."""
+    metrics: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+
+    def add_rate(name: str, hits: list[bool]) -> None:
+        metrics[name] = sum(hits) / len(hits)
+        metrics[f"{name}/ci95"] = list(rate_interval(sum(hits), len(hits)))
+        counts[name] = len(hits)
+
+    add_rate("code_qa/exact", [bool(r["exact"]) for r in rows])
+    for kind in sorted({r["kind"] for r in rows}):
+        add_rate(f"code_qa/exact/{kind}", [bool(r["exact"]) for r in rows if r["kind"] == kind])
+    agentic = [r for r in rows if r["agentic"]]
+    if agentic:
+        add_rate("code_qa/read_compliance", [bool(r["read"]) for r in agentic])
+    read = [r for r in rows if not math.isnan(r["evidence_mass"])]  # a gca system's rows
+    if read:
+        metrics["code_qa/attention/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
+        counts["code_qa/attention/evidence_mass"] = len(read)
+        add_rate("code_qa/attention/top_chunk", [bool(r["top_chunk"]) for r in read])
+    return metrics, counts
+
+
+def summary_line(name: str, metrics: dict[str, Any], counts: dict[str, int]) -> str:
+    """One line per system: exact match, read compliance and where gca's attention went."""
+    parts = [f"{name}: code_qa exact {metrics['code_qa/exact']:.2f} (n={counts['code_qa/exact']})"]
+    if "code_qa/read_compliance" in metrics:
+        parts.append(f"read {metrics['code_qa/read_compliance']:.2f} (n={counts['code_qa/read_compliance']})")
+    if "code_qa/attention/evidence_mass" in metrics:
+        parts.append(f"evidence mass {metrics['code_qa/attention/evidence_mass']:.2f}  "
+                     f"top chunk {metrics['code_qa/attention/top_chunk']:.2f}")
+    return "  ".join(parts)
