@@ -20,11 +20,12 @@ from typing import Any
 
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.evaluate.commits import CommitsEvaluation, CommitsSuite, commits_metrics, summary_line
 from pipelines.evaluate.metrics import rate_interval
 from pipelines.evaluate.ruler import VARIANTS, memory_chunks
 
 SUITES = ("needle", "efficiency", "code_qa", "commits")
-AVAILABLE = ("needle", "efficiency")  # code_qa and commits: metrics and the sandbox exist, the suites do not yet
+AVAILABLE = ("needle", "efficiency", "commits")  # code_qa: metrics exist, the suite does not yet
 RESULTS = "results.json"
 
 
@@ -52,13 +53,14 @@ class EvaluateConfig:
     # (models:/NAME@ALIAS or models:/NAME/VERSION); each names how it reads memory in its export's system.json
     model: list[str] = field(default_factory=list)
     names: list[str] | None = None  # labels in results.json; None: each export's memory mode (gca, rag, ...)
-    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency (comma- or space-separated)
+    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency, commits (comma/space-separated)
     out: str = "outputs/evaluate"  # results.json and plots go here
     actors: int = 1  # Ray Data actors per system for the needle suite, each holding the model
     cpus_per_actor: float = 1.0
     use_gpu: bool = False  # one GPU per actor
     needle: NeedleSuite = field(default_factory=NeedleSuite)
     efficiency: EfficiencySuite = field(default_factory=EfficiencySuite)
+    commits: CommitsSuite = field(default_factory=CommitsSuite)  # held-out stage-2 commits (pipelines.evaluate.commits)
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
     experiment: str = "awareness-evaluate"
     track: bool = True  # log to MLflow (a new run; also onto the evaluated run or registered version when known)
@@ -87,6 +89,8 @@ class EvaluateConfig:
             p.append("needle.hops must be >= 2 (a chain of one is the single task)")
         if self.actors < 1:
             p.append("actors must be >= 1")
+        if "commits" in self.suites():
+            p += self.commits.problems()
         return p
 
 
@@ -298,6 +302,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     context.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     results: dict[str, Any] = {"systems": {}, "heatmaps": {}, "efficiency": {}, "suites": config.suites()}
+    commits = CommitsEvaluation(config.commits) if "commits" in config.suites() else None
     for source in sources:
         entry: dict[str, Any] = {"metrics": {}, "counts": {}, "export": source.export, "memory": source.system.get("memory")}
         spec = needle_spec(source.system)
@@ -316,7 +321,17 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
             entry["metrics"] |= efficiency_metrics(rows)
             print(f"{source.name}: ttft " + "  ".join(f"{r['memory_tokens']}: {r['ttft_s'] * 1000:.1f} ms"
                                                        for r in rows), flush=True)
+        if commits is not None:
+            rows = commits.run(source, actors=config.actors, cpus_per_actor=config.cpus_per_actor,
+                               use_gpu=config.use_gpu)
+            metrics, counts = commits_metrics(rows)
+            entry["metrics"] |= metrics
+            entry["counts"] |= counts
+            results.setdefault("commits", {})[source.name] = rows
+            print(f"{source.name}: {summary_line(metrics, counts)}", flush=True)
         results["systems"][source.name] = entry
+    if commits is not None:
+        commits.close()
     (out / RESULTS).write_text(json.dumps(results, indent=1, allow_nan=True))
     figures = plots.evaluation_figures(results)
     for name, figure in figures.items():
