@@ -237,7 +237,7 @@ def test_evaluate_commits_end_to_end(tmp_path, checkpoint_root):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     entry = results["systems"]["gca"]
-    assert entry["counts"]["commits/rows"] == 6 and entry["counts"]["commits/rows_tested"] == 4
+    assert entry["counts"]["commits/rows"] == 6 and entry["counts"]["commits/rows_tested"] == 2  # the fix
     assert entry["counts"]["commits/planning_rows"] == 3
     for name in ("exact", "pass@1", "pass@5", "agentic_compliance"):
         assert 0 <= entry["metrics"][f"commits/{name}"] <= 1 and len(entry["metrics"][f"commits/{name}/ci95"]) == 2
