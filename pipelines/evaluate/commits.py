@@ -317,15 +317,16 @@ class CommitsEvaluation:
         origin, path = row["origin"], row["evidence"]["path"]
         key = (origin["repository"], origin["commit"], path)
         if key not in self.commits:
-            if not Path(origin["repository"]).is_dir():
-                self.commits[key] = Commit(None, "")
-            else:
-                tree = self.workdir / f"tree-{len(self.commits)}"
+            tree = self.workdir / f"tree-{len(self.commits)}"
+            try:
                 files = write_parent_tree(origin, tree)
                 commit = Commit(tree, parent_file(origin, path), has_tests=any(TEST_FILE.search(f) for f in files))
-                if commit.has_tests:
-                    commit.reference_passes = passes(tree, path, row["answer"], self.settings)
-                self.commits[key] = commit
+            except GitError:  # the repository moved, or its objects were pruned, since the build
+                shutil.rmtree(tree, ignore_errors=True)
+                commit = Commit(None, "")
+            if commit.has_tests:
+                commit.reference_passes = passes(tree, path, row["answer"], self.settings)
+            self.commits[key] = commit
         return self.commits[key]
 
     def tested(self, commit: Commit, path: str, content: str) -> bool:
@@ -396,7 +397,7 @@ def commits_metrics(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict
     counts = {"commits/rows": len(records), "commits/rows_with_tests": sum(r["has_tests"] for r in records),
               "commits/rows_tested": len(tested),
               "commits/rows_reference_fails": sum(r["has_tests"] and not r["reference_passes"] for r in records),
-              "commits/rows_without_repository": sum(not r["repository"] for r in records),
+              "commits/rows_without_repository": sum(not r["repository"] for r in records),  # or its objects
               "commits/planning_rows": sum("agentic" in r for r in records)}
     return metrics, counts
 

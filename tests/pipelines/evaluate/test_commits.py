@@ -78,7 +78,7 @@ def rows_of(evaluation, sha: str) -> list[dict]:
     return [r for r in evaluation.rows if r["origin"]["commit"] == sha]
 
 
-def test_an_oracle_edit_is_exact_and_passes_the_tests_a_wrong_one_fails(evaluation, corpus):
+def test_an_oracle_edit_is_exact_and_passes_the_tests_a_wrong_one_fails(evaluation, corpus, tmp_path):
     _, shas = corpus
     assert {r["origin"]["commit"] for r in evaluation.rows} == set(shas.values())  # the root commit has no parent
     oracle = [evaluation.score(r, r["target"], [r["target"]] * 5) for r in evaluation.rows]
@@ -106,6 +106,11 @@ def test_an_oracle_edit_is_exact_and_passes_the_tests_a_wrong_one_fails(evaluati
     metrics, _ = commits_metrics([unchanged, wrong])
     assert metrics["commits/pass@1"] == pytest.approx(0.1) and metrics["commits/pass@5"] == 0.5
     assert metrics["commits/exact"] == 0.0 and "commits/agentic_compliance" not in metrics
+
+    moved = {**fix, "origin": {**fix["origin"], "repository": str(tmp_path / "moved")}}  # gone since the build
+    record = evaluation.score(moved, FIXED, [])
+    assert record["exact"] and not record["repository"] and "edit_similarity" not in record and "passed" not in record
+    assert commits_metrics([record])[1]["commits/rows_without_repository"] == 1
 
 
 def test_agentic_compliance_needs_plan_read_edit_in_order_and_a_real_chunk():
