@@ -55,7 +55,7 @@ class EvaluateConfig:
     names: list[str] | None = None  # labels in results.json; None: each export's memory mode (gca, rag, ...)
     suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency, commits (comma/space-separated)
     out: str = "outputs/evaluate"  # results.json and plots go here
-    actors: int = 1  # Ray Data actors per system for the needle suite, each holding the model
+    actors: int = 1  # Ray Data actors per system for the needle and commits suites, each holding the model
     cpus_per_actor: float = 1.0
     use_gpu: bool = False  # one GPU per actor
     needle: NeedleSuite = field(default_factory=NeedleSuite)
