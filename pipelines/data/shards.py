@@ -221,12 +221,14 @@ class RankReader:
 
     def read(self, unit: Unit) -> list[dict[str, Any]]:
         """A unit's rows that pass the variant filter, in order, each with its id."""
-        columns = self.columns + (["variant"] if self.variants else [])
+        asked = "variant" in self.columns  # kept in the rows; otherwise read for the filter only
+        columns = self.columns + (["variant"] if self.variants and not asked else [])
         table = self._read_group(unit, columns).slice(unit.start, unit.stop - unit.start)
         ids = unit.first_id + np.arange(table.num_rows)
         rows = table.to_pylist()
         if self.variants:
-            keep = [i for i, row in enumerate(rows) if row.pop("variant") in self.variants]
+            variants = [row["variant"] if asked else row.pop("variant") for row in rows]
+            keep = [i for i, variant in enumerate(variants) if variant in self.variants]
             rows, ids = [rows[i] for i in keep], ids[keep]
         for row, i in zip(rows, ids.tolist(), strict=True):
             row["id"] = i

@@ -22,12 +22,15 @@ from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.evaluate import code_qa
 from pipelines.evaluate.code_qa import CodeQaSuite
+from pipelines.evaluate.commits import CommitsEvaluation, CommitsSuite, commits_metrics, summary_line
 from pipelines.evaluate.metrics import rate_interval
 from pipelines.evaluate.ruler import VARIANTS, memory_chunks
 
 SUITES = ("needle", "efficiency", "code_qa", "commits")
-AVAILABLE = ("needle", "efficiency", "code_qa")  # commits: its metrics and the sandbox exist, the suite not yet
 RESULTS = "results.json"
+# each suite's headline numbers, in the job's one-line summary
+HEADLINE = ("needle/single/1x", "code_qa/exact", "code_qa/read_compliance", "commits/exact", "commits/pass@1",
+            "efficiency/encoder_chunks_per_s")
 
 
 @dataclass
@@ -54,14 +57,15 @@ class EvaluateConfig:
     # (models:/NAME@ALIAS or models:/NAME/VERSION); each names how it reads memory in its export's system.json
     model: list[str] = field(default_factory=list)
     names: list[str] | None = None  # labels in results.json; None: each export's memory mode (gca, rag, ...)
-    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency (comma- or space-separated)
+    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency, code_qa, commits (comma/space-separated)
     out: str = "outputs/evaluate"  # results.json and plots go here
-    actors: int = 1  # Ray Data actors per system for the needle suite, each holding the model
+    actors: int = 1  # Ray Data actors per system for the needle and commits suites, each holding the model
     cpus_per_actor: float = 1.0
     use_gpu: bool = False  # one GPU per actor
     needle: NeedleSuite = field(default_factory=NeedleSuite)
     efficiency: EfficiencySuite = field(default_factory=EfficiencySuite)
     code_qa: CodeQaSuite = field(default_factory=CodeQaSuite)  # held-out repositories: a stage-0 corpus's val split
+    commits: CommitsSuite = field(default_factory=CommitsSuite)  # held-out stage-2 commits (pipelines.evaluate.commits)
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
     experiment: str = "awareness-evaluate"
     track: bool = True  # log to MLflow (a new run; also onto the evaluated run or registered version when known)
@@ -77,8 +81,6 @@ class EvaluateConfig:
         for suite in self.suites():
             if suite not in SUITES:
                 p.append(f"suite {suite!r} is not one of {SUITES}")
-            elif suite not in AVAILABLE:
-                p.append(f"suite {suite!r} is not built yet; available: {', '.join(AVAILABLE)}")
         if self.names is not None and len(self.names) != len(self.model):
             p.append(f"names: {len(self.names)} names for {len(self.model)} models; give one per --model")
         bad = set(self.needle.variants) - set(VARIANTS)
@@ -92,6 +94,8 @@ class EvaluateConfig:
             p.append("actors must be >= 1")
         if "code_qa" in self.suites():
             p += self.code_qa.problems()
+        if "commits" in self.suites():
+            p += self.commits.problems()
         return p
 
 
@@ -331,6 +335,7 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
     context.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     results: dict[str, Any] = {"systems": {}, "heatmaps": {}, "efficiency": {}, "suites": config.suites()}
+    commits = CommitsEvaluation(config.commits) if "commits" in config.suites() else None
     for source in sources:
         entry: dict[str, Any] = {"metrics": {}, "counts": {}, "export": source.export, "memory": source.system.get("memory")}
         spec = needle_spec(source.system)
@@ -357,7 +362,17 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
             entry["metrics"] |= efficiency_metrics(rows)
             print(f"{source.name}: ttft " + "  ".join(f"{r['memory_tokens']}: {r['ttft_s'] * 1000:.1f} ms"
                                                        for r in rows), flush=True)
+        if commits is not None:
+            rows = commits.run(source, actors=config.actors, cpus_per_actor=config.cpus_per_actor,
+                               use_gpu=config.use_gpu)
+            metrics, counts = commits_metrics(rows)
+            entry["metrics"] |= metrics
+            entry["counts"] |= counts
+            results.setdefault("commits", {})[source.name] = rows
+            print(f"{source.name}: {summary_line(metrics, counts)}", flush=True)
         results["systems"][source.name] = entry
+    if commits is not None:
+        commits.close()
     (out / RESULTS).write_text(json.dumps(results, indent=1, allow_nan=True))
     figures = plots.evaluation_figures(results)
     for name, figure in figures.items():
@@ -367,8 +382,8 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         plots.close(figure)
     return {"job": "evaluate", "results": str(out / RESULTS), "systems": list(results["systems"]),
             "plots": sorted(figures), "mlflow_run_id": run_id,
-            **{f"{name}.needle_single_1x": entry["metrics"].get("needle/single/1x")
-               for name, entry in results["systems"].items()}}
+            **{f"{name}.{key.replace('/', '_')}": entry["metrics"][key]
+               for name, entry in results["systems"].items() for key in HEADLINE if key in entry["metrics"]}}
 
 
 def log_to_mlflow(config: EvaluateConfig, results: dict[str, Any], figures: dict[str, Any], sources: list[Source],

@@ -83,7 +83,7 @@ class DocPaths:
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
                 "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
-                "--sources": str(self.sources), "--data.paths": str(self.sources)}
+                "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus)}
 
 
 def with_test_paths(args: list[str], paths: DocPaths) -> list[str]:

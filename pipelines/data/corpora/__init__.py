@@ -22,6 +22,8 @@ Output rows (Parquet, `OUT/train`, `OUT/val`; schema `ROW_SCHEMA`):
     depth             needles: where the asked needle sits (0 = first chunk, 1 = last); null otherwise
     memory_chunks, memory_tokens
     diff              commits: the unified diff (for evaluation); "" otherwise
+    origin            commits: struct {repository (the git top level, absolute), commit, parent (shas)}, so the
+                      commits suite can rebuild the parent tree and run its tests; null otherwise
     input_ids         list<int32>: prompt + target + <|im_end|>
     labels            list<int32>: -100 over the prompt, then the target ids
     memory_input_ids  list<list<int32>>: one unpadded token list per memory chunk (= tokenizer(memory[k]))

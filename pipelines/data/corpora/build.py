@@ -43,6 +43,7 @@ ROW_SCHEMA = pa.schema([
     ("evidence", pa.struct([("path", pa.string()), ("start_line", pa.int32()), ("end_line", pa.int32())])),
     ("evidence_chunks", pa.list_(pa.string())),
     ("depth", pa.float64()), ("memory_chunks", pa.int32()), ("memory_tokens", pa.int32()), ("diff", pa.string()),
+    ("origin", pa.struct([("repository", pa.string()), ("commit", pa.string()), ("parent", pa.string())])),
     ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
     ("memory_input_ids", pa.list_(pa.list_(pa.int32()))),
 ])

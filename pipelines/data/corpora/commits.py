@@ -11,7 +11,7 @@ file (`multi_file`, `empty_commit`), the file is text (`binary`), not vendored/g
 Unreadable objects: `broken_git_object`. Each qualifying commit gives one row per prompt variant: raw (the
 message), hinted (message + path + hunk headers), imperative (a template over the subject), planning
 (`<plan>` → `<read>` → `<edit>`). Memory: the repository's chunks at the parent commit (the changed file's hunk
-chunks first, distractors from other files); target: the new file content; `diff` keeps the unified diff.
+chunks first, distractors from other files); target: the new file content; `diff` keeps the unified diff, `origin` the repository and the commit's and parent's shas.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def commit_rows(item, path, message, diff, new_text, parent, tokenizer, settings
     return [make_row(task="commit", variant=v, kind="add" if not any(a for a, _, _, _ in hs) else "modify",
                      prompt=prompts[v], target=targets[v], answer=new_text, memory=[c.text for c in memory],
                      memory_ids=[c.ids for c in memory], source=item["source"], unit=item["unit"],
-                     evidence=evidence, evidence_chunks=evidence_chunks, tokenizer=tokenizer, diff=diff)
+                     evidence=evidence, evidence_chunks=evidence_chunks, tokenizer=tokenizer, diff=diff,
+                     origin={"repository": item["root"], "commit": item["commit"], "parent": parent})
             for v in VARIANTS]
 
 

@@ -114,6 +114,8 @@ def test_each_rank_reads_about_a_world_th(tmp_path):
 def test_validation_head_reads_only_its_row_groups(split):
     rows = head_rows(load_split(split), columns=COLUMNS, variants=None, limit=10)
     assert [r["id"] for r in rows] == list(range(10))
+    asked = head_rows(load_split(split), columns=["variant", *COLUMNS], variants=["hinted"], limit=3)
+    assert [(r["id"], r["variant"]) for r in asked] == [(1, "hinted"), (4, "hinted"), (7, "hinted")]  # asked: kept
 
 
 def test_fewer_rows_than_workers_is_refused_with_the_fix(tmp_path):

@@ -135,7 +135,8 @@ def test_answers_are_the_models_greedy_continuation(tmp_path, checkpoint_root):
 def test_config_errors_name_the_field():
     assert "suite 'bogus' is not one of" in " ".join(EvaluateConfig(model=["x"], suite=["needle,bogus"]).problems())
     assert "model: name at least one system" in EvaluateConfig().problems()[0]
-    assert "not built yet" in " ".join(EvaluateConfig(model=["x"], suite=["commits"]).problems())
+    code_qa = " ".join(EvaluateConfig(model=["x"], suite=["code_qa"]).problems())
+    assert "code_qa.corpus" in code_qa, code_qa  # a suite that needs a corpus says which flag names it
 
 
 @pytest.mark.ray

@@ -140,6 +140,9 @@ def test_rows_have_variants_memory_and_targets(history, tokenizer):
     hinted = next(r for r in tweak_rows if r["variant"] == "hinted")
     assert "File: app/util.py\n@@ -" in hinted["prompt"]
     assert commits.imperative("fix(core): Fixed the parser.", "a.py") == "Fix the parser in `a.py`. Write the whole new file."
+    for row in tweak_rows:  # where it comes from: the commits suite rebuilds the parent tree to run its tests
+        assert row["origin"] == {"repository": str(repo.resolve()), "commit": tweak,
+                                 "parent": sh(repo, "rev-parse", f"{tweak}~1")}
 
 
 def test_broken_git_object_is_a_reject(tmp_path, tokenizer):

@@ -1,0 +1,409 @@
+"""The `commits` suite of jobs/evaluate.py: held-out stage-2 commits (the val split of a `jobs/build_corpus.py
+--stage 2` corpus), each asked of a system as it trained on it, scored on the new file it writes.
+
+Per row (one commit in one prompt variant):
+- exact: the generated new file is the commit's new file (NFC-normalised, as the tokenizer reads text);
+- edit similarity: normalised Levenshtein (metrics.edit_similarity) between the generated edit's diff and the
+  commit's, both as unified diffs of the parent file computed here the same way (RepoBench/CrossCodeEval compare
+  the code; on a whole-file edit the diff is the part that changed, so an unchanged copy of the parent scores low);
+- pass@1, pass@5 (Chen et al.'s unbiased estimator, metrics.pass_at_k) over `samples` sampled generations, where the
+  repository has tests at the parent commit and they pass with the commit's own file (a commit whose reference fails
+  its tests says nothing about the model, and is counted apart): the parent tree is rebuilt from git objects with
+  plumbing only (no checkout, no filters, no hooks), and its tests run with the edit in pipelines.evaluate.sandbox
+  (a temporary copy, time and memory limits, no network, a minimal environment): nothing from a mined repository
+  runs outside it;
+- agentic compliance (planning rows): `<plan>` -> one or more `<read>` -> `<edit>`, in that order and nothing else,
+  every read naming a chunk of the row's memory and one of them a chunk of the file edited.
+
+The greedy generation is scored for exact, edit similarity and compliance; the samples only for pass@k. Generation
+is Ray Data batch inference, as the needle suite's: rows mapped by an actor pool whose actors load the model once
+(GPU actors with --use_gpu). A system sees a row's memory as it trained: gca through the encoder, in_context/rag/none
+through the same transform as training (pipelines.data.streams.collate_memory_mode).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import unicodedata
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from pipelines.data.corpora.commits import VARIANTS, GitError, git
+from pipelines.data.memory_modes import MemoryMode, system_mode
+from pipelines.data.packing import IGNORE, PackingSpec
+from pipelines.data.shards import MANIFEST, ShardError, Split, check_split, head_rows, load_split
+from pipelines.data.streams import collate_memory_mode
+from pipelines.data.tokenizer import EDIT, END_EDIT, EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
+from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
+from pipelines.evaluate.sandbox import run_sandboxed, run_tests
+
+COLUMNS = ["task", "variant", "target", "answer", "memory", "evidence", "origin", "input_ids", "labels",
+           "memory_input_ids"]
+TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")  # pytest's default discovery
+AGENTIC = re.compile(r"\s*<plan>(?P<plan>.*?)</plan>\s*(?P<reads>(?:<read>.*?</read>\s*)+)<edit>.*?</edit>\s*", re.S)
+READ = re.compile(r"<read>(.*?)</read>", re.S)
+BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"
+PAD = SPECIAL_IDS["<|endoftext|>"]
+
+
+class CorpusError(FileNotFoundError):
+    """The commits corpus named is not a readable stage-2 corpus; the message names the fix (jobs/evaluate.py exits 2
+    with it, as for a missing model)."""
+
+
+@dataclass
+class CommitsSuite:
+    corpus: str | None = None  # a stage-2 corpus (jobs/build_corpus.py --stage 2 --out DIR): DIR, or a split directory
+    split: str = "val"  # the held-out split read when corpus is the corpus directory
+    variants: list[str] | None = None  # prompt variants scored (raw, hinted, imperative, planning); None: all
+    max_rows: int = 64  # rows read from the split, in its fixed order
+    samples: int = 5  # sampled generations per row whose repository has tests: pass@1 and pass@5 (k <= samples)
+    temperature: float = 0.8  # sampling temperature of the pass@k samples (the scored edit is greedy)
+    top_p: float = 0.95
+    max_new_tokens: int = 2048  # generated tokens per answer (a whole new file)
+    seed: int = 20261124  # sampling seed (per row: seed + row index)
+    test_command: list[str] | None = None  # run in the sandbox in the repository's copy; None: pytest -q -x
+    timeout_s: float = 120.0  # per test run, wall clock
+    memory_mb: int = 2048  # per test run, address space
+
+    def problems(self) -> list[str]:
+        p = []
+        if not self.corpus:
+            p.append(f"commits.corpus: name a stage-2 corpus: build one with `{BUILD}` and pass --commits.corpus DIR")
+        elif not Path(self.corpus).expanduser().is_dir():
+            p.append(f"commits.corpus {self.corpus}: no such directory; build it with `{BUILD}`")
+        bad = set(self.variants or []) - set(VARIANTS)
+        if bad:
+            p.append(f"commits.variants {sorted(bad)} unknown; choose from {VARIANTS}")
+        if self.max_rows < 1 or self.samples < 1 or self.max_new_tokens < 1:
+            p.append("commits.max_rows, commits.samples and commits.max_new_tokens must be positive")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            p.append("commits.temperature must be > 0 and commits.top_p in (0, 1] (pass@k samples)")
+        if self.timeout_s <= 0 or self.memory_mb <= 0:
+            p.append("commits.timeout_s and commits.memory_mb must be positive")
+        return p
+
+
+# ---------------------------------------------------------------------------------------------- the corpus
+def commit_split(settings: CommitsSuite) -> tuple[Path, Split, dict[str, Any]]:
+    """The split's directory, the split and its manifest; its shards checked against the manifest (sizes, hashes),
+    the corpus checked to be stage 2's."""
+    path = Path(settings.corpus).expanduser().resolve()
+    if (path / MANIFEST).is_file():
+        path = path / settings.split
+    try:
+        if not load_split(path).shards:
+            raise CorpusError(f"commits.corpus: {path} holds no rows (a corpus's repositories are split whole, so a "
+                              f"one-repository corpus has train or val, not both; see manifest.json `repositories`, "
+                              f"pass the split that exists, or build with --stage0.val_fraction 1.0)")
+        split = check_split(path)
+    except ShardError as error:
+        raise CorpusError(f"commits.corpus: {error}") from error
+    manifest = json.loads((Path(split.root) / MANIFEST).read_text())
+    if manifest.get("stage") != 2:
+        raise CorpusError(f"commits.corpus {path} is a stage-{manifest.get('stage')} corpus, not commits: build one "
+                          f"with `{BUILD}`")
+    return path, split, manifest
+
+
+def load_rows(settings: CommitsSuite) -> tuple[list[dict[str, Any]], str | None]:
+    """The split's first max_rows commit rows of the chosen variants, and the tokenizer checkpoint the corpus was
+    built with (None: the offline Qwen3 tokenizer)."""
+    path, split, manifest = commit_split(settings)
+    rows = head_rows(split, columns=COLUMNS, variants=settings.variants, limit=settings.max_rows)
+    rows = [r for r in rows if r["task"] == "commit"]
+    if not rows:
+        raise CorpusError(f"commits.corpus {path}: no commit rows{' of commits.variants' if settings.variants else ''}")
+    if any(r["origin"] is None for r in rows):
+        raise CorpusError(f"commits.corpus {path} records no commit origins (built before they were): rebuild it "
+                          f"with `{BUILD}`")
+    name = manifest.get("tokenizer", {}).get("name", "")
+    return rows, name.split(":", 1)[1] if name.startswith("tokenizers:") else None
+
+
+def prompt_length(row: dict[str, Any]) -> int:
+    return next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
+
+
+# ---------------------------------------------------------------------------------------------- generation
+def system_inputs(row: dict[str, Any], mode: MemoryMode) -> dict[str, torch.Tensor]:
+    """The row's prompt (1, T) as the system reads it: gca with its memory for the encoder; in_context and rag with
+    chunks before the prompt, none without (the training transform, pipelines.data.streams)."""
+    n = prompt_length(row)
+    chunks = [list(c) for c in row["memory_input_ids"]]
+    prompt = {"input_ids": list(row["input_ids"][:n]), "labels": [IGNORE] * n, "memory_input_ids": chunks}
+    spec = PackingSpec(max_tokens=n + sum(map(len, chunks)), max_chunks=max(len(chunks), 1),
+                       chunk_len=max(map(len, chunks), default=1))
+    batch = collate_memory_mode([prompt], spec, mode)
+    keys = ("input_ids", "memory_input_ids", "memory_attention_mask") if mode.kind == "gca" else ("input_ids",)
+    return {k: batch[k] for k in keys}
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """Generated ids up to <|im_end|> as text (agentic tokens as their strings); ids past the tokenizer's
+    vocabulary (a decoder's spare embedding rows) decode to nothing."""
+    ids = ids[: ids.index(SPECIAL_IDS[EOS])] if SPECIAL_IDS[EOS] in ids else ids
+    return tokenizer.decode([i for i in ids if i < VOCAB_SIZE])
+
+
+@torch.no_grad()
+def generate_answers(model, mode: MemoryMode, row: dict[str, Any], tokenizer, settings: CommitsSuite, *,
+                     samples: int, seed: int) -> tuple[str, list[str]]:
+    """The greedy answer and `samples` sampled ones, as text."""
+    inputs = {k: v.to(model.device) for k, v in system_inputs(row, mode).items()}
+    start = inputs["input_ids"].shape[1]
+    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS], "pad_token_id": PAD}
+    greedy = model.generate(**inputs, do_sample=False, **common)[0, start:].tolist()
+    sampled = []
+    if samples:
+        torch.manual_seed(seed)
+        out = model.generate(**inputs, do_sample=True, temperature=settings.temperature, top_p=settings.top_p,
+                             num_return_sequences=samples, **common)
+        sampled = [decode(tokenizer, ids) for ids in out[:, start:].tolist()]
+    return decode(tokenizer, greedy), sampled
+
+
+class CommitGenerator:
+    """A Ray Data actor: loads one system's export once, answers batches of commit rows."""
+
+    def __init__(self, export: str, system: dict[str, Any], settings: dict[str, Any], tokenizer: str | None,
+                 use_gpu: bool):
+        from models import AwarenessModel
+
+        self.model = AwarenessModel.from_pretrained(export).to("cuda" if use_gpu else "cpu").eval()
+        self.mode, self.settings = system_mode(system), CommitsSuite(**settings)
+        self.tokenizer = cached_tokenizer(tokenizer)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        out: dict[str, list] = {"index": [], "greedy": [], "samples": []}
+        for index, samples, payload in zip(batch["index"], batch["samples"], batch["row"], strict=True):
+            row, seed = json.loads(payload), self.settings.seed + int(index)
+            greedy, sampled = generate_answers(self.model, self.mode, row, self.tokenizer, self.settings,
+                                               samples=int(samples), seed=seed)
+            out["index"].append(int(index))
+            out["greedy"].append(greedy)
+            out["samples"].append(json.dumps(sampled))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+def edited_file(answer: str) -> str:
+    """The new file an answer writes: what its last `<edit>` holds (to `</edit>` or the end), else the whole answer
+    (the raw, hinted and imperative variants answer with the file itself)."""
+    if EDIT not in answer:
+        return answer
+    return answer.rsplit(EDIT, 1)[1].split(END_EDIT, 1)[0]
+
+
+def same_file(a: str, b: str) -> bool:
+    return unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b)
+
+
+def file_diff(before: str, after: str) -> str:
+    """The unified diff (3 lines of context, no file headers) from `before` to `after`."""
+    lines = difflib.unified_diff(before.splitlines(), after.splitlines(), n=3, lineterm="")
+    return "\n".join(list(lines)[2:])
+
+
+def diff_similarity(parent: str, generated: str, reference: str) -> float:
+    """Edit similarity of the generated edit's diff to the reference edit's, both against the parent file."""
+    return edit_similarity(file_diff(parent, generated), file_diff(parent, reference))
+
+
+def chunk_names(memory: list[str]) -> list[str]:
+    """`### <path> [chunk <k>]` of each memory chunk (its first line)."""
+    return [text.split("\n", 1)[0].strip() for text in memory]
+
+
+def agentic_compliance(answer: str, real: list[str], path: str) -> bool:
+    """plan -> read(s) -> edit, in order and nothing else; every read names a real chunk (`real`: the memory's
+    chunks and what the reference reads, e.g. a new file's `### path [new file]`), one of them the edited file's."""
+    match = AGENTIC.fullmatch(answer)
+    if not match or not match.group("plan").strip():
+        return False
+    reads = [r.strip() for r in READ.findall(match.group("reads"))]
+    return all(r in real for r in reads) and any(r.startswith(f"### {path} [") for r in reads)
+
+
+def real_reads(row: dict[str, Any]) -> list[str]:
+    return chunk_names(row["memory"]) + [r.strip() for r in READ.findall(row["target"])]
+
+
+# ---------------------------------------------------------------------------------------------- the parent tree
+def parent_file(origin: dict[str, str], path: str) -> str:
+    """The edited file at the parent commit ("" for a file the commit adds)."""
+    listed = git(origin["repository"], "ls-tree", "-z", origin["parent"], "--", path)
+    if not listed:
+        return ""
+    sha = listed.split("\t", 1)[0].split()[2]
+    return git(origin["repository"], "cat-file", "blob", sha, text=False).decode("utf-8", "replace")
+
+
+def write_parent_tree(origin: dict[str, str], dest: Path) -> list[str]:
+    """The parent commit's files (regular and executable blobs; no symlinks, no submodules) written under `dest`
+    from git objects (`ls-tree`, `cat-file --batch`): no checkout, so no filter, hook or attribute of the repository
+    runs. Returns the paths written."""
+    entries = []
+    for entry in git(origin["repository"], "ls-tree", "-r", "-z", "--full-tree", origin["parent"]).split("\0"):
+        if entry:
+            meta, _, path = entry.partition("\t")
+            mode, kind, sha = meta.split()
+            parts = PurePosixPath(path).parts
+            if kind == "blob" and mode in ("100644", "100755") and ".." not in parts and ".git" not in parts:
+                entries.append((mode, sha, path))
+    batch = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-C",
+                            origin["repository"], "cat-file", "--batch"],
+                           input="".join(f"{sha}\n" for _, sha, _ in entries).encode(), capture_output=True,
+                           timeout=600, env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0"})
+    if batch.returncode != 0:
+        raise GitError(batch.stderr.decode("utf-8", "replace")[:300])
+    data, offset = batch.stdout, 0
+    for mode, sha, path in entries:
+        header_end = data.index(b"\n", offset)
+        header = data[offset:header_end].split()  # "<sha> blob <size>", or "<sha> missing"
+        if len(header) != 3:
+            raise GitError(f"{origin['repository']}: object {sha} ({path}) is missing")
+        size = int(header[2])
+        target = dest / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data[header_end + 1 : header_end + 1 + size])
+        target.chmod(0o755 if mode == "100755" else 0o644)
+        offset = header_end + 1 + size + 1
+    return [path for _, _, path in entries]
+
+
+def passes(tree: Path, path: str, content: str, settings: CommitsSuite) -> bool:
+    """The repository's tests on its parent tree with `content` as `path`, in the sandbox."""
+    if settings.test_command:
+        result = run_sandboxed(tree, settings.test_command, timeout_s=settings.timeout_s,
+                               memory_mb=settings.memory_mb, files={path: content})
+        return result.returncode == 0 and not result.timed_out
+    return run_tests(tree, {path: content}, timeout_s=settings.timeout_s, memory_mb=settings.memory_mb)[0]
+
+
+# ---------------------------------------------------------------------------------------------- the suite
+@dataclass
+class Commit:
+    """What a commit shares between its variant rows and the systems: its parent tree, whether it has tests, and
+    whether they pass with the commit's own file."""
+
+    tree: Path | None
+    parent: str  # the edited file at the parent
+    has_tests: bool = False
+    reference_passes: bool = False
+    results: dict[str, bool] = field(default_factory=dict)  # test outcome per generated file
+
+
+class CommitsEvaluation:
+    """The suite for every system: rows read once, parent trees rebuilt and reference tests run once per commit."""
+
+    def __init__(self, settings: CommitsSuite):
+        self.settings = settings
+        self.rows, self.tokenizer = load_rows(settings)
+        self.workdir = Path(tempfile.mkdtemp(prefix="awareness-commits-"))
+        self.close = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # the parent trees, also on an error
+        self.commits: dict[tuple[str, str, str], Commit] = {}
+
+    def commit(self, row: dict[str, Any]) -> Commit:
+        origin, path = row["origin"], row["evidence"]["path"]
+        key = (origin["repository"], origin["commit"], path)
+        if key not in self.commits:
+            tree = self.workdir / f"tree-{len(self.commits)}"
+            try:
+                files = write_parent_tree(origin, tree)
+                commit = Commit(tree, parent_file(origin, path), has_tests=any(TEST_FILE.search(f) for f in files))
+            except GitError:  # the repository moved, or its objects were pruned, since the build
+                shutil.rmtree(tree, ignore_errors=True)
+                commit = Commit(None, "")
+            if commit.has_tests:
+                commit.reference_passes = passes(tree, path, row["answer"], self.settings)
+            self.commits[key] = commit
+        return self.commits[key]
+
+    def tested(self, commit: Commit, path: str, content: str) -> bool:
+        if content not in commit.results:
+            commit.results[content] = passes(commit.tree, path, content, self.settings)
+        return commit.results[content]
+
+    def score(self, row: dict[str, Any], greedy: str, samples: list[str]) -> dict[str, Any]:
+        """One row's record: exact, edit similarity, compliance (planning rows), tests passed of the samples."""
+        commit, path = self.commit(row), row["evidence"]["path"]
+        generated = edited_file(greedy)
+        record = {"variant": row["variant"], "commit": row["origin"]["commit"], "path": path,
+                  "exact": same_file(generated, row["answer"]), "repository": commit.tree is not None,
+                  "has_tests": commit.has_tests, "reference_passes": commit.reference_passes}
+        if commit.tree is not None:
+            record["edit_similarity"] = diff_similarity(commit.parent, generated, row["answer"])
+        if row["variant"] == "planning":
+            record["agentic"] = agentic_compliance(greedy, real_reads(row), path)
+        if commit.reference_passes:
+            record["samples"] = len(samples)
+            record["passed"] = sum(self.tested(commit, path, edited_file(s)) for s in samples)
+        return record
+
+    def run(self, source, *, actors: int, cpus_per_actor: float, use_gpu: bool) -> list[dict[str, Any]]:
+        """Generate for every row on Ray Data actors, score on the driver (tests in the sandbox)."""
+        import ray
+
+        items = [{"index": i, "samples": self.settings.samples if self.commit(row).reference_passes else 0,
+                  "row": json.dumps({k: row[k] for k in ("input_ids", "labels", "memory_input_ids")})}
+                 for i, row in enumerate(self.rows)]
+        dataset = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64)))
+        generated = dataset.map_batches(
+            CommitGenerator, batch_size=1, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus_per_actor,
+            num_gpus=1 if use_gpu else 0,
+            fn_constructor_kwargs={"export": source.export, "system": source.system,
+                                   "settings": asdict(self.settings), "tokenizer": self.tokenizer,
+                                   "use_gpu": use_gpu}).take_all()
+        by_index = {int(g["index"]): g for g in generated}
+        return [self.score(row, by_index[i]["greedy"], json.loads(by_index[i]["samples"]))
+                for i, row in enumerate(self.rows)]
+
+
+def commits_metrics(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Rates with their Wilson 95% intervals (`NAME/ci95`; pass@k's over rows, its mean rounded to a count), the
+    mean edit similarity, per variant too; counts of rows, rows with tests, and rows whose reference fails them."""
+    metrics: dict[str, Any] = {}
+
+    def rate(name: str, values: list[float]) -> None:
+        if values:
+            metrics[name] = sum(values) / len(values)
+            metrics[f"{name}/ci95"] = list(rate_interval(round(sum(values)), len(values)))
+
+    rate("commits/exact", [float(r["exact"]) for r in records])
+    similar = [r["edit_similarity"] for r in records if "edit_similarity" in r]
+    if similar:
+        metrics["commits/edit_similarity"] = sum(similar) / len(similar)
+    for variant in sorted({r["variant"] for r in records}):
+        mine = [r for r in records if r["variant"] == variant]
+        rate(f"commits/{variant}/exact", [float(r["exact"]) for r in mine])
+        similar = [r["edit_similarity"] for r in mine if "edit_similarity" in r]
+        if similar:
+            metrics[f"commits/{variant}/edit_similarity"] = sum(similar) / len(similar)
+    tested = [r for r in records if "passed" in r]
+    for k in (1, 5):
+        if tested and all(r["samples"] >= k for r in tested):
+            rate(f"commits/pass@{k}", [pass_at_k(r["samples"], r["passed"], k) for r in tested])
+    rate("commits/agentic_compliance", [float(r["agentic"]) for r in records if "agentic" in r])
+    counts = {"commits/rows": len(records), "commits/rows_with_tests": sum(r["has_tests"] for r in records),
+              "commits/rows_tested": len(tested),
+              "commits/rows_reference_fails": sum(r["has_tests"] and not r["reference_passes"] for r in records),
+              "commits/rows_without_repository": sum(not r["repository"] for r in records),  # or its objects
+              "commits/planning_rows": sum("agentic" in r for r in records)}
+    return metrics, counts
+
+
+def summary_line(metrics: dict[str, Any], counts: dict[str, int]) -> str:
+    shown = [(name, metrics.get(f"commits/{name}")) for name in
+             ("exact", "edit_similarity", "pass@1", "pass@5", "agentic_compliance")]
+    return ("commits " + "  ".join(f"{name} {value:.2f}" for name, value in shown if value is not None)
+            + f"  ({counts['commits/rows']} rows, {counts['commits/rows_tested']} tested)")
