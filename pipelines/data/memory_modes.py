@@ -3,7 +3,7 @@ top-k chunks by BM25), or not at all (`none`). The baselines are data transforms
 the same stage jobs, model and loss as `gca` (issue 14: does the memory beat RAG, long context and no memory at equal
 data?).
 
-For a prompt-memory system the chunks go before the prompt, padding stripped, labels ignored on them; the budget
+For a prompt-memory system the chunks go before the prompt, labels ignored on them; the budget
 counts memory tokens and keeps whole chunks, so truncation shows up as missing facts, not cut ones. RAG queries BM25
 (`bm25s`) with the prompt's tokens over the example's own chunks, each chunk's tokens as its terms: ids are words, so
 the same index works on needles (token-id vocabulary) and on tokenized corpus rows.
@@ -60,11 +60,10 @@ def top_chunks(chunks: list[list[int]], query: list[int], k: int) -> list[int]:
     return [int(i) for i in order[:k]]
 
 
-def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode, pad_id: int | None = None) -> list[int]:
+def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
     """The memory tokens a prompt-memory system puts before its prompt: every chunk in memory order (in_context) or
-    the top-k by BM25 in memory order (rag), padding stripped, whole chunks up to the budget."""
-    if pad_id is not None:
-        chunks = [[t for t in chunk if t != pad_id] for chunk in chunks]
+    the top-k by BM25 in memory order (rag), whole chunks up to the budget. Chunks come unpadded (corpus rows and
+    needle memories both are): no id is taken for padding, since Qwen3's id 0 is `!`, a real token of code."""
     if mode.kind == "rag":
         chunks = [chunks[i] for i in sorted(top_chunks(chunks, query, mode.rag_k))]
     elif mode.kind != "in_context":
@@ -77,7 +76,7 @@ def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode, p
     return tokens
 
 
-def memory_into_prompt(example: dict, mode: MemoryMode, pad_id: int | None = None) -> dict:
+def memory_into_prompt(example: dict, mode: MemoryMode) -> dict:
     """A corpus row for a prompt-memory (or no-memory) system: its chunks in the prompt (or dropped), no memory.
     The query is the prompt, the tokens before the first label."""
     if mode.kind == "gca":
@@ -85,7 +84,7 @@ def memory_into_prompt(example: dict, mode: MemoryMode, pad_id: int | None = Non
     input_ids, labels = list(example["input_ids"]), list(example["labels"])
     prompt_len = next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
     chunks = [list(chunk) for chunk in example["memory_input_ids"]]
-    memory = prompt_memory(chunks, input_ids[:prompt_len], mode, pad_id)
+    memory = prompt_memory(chunks, input_ids[:prompt_len], mode)
     return {**example, "input_ids": memory + input_ids, "labels": [IGNORE] * len(memory) + labels,
             "memory_input_ids": []}
 

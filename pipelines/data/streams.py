@@ -84,6 +84,6 @@ def collate_memory_mode(rows: list[dict], packing: PackingSpec, mode: MemoryMode
     gets its chunks in the prompt (or none) and no memory tensors."""
     if mode.kind == "gca":
         return collate_packed(pack_examples(rows, packing, stats), packing, stats)
-    rows = [memory_into_prompt(row, mode, packing.pad_id) for row in rows]
+    rows = [memory_into_prompt(row, mode) for row in rows]
     batch = collate_packed(pack_examples(rows, packing, stats), packing, stats)
     return {k: v for k, v in batch.items() if not k.startswith("memory_")}

@@ -38,7 +38,7 @@ COLUMNS = ["task", "variant", "kind", "prompt", "target", "answer", "memory", "e
            "labels", "memory_input_ids"]
 BUILD = "python jobs/build_corpus.py --stage 0 --sources SRC --out DIR"
 LEADING_READ = re.compile(rf"\s*{re.escape(READ)}(.*?){re.escape(END_READ)}", re.S)
-PAD_ID = 0  # as DataConfig.pad_id: training stripped it from a prompt memory's chunks, so evaluation does too
+PAD_ID = 0  # as DataConfig.pad_id: pads the encoder's chunks (the memory mask hides it)
 
 
 @dataclass

@@ -22,10 +22,10 @@ def test_bm25_ranks_the_chunk_holding_the_query_term_first():
 
 
 def test_prompt_memory_keeps_whole_chunks_within_the_budget_in_memory_order():
-    chunks = [[1, 2, 0, 0], [3, 4, 5, 0], [6, 7, 8, 9]]
-    assert prompt_memory(chunks, [], MemoryMode("in_context"), pad_id=0) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert prompt_memory(chunks, [], MemoryMode("in_context", context_budget=6), pad_id=0) == [1, 2, 3, 4, 5]
-    assert prompt_memory(chunks, [7, 9], MemoryMode("rag", rag_k=1), pad_id=0) == [6, 7, 8, 9]
+    chunks = [[1, 2], [3, 0, 5], [6, 7, 8, 9]]  # unpadded, as rows carry them; id 0 is Qwen3's `!`, kept
+    assert prompt_memory(chunks, [], MemoryMode("in_context")) == [1, 2, 3, 0, 5, 6, 7, 8, 9]
+    assert prompt_memory(chunks, [], MemoryMode("in_context", context_budget=6)) == [1, 2, 3, 0, 5]
+    assert prompt_memory(chunks, [7, 9], MemoryMode("rag", rag_k=1)) == [6, 7, 8, 9]
     assert prompt_memory(chunks, [7], MemoryMode("none")) == []
 
 
