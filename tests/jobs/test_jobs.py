@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def run_job(*args: str, cwd: Path, env_root: Path) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # ~75 s; the gate invariants it shows are tested on the model in tests/models (fast)
 def test_generate_job_closed_then_open_gates(checkpoint_root, tmp_path):
     closed = run_job("--max_new_tokens", "6", cwd=tmp_path, env_root=checkpoint_root)
     assert closed["gates"] == [0.0] and closed["matches_no_memory"] and not closed["memory_changes_output"]
@@ -29,9 +32,18 @@ def test_generate_job_closed_then_open_gates(checkpoint_root, tmp_path):
     assert isinstance(opened["memory_changes_output"], bool)
 
 
+def start_job(name: str, *args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / f"{name}.py"), *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def job(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "jobs" / f"{name}.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return finish(start_job(name, *args, cwd=cwd))
 
 
 def user_lines(stderr: str) -> list[str]:
@@ -41,10 +53,11 @@ def user_lines(stderr: str) -> list[str]:
 
 
 def test_a_wrong_value_or_unknown_key_is_one_line_and_exit_2(tmp_path):
-    wrong = job("stage0", "--train.max_steps", "abc", cwd=tmp_path)
+    started = [start_job("stage0", "--train.max_steps", "abc", cwd=tmp_path),  # side by side: each pays the imports
+               start_job("stage0", "--train.max_step", "5", cwd=tmp_path)]
+    wrong, unknown = map(finish, started)
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1 and "train.max_steps" in wrong.stderr
-    unknown = job("stage0", "--train.max_step", "5", cwd=tmp_path)
     assert unknown.returncode == 2 and "did you mean --train.max_steps?" in unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1
 

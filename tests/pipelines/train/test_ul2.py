@@ -33,6 +33,7 @@ def test_config_errors_are_collected_and_name_the_fix(tmp_path, capsys):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~100 s; `make test` keeps UL2's data, config and model tests (tests/pipelines/data/test_ul2.py)
 def test_encoder_ul2_job_through_ray_train(tmp_path, checkpoint_root):
     """A few steps of the job as a user runs it (Ray Train, ZeRO-3 over gloo on 2 CPU workers, MLflow): the loss
     falls, the exported seq2seq model and encoder reload, and the encoder serves as the Awareness memory encoder."""
