@@ -1,5 +1,6 @@
 """Awareness models: Qwen3 decoders reading an encoder memory through gated cross-attention
-(or, in `models/cross_attention.py`, a classic per-layer cross-attention decoder).
+(or, in `models/cross_attention.py`, a classic per-layer cross-attention decoder; `models/traffic_vlm.py` puts
+it behind a SigLIP vision tower).
 
 Imports torch and transformers only (no ray, deepspeed or mlflow), so it runs anywhere.
 """
@@ -14,6 +15,7 @@ from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_che
 from models.placement import resolve_gca_layers
 from models.seq2seq import Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM
 from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
+from models.traffic_vlm import TrafficVLM, build_traffic_vlm
 
 __all__ = [
     "PAIRS",
@@ -36,8 +38,10 @@ __all__ = [
     "Qwen3EncoderModel",
     "Qwen3ForSeq2SeqLM",
     "StepFlops",
+    "TrafficVLM",
     "apply_lora",
     "build_pair",
+    "build_traffic_vlm",
     "gca_parameter_count",
     "get_pair",
     "resolve_gca_layers",
