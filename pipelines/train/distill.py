@@ -1,4 +1,4 @@
-"""The stage-4 distillation loss: α·KL(teacher‖student) over the teacher's stored top-k, plus (1−α)·cross-entropy.
+"""The stage-4 distillation loss: α·KL(teacher‖student) over the teacher's stored top-k, plus (1−α)·CE.
 
 Alignment follows transformers' causal-LM loss: `student_logits` (B, T, V) and `labels` (B, T) are aligned with the
 student's input_ids, and position t's logits predict token t+1. The teacher's entries (pipelines.data.teacher_logits,
