@@ -68,15 +68,18 @@ def ensure_tokenizer(decoder_dir: str | Path) -> Path:
 
 class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     """predict(rows of {question: str, memory: list[str]} or {question: str, memory_store: str}) -> list of answers
-    (greedy, memory read through GCA)."""
+    (greedy). The memory is read as the model was trained to read it (its export's system.json): through GCA, or, for
+    a baseline, placed in its prompt (in_context: every chunk; rag: the top-k by BM25) or withheld (none)."""
 
     def load_context(self, context) -> None:
         from tokenizers import Tokenizer
 
         from models import AwarenessModel
+        from pipelines.data.memory_modes import read_system, system_mode
         from pipelines.data.tokenizer import text_tokenizer
 
         self.export = context.artifacts["export"]
+        self.mode = system_mode(read_system(self.export))
         self.model = AwarenessModel.from_pretrained(self.export).eval()
         path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
         self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
@@ -101,9 +104,15 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         return answers
 
     def encode(self, question: str, memory: list[str]) -> dict[str, torch.Tensor]:
-        """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded."""
-        prompt = torch.tensor([self.tokenizer.encode(question).ids])
+        """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded. A prompt-memory baseline:
+        its memory tokens before the prompt, as training placed them (pipelines.data.memory_modes)."""
+        from pipelines.data.memory_modes import prompt_memory
+
+        question_ids = self.tokenizer.encode(question).ids
+        prompt = torch.tensor([question_ids])
         chunks = [self.text_tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
+        if self.mode.kind != "gca":
+            return {"input_ids": torch.tensor([prompt_memory(chunks, question_ids, self.mode) + question_ids])}
         if not chunks:
             return {"input_ids": prompt}
         width = max(len(c) for c in chunks)
@@ -132,6 +141,9 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def answer(self, question: str, memory: list[str], max_new_tokens: int, store: str | None = None) -> str:
         if store and memory:
             raise ValueError("a row gives either memory (chunk texts) or memory_store (a store directory), not both")
+        if store and self.mode.kind != "gca":
+            raise ValueError(f"this model reads its memory as {self.mode.kind}, not through an encoder: give the "
+                             f"memory's chunk texts (`memory`), not a memory_store")
         inputs = self.encode(question, memory) if not store else {
             "input_ids": self.encode(question, [])["input_ids"], **self.stored_memory(store)}
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,

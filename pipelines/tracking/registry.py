@@ -154,6 +154,7 @@ def _ensure_registered_model(client, name: str) -> None:
 
 def _requirements() -> list[str]:
     """Stated, not inferred (inference imports and times every module): what the model's code imports at load."""
+    import bm25s
     import numpy
     import peft
     import tokenizers
@@ -162,7 +163,7 @@ def _requirements() -> list[str]:
 
     return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
             f"tokenizers=={tokenizers.__version__}", f"peft=={peft.__version__}", "safetensors",
-            f"numpy=={numpy.__version__}"]
+            f"numpy=={numpy.__version__}", f"bm25s=={bm25s.__version__}"]  # a rag baseline's retrieval
 
 
 def describe(version) -> dict[str, Any]:

@@ -245,3 +245,37 @@ def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_p
     here = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate").predict(rows)
     assert served == here and len(served) == len(rows)
     assert len(limited[0].split()) <= 1  # request params reach predict
+
+
+@pytest.mark.parametrize("memory", ["in_context", "rag", "none"])
+def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_root, memory):
+    """A registered baseline's pyfunc puts the memory in the prompt (or drops it) exactly as training did, and answers
+    with the model's greedy continuation of those ids; a memory store is refused (a baseline has no encoder to read)."""
+    import types
+
+    from models import AwarenessModel, AwarenessConfig
+    from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
+    from pipelines.tracking.pyfunc import AwarenessPyfunc
+    from tests.pipelines.evaluate.test_evaluate import export_of
+
+    export = export_of(tmp_path, checkpoint_root, memory)
+    ensure_tokenizer(AwarenessConfig.load(export).decoder)
+    served = AwarenessPyfunc()
+    served.load_context(types.SimpleNamespace(artifacts={"export": str(export)},
+                                              model_config={"max_new_tokens": 4, "eos_token": "<eos>"}))
+    rows, _ = needle_questions(seed=3, memories=1)
+    tokenizer = needle_tokenizer()
+    example = make_example(NeedleSpec(), seed=3, index=0)
+    question = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
+    expected = prompt_memory(example["memory"].tolist(), question, system_mode(read_system(export))) + question
+    inputs = served.encode(rows[0]["question"], rows[0]["memory"])
+    assert inputs["input_ids"][0].tolist() == expected and "memory_input_ids" not in inputs
+    assert len(expected) == {"in_context": NeedleSpec().chunks * NeedleSpec().chunk_len + 2,
+                             "rag": 2 * NeedleSpec().chunk_len + 2, "none": 2}[memory]
+    model = AwarenessModel.from_pretrained(export).eval()
+    out = model.generate(torch.tensor([expected]), max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    answer = out[0, len(expected):].tolist()
+    answer = answer[: answer.index(EOS)] if EOS in answer else answer
+    assert served.predict(None, rows[:1]) == [tokenizer.decode(answer, skip_special_tokens=True)]
+    with pytest.raises(ValueError, match="not through an encoder"):
+        served.predict(None, [{"question": rows[0]["question"], "memory_store": str(tmp_path)}])
