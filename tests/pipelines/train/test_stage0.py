@@ -104,7 +104,8 @@ def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, ch
     assert (tmp_path / "ray" / f"fail-{fail_at[:5]}" / f"injected-failure-{fail_at}").is_file()  # it did fail
 
 
-@pytest.mark.parametrize("memory", ["gca", "in_context"])
+# the baseline's run (~50 s) in make test-slow; make test keeps gca's and the baselines' scoring through evaluate
+@pytest.mark.parametrize("memory", ["gca", pytest.param("in_context", marks=pytest.mark.slow)])
 def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, memory):
     """Also for a baseline (the memory in the prompt; only the decoder trains, under ZeRO-3 with the unused GCA
     blocks frozen): its export names its system, and reloaded it scores what the run reported."""

@@ -40,7 +40,7 @@ def build_commit_corpus(tmp_path: Path) -> Path:
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # ~70 s; `make test` keeps stage 2 on the same built commit corpus (below)
+@pytest.mark.slow  # ~70 s
 def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
     split = build_commit_corpus(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -63,6 +63,7 @@ def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # ~120 s; make test keeps corpus-fed training, resume and validation (test_corpus_training.py)
 def test_stage2_trains_with_zero3_and_its_export_reloads_to_the_same_val_loss(tmp_path, checkpoint_root):
     split = build_commit_corpus(tmp_path)
     variants = pq.read_table(split, columns=["variant"]).column("variant").to_pylist()
