@@ -1,4 +1,4 @@
-"""The embedded default's learning claim, at full length (about 15 minutes on 2 cores): `make test-slow`."""
+"""The embedded default's learning claim, at full length (over 15 minutes on 2 quiet cores): `make test-slow`."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2700)  # the run alone is ~15 min on 2 quiet cores, past pytest's 900 s default
+@pytest.mark.timeout(2700)  # the run alone took over 15 min on 2 quiet cores (Nov 23 2026), past pytest's 900 s default
 def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = subprocess.run([sys.executable, str(ROOT / "jobs" / "stage0.py"), "--run.storage_path",
