@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,38 +24,49 @@ class MlflowServer:
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'store.db'}",
                    "--artifacts-destination", str(self.root / "artifacts")]
-        log = open(self.root / "server.log", "ab")  # noqa: SIM115 - closed with the process
-        # Its own session: stop() signals exactly this server and the uvicorn worker it forks, nothing else.
         # Without its background job runner (GenAI evaluation jobs, unused here) it starts faster and exits on SIGTERM.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.process = subprocess.Popen(command, stdout=log, stderr=log, cwd=self.root, start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"mlflow server did not answer on {self.uri} within {timeout}s")
+        self.process = _serve(command, env, self.root / "server.log", f"{self.uri}/health", "mlflow server", timeout)
+        return self
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(self.process.pid, sig)  # the group of the process this object started
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        _wait_port_closed(self.port)
+        _stop(self.process, self.port)
+
+
+def _serve(command: list[str], env: dict[str, str], log_path: Path, ready_url: str, what: str,
+           timeout: float) -> subprocess.Popen:
+    """Starts `command` in its own session (so _stop signals exactly it and the workers it forks) and waits until
+    ready_url answers 200."""
+    log = open(log_path, "ab")  # noqa: SIM115 - closed with the process
+    process = subprocess.Popen(command, stdout=log, stderr=log, cwd=log_path.parent, start_new_session=True, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(ready_url, timeout=2) as response:
+                if response.status == 200:
+                    return process
+        except OSError:
+            time.sleep(0.5)
+    _stop(process, urllib.parse.urlsplit(ready_url).port)
+    raise TimeoutError(f"{what} did not answer on {ready_url} within {timeout}s")
+
+
+def _stop(process: subprocess.Popen | None, port: int) -> None:
+    if process is None or process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)  # the group of the process this object started
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    _wait_port_closed(port)
 
 
 def _free_port() -> int:
@@ -84,23 +96,11 @@ class ModelServer:
     def start(self, timeout: float = 300) -> "ModelServer":
         command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", self.model_uri, "--env-manager", "local",
                    "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        log = open(self.root / "serve.log", "ab")  # noqa: SIM115 - closed with the process
         # the venv's bin on PATH, as after `source .venv/bin/activate`: the scoring server is run as `uvicorn`
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PATH": path}
-        self.process = subprocess.Popen(command, stdout=log, stderr=log, cwd=self.root, start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlflow models serve exited: {(self.root / 'serve.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"mlflow models serve did not answer on {self.url} within {timeout}s")
+        self.process = _serve(command, env, self.root / "serve.log", f"{self.url}/ping", "mlflow models serve", timeout)
+        return self
 
     def predict(self, rows: list[dict], params: dict | None = None) -> list:
         """POST /invocations with dataframe_records, as the README's curl does; the answers."""
@@ -113,19 +113,7 @@ class ModelServer:
             return json.loads(response.read())["predictions"]
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        _wait_port_closed(self.port)
+        _stop(self.process, self.port)
 
     def __enter__(self) -> "ModelServer":
         return self.start()
