@@ -28,7 +28,6 @@ kwargs (expanded for beams by GenerationMixin); once the cache holds them the me
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GenerationMixin, Qwen3Config

@@ -251,3 +251,30 @@ def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention
         _initialise_from(encoder, decoder.model)
     return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp,
                           fusion=fusion)
+
+
+def added_parameters(name: str, fusion: str) -> int:
+    """What AwarenessModel adds to a pair with `fusion` (GCA blocks or cross-attention, and the projection), counted
+    on the real architecture on the meta device (default placement); merged adds only the projection."""
+    model = build_pair(name, device="meta", fusion=fusion)
+    return sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n
+               or n.startswith("memory_projection."))
+
+
+def fusion_parameter_table() -> str:
+    """The README's table of added parameters per fusion, for every named pair."""
+    from models.fusion import FUSIONS
+
+    lines = ["| pair | " + " | ".join(FUSIONS) + " |", "|---|" + "---:|" * len(FUSIONS)]
+    for name in PAIRS:
+        cells = [_short(added_parameters(name, fusion)) for fusion in FUSIONS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _short(count: int) -> str:
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    if count >= 1e6:
+        return f"{count / 1e6:.1f}M"
+    return f"{count / 1e3:.1f}k" if count >= 1e3 else str(count)
