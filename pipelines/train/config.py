@@ -25,7 +25,7 @@ class ModelConfig:
     encoder_attention: str | None = None  # causal | bidirectional; None: the pair's default
     # How the decoder reads the memory (models/fusion.py): gca (gated blocks in gca_layers), cross (a cross-attention
     # in every layer, o_proj at 0, trained as the gca group) or merged (every layer's own attention reads it too;
-    # nothing added but the projection: it learns through the decoder). gca_layers, gca_mlp and gca_gate_init are gca's.
+    # nothing added but the projection: it learns through the decoder). gca_layers, gca_mlp and gca_gate_init: gca only
     fusion: str = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
     gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
