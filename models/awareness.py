@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
+from models.fusion import CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion
 from models.gca import GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
@@ -36,6 +37,7 @@ class AwarenessConfig:
     gca_layers: list[int]
     encoder_attention: str = "causal"
     gca_mlp: bool = False
+    fusion: str = "gca"  # gca | cross | merged (models/fusion.py); files from before the field read as gca
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -79,6 +81,9 @@ class AwarenessModel(nn.Module):
     construction the gates are 0, so the model computes exactly what the pretrained decoder computes, and only
     the GCA blocks and the projection are trainable (`models.trainable.set_trainable` changes that). Under a
     `partitioner` (ZeRO-3) the blocks and the projection are created partitioned, like the pair they join.
+    `fusion` chooses how the decoder reads the memory (models/fusion.py): `gca` (blocks in `gca_layers`), `cross`
+    (a cross-attention in every layer, o_proj at 0, trained as the GCA group) or `merged` (every layer's own
+    attention reads it too); for the last two `gca_layers` is every layer.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class AwarenessModel(nn.Module):
         gca_layers: str | list[int] = "upper_third",
         *,
         gca_mlp: bool = False,
+        fusion: str = "gca",
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -95,15 +101,20 @@ class AwarenessModel(nn.Module):
         dcfg = decoder.config
         self.decoder = decoder
         self.memory_encoder = memory_encoder
-        self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers)
+        self.fusion = check_fusion(fusion)
+        if fusion != "gca" and gca_mlp:
+            raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
+        every_layer = list(range(dcfg.num_hidden_layers))
+        self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers) if fusion == "gca" else every_layer
         self.config = config or AwarenessConfig(
             decoder=str(getattr(dcfg, "_name_or_path", "")),
             encoder=str(getattr(memory_encoder.encoder.config, "_name_or_path", "")),
             gca_layers=self.gca_layers,
             encoder_attention=memory_encoder.attention,
             gca_mlp=gca_mlp,
+            fusion=fusion,
         )
-        self.config.gca_layers = self.gca_layers
+        self.config.gca_layers, self.config.fusion = self.gca_layers, fusion
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -111,13 +122,23 @@ class AwarenessModel(nn.Module):
                 if memory_encoder.hidden_size != dcfg.hidden_size
                 else nn.Identity()
             )
-            blocks = {i: _build_gca(dcfg, gca_mlp) for i in self.gca_layers}
-        self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02), partitioner=partitioner)
+            if fusion == "gca":
+                blocks = {i: _build_gca(dcfg, gca_mlp) for i in self.gca_layers}
+            elif fusion == "cross":
+                blocks = {i: FusedCrossAttention(dcfg, i) for i in self.gca_layers}
+            else:
+                blocks = {}
+        self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02), partitioner=partitioner,
+                         zero_output=fusion == "cross")
         # a no-op under a partitioner, which creates every parameter in the engine's precision, as the pair's
         self.memory_projection.to(weight.dtype)
         layers = decoder.model.layers
+        wrapper = MemoryReadingLayer if fusion == "gca" else CrossReadingLayer
         for i, block in blocks.items():
-            layers[i] = MemoryReadingLayer(layers[i], block.to(weight.dtype), i)
+            layers[i] = wrapper(layers[i], block.to(weight.dtype), i)
+        if fusion == "merged":
+            for layer in layers:
+                adopt_merged_attention(layer.self_attn)
         set_trainable(self)
 
     # ----------------------------------------------------------------------------------------------- building
@@ -130,6 +151,7 @@ class AwarenessModel(nn.Module):
         gca_layers: str | list[int] = "upper_third",
         encoder_attention: EncoderAttention = "causal",
         gca_mlp: bool = False,
+        fusion: str = "gca",
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -147,23 +169,38 @@ class AwarenessModel(nn.Module):
             gca_layers=resolve_gca_layers(gca_layers, base.config.num_hidden_layers),
             encoder_attention=encoder_attention,
             gca_mlp=gca_mlp,
+            fusion=fusion,
         )
-        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, config=config, partitioner=partitioner)
+        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, config=config,
+                   partitioner=partitioner)
 
     @staticmethod
-    def _init_added(blocks: list[GatedCrossAttention], std: float, partitioner: Partitioner = UNPARTITIONED) -> None:
-        """Normal(0, std) projections, zero biases; one nn.Linear gathered at a time when partitioned."""
+    def _init_added(blocks: list[nn.Module], std: float, partitioner: Partitioner = UNPARTITIONED,
+                    zero_output: bool = False) -> None:
+        """Normal(0, std) projections, zero biases; with `zero_output` (fusion cross) o_proj at 0 instead, so the
+        untrained block changes nothing. One nn.Linear gathered at a time when partitioned."""
         for module in blocks:
             for sub in module.modules():
                 if isinstance(sub, nn.Linear) and sub.weight.device.type != "meta":
                     with partitioner.gathered(list(sub.parameters(recurse=False))):
-                        nn.init.normal_(sub.weight, std=std)
+                        nn.init.normal_(sub.weight, std=0.0 if zero_output and sub is module.o_proj else std)
                         if sub.bias is not None:
                             nn.init.zeros_(sub.bias)
 
     # -------------------------------------------------------------------------------------------- inspection
     def gca_blocks(self) -> dict[int, GatedCrossAttention]:
+        """The gated blocks by layer; none unless fusion is gca (gates, probes and plots are GCA's)."""
+        if self.fusion != "gca":
+            return {}
         return {i: self.decoder.model.layers[i].cross_attention for i in self.gca_layers}
+
+    def memory_readers(self) -> dict[int, nn.Module]:
+        """Per memory-reading layer, the module whose `project_memory` makes that layer's keys/values: the GCA
+        block, the added cross-attention, or (merged) the layer's own attention."""
+        layers = self.decoder.model.layers
+        if self.fusion == "merged":
+            return {i: layers[i].self_attn for i in self.gca_layers}
+        return {i: layers[i].cross_attention for i in self.gca_layers}
 
     @torch.no_grad()
     def set_gates(self, value: float, *, partitioner: Partitioner = UNPARTITIONED) -> None:
@@ -185,6 +222,9 @@ class AwarenessModel(nn.Module):
         """Where each GCA layer reads when it predicts the token after each row: one forward over `inputs` (one
         memory row per prompt row) and, per GCA layer in layer order, the attention over the memory at the last
         position, (B, H, M) on the CPU. Evaluation's memory-attention accuracy; the probe is switched off again."""
+        if self.fusion != "gca":
+            raise ValueError(f"memory_attention probes GCA blocks; this model reads its memory with "
+                             f"fusion={self.fusion!r}")
         blocks = list(self.gca_blocks().values())
         for block in blocks:
             block.probe_attention = True
@@ -235,7 +275,7 @@ class AwarenessModel(nn.Module):
             padding = MemoryPadding.from_mask(mask)
         else:
             padding = MemoryPadding.packed(mask, _per_memory_position(memory_segment_ids, mask), segment_ids)
-        layers = {i: block.project_memory(projected, padding) for i, block in self.gca_blocks().items()}
+        layers = {i: reader.project_memory(projected, padding) for i, reader in self.memory_readers().items()}
         return GCAMemory(layers=layers, states=projected, mask=mask)
 
     @property
@@ -371,6 +411,7 @@ class AwarenessModel(nn.Module):
             gca_layers=config.gca_layers,
             encoder_attention=config.encoder_attention,  # type: ignore[arg-type]
             gca_mlp=config.gca_mlp,
+            fusion=config.fusion,
             dtype=dtype,
             device=device,
         )
@@ -392,7 +433,7 @@ class AwarenessModel(nn.Module):
         if unexpected or missing:
             raise ValueError(
                 f"{path} does not fit this model: unexpected {unexpected[:5]}, missing {missing[:5]} "
-                f"(was it saved with other gca_layers, gca_mlp or LoRA settings?)"
+                f"(was it saved with another fusion, other gca_layers, gca_mlp or LoRA settings?)"
             )
         for name, tensor in state.items():
             param = params[name]

@@ -28,7 +28,6 @@ kwargs (expanded for beams by GenerationMixin); once the cache holds them the me
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import GenerationMixin, Qwen3Config
@@ -44,7 +43,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from models.gca import MemoryPadding
+from models.gca import MemoryKV, MemoryPadding, attend_memory
 
 
 @strict
@@ -80,15 +79,16 @@ class MemoryCrossAttention(Qwen3Attention):
         cache: EncoderDecoderCache | None = None,
     ) -> torch.Tensor:
         """hidden_states (B, T, d) normed; memory_states (B, M, d) or None once cached -> (B, T, d)."""
-        b, t, _ = hidden_states.shape
-        query = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, hd)
         key, value = self.memory_keys_values(memory_states, cache)  # (B, H_kv, M, hd) each
+        return self.attend(hidden_states, MemoryKV(key, value, memory_padding))
+
+    def attend(self, hidden_states: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+        """hidden_states (B, T, d) normed, B a multiple of the memory's batch (beams fold, as in GCA) -> (B, T, d)."""
+        b, t, _ = hidden_states.shape
+        query = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, self.head_dim))  # (B, T, H, hd)
         dropout = self.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=memory_padding.attn_mask, dropout_p=dropout,
-                                             scale=self.scaling, enable_gqa=True)  # (B, H, T, hd)
-        if memory_padding.has_memory is not None:  # a row with no real memory token reads nothing (not NaN)
-            out = out * memory_padding.has_memory.to(out.dtype)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, H*hd) -> (B, T, d)
+        out, _ = attend_memory(query, memory, scale=self.scaling, dropout_p=dropout)  # (B, T, H*hd)
+        return self.o_proj(out)
 
     def memory_keys_values(self, memory_states: torch.Tensor | None, cache: EncoderDecoderCache | None):
         """This layer's memory keys/values: from the cache once projected, else projected (and cached)."""
@@ -131,12 +131,23 @@ class CrossAttentionDecoderLayer(Qwen3DecoderLayer):
         """hidden_states (B, T, d), memory_states (B, M, d): positional, so reentrant checkpointing sends their
         gradients back."""
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
-        attended, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                                     attention_mask=attention_mask, past_key_values=self_cache, **kwargs)
-        hidden_states = hidden_states + attended
-        hidden_states = hidden_states + self.cross_attn(self.cross_attn_layernorm(hidden_states), memory_states,
-                                                        memory_padding, past_key_values)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self_cross_mlp(
+            self, hidden_states,
+            lambda h: self.cross_attn(self.cross_attn_layernorm(h), memory_states, memory_padding, past_key_values),
+            position_embeddings=position_embeddings, attention_mask=attention_mask, past_key_values=self_cache, **kwargs,
+        )
+
+
+def self_cross_mlp(layer: nn.Module, hidden_states: torch.Tensor, read_memory, **self_attn_kwargs) -> torch.Tensor:
+    """A transformers Qwen3 / Qwen3-MoE decoder layer's own blocks with a memory read between attention and MLP:
+    `x += self_attn(input_layernorm(x)); x += read_memory(x); x += mlp(post_attention_layernorm(x))`.
+    `read_memory(x)` returns the residual update (pre-norm inside). Shared by this decoder's layers and the
+    Awareness model's `fusion="cross"` layers, which wrap a pretrained layer."""
+    attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **self_attn_kwargs)
+    hidden_states = hidden_states + attended
+    hidden_states = hidden_states + read_memory(hidden_states)
+    out = layer.mlp(layer.post_attention_layernorm(hidden_states))
+    return hidden_states + (out[0] if isinstance(out, tuple) else out)
 
 
 class Qwen3CrossAttentionDecoder(Qwen3PreTrainedModel):

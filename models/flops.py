@@ -129,6 +129,8 @@ def training_flops(model: nn.Module, batch: Mapping[str, torch.Tensor],
     dcfg = model.decoder.config
     if getattr(dcfg, "num_experts", None):
         raise NotImplementedError("training_flops accounts dense decoders only (not Qwen3-MoE)")
+    if getattr(model, "fusion", "gca") != "gca":
+        raise NotImplementedError(f"training_flops accounts GCA blocks only, not fusion={model.fusion!r}")
     flops = StepFlops()
     tally = _Tally(flops, full_causal=causal == "full")
     groups = _groups(model)

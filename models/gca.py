@@ -125,29 +125,15 @@ class GatedCrossAttention(GradientCheckpointingLayer):
 
     def _attend(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
         b, t, _ = x.shape
-        b_mem = memory.key.shape[0]
-        if b % b_mem:
-            raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
-        r = b // b_mem
-        if r != 1 and memory.padding.attn_mask is not None and memory.padding.attn_mask.shape[2] != 1:
-            raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
         query = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
-        query = query.view(b_mem, r * t, self.num_heads, self.head_dim).transpose(1, 2)  # (B_mem, H, r*T, hd)
-        padding = memory.padding
-        out = F.scaled_dot_product_attention(
-            query, memory.key, memory.value, attn_mask=padding.attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # (B_mem, H, r*T, hd)
-        if padding.has_memory is not None:
-            out = out * padding.has_memory.to(out.dtype)
+        out, folded = attend_memory(query, memory)  # (B, T, H*hd), (B_mem, H, r*T, hd)
         if self.probe_entropy or self.probe_attention:
-            probs = self._probabilities(query.detach(), memory)
+            probs = self._probabilities(folded.detach(), memory)
             if self.probe_entropy:  # mean entropy (nats): it should fall as the blocks learn to look up
                 self.last_entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
             if self.probe_attention:
                 self.last_attention = probs
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, T, H*hd)
         return self.o_proj(out)
-
 
     def _probabilities(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
         """The attention over memory tokens (B_mem, H, r*T, M) that SDPA computed without keeping it: materialised
@@ -157,6 +143,29 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         if memory.padding.attn_mask is not None:
             scores = scores.masked_fill(~memory.padding.attn_mask, float("-inf"))
         return scores.softmax(-1)
+
+
+def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None,
+                  dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries (B, T, H, hd), QK-normed, over one memory-reading layer's keys/values -> (B, T, H*hd), and the queries
+    as attended, (B_mem, H, r*T, hd). B may be r * B_mem (beams, several questions per memory): row i reads memory
+    i // r, by folding the r rows into the query length instead of copying the memory r times. A row whose memory is
+    all padding reads nothing (zeros, not NaN). Shared by GCA blocks and the cross-attention layers."""
+    b, t, h, hd = query.shape
+    b_mem = memory.key.shape[0]
+    if b % b_mem:
+        raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
+    r = b // b_mem
+    padding = memory.padding
+    if r != 1 and padding.attn_mask is not None and padding.attn_mask.shape[2] != 1:
+        raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
+    folded = query.reshape(b_mem, r * t, h, hd).transpose(1, 2)  # (B_mem, H, r*T, hd)
+    out = F.scaled_dot_product_attention(folded, memory.key, memory.value, attn_mask=padding.attn_mask,
+                                         dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=h != memory.key.shape[1])  # (B_mem, H, r*T, hd)
+    if padding.has_memory is not None:
+        out = out * padding.has_memory.to(out.dtype)
+    return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
 
 
 @dataclass

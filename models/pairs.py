@@ -186,6 +186,7 @@ def build_pair(
     gca_layers: str | list[int] = "upper_third",
     encoder_attention: str | None = None,
     gca_mlp: bool = False,
+    fusion: str = "gca",
     dtype: torch.dtype | None = None,
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
@@ -204,6 +205,7 @@ def build_pair(
     - encoder_checkpoint: a Qwen3 encoder directory replacing the pair's encoder, e.g. one extracted from a
       UL2-trained Qwen3ForSeq2SeqLM (`Qwen3EncoderModel.from_seq2seq(model).save_pretrained(dir)`); it was trained
       bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
+    - fusion: how the decoder reads the memory, gca | cross | merged (models/fusion.py).
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
@@ -213,7 +215,7 @@ def build_pair(
         if partitioner is not UNPARTITIONED:
             raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
-                                   gca_mlp=gca_mlp, dtype=dtype, seed=seed)
+                                   gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
     if spec.random_weights:
         decoder_dir, encoder_dir = write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
@@ -228,11 +230,12 @@ def build_pair(
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
-        gca_mlp=gca_mlp, dtype=dtype, device=device, partitioner=partitioner,
+        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner,
     )
 
 
-def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention, gca_mlp, dtype, seed) -> AwarenessModel:
+def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention, gca_mlp, fusion, dtype,
+                        seed) -> AwarenessModel:
     """The pair from its configs on `device`: shapes only on meta, randomly initialised elsewhere."""
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
@@ -246,4 +249,32 @@ def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention
         encoder = Qwen3Model._from_config(encoder_config(spec), dtype=dtype, attn_implementation="sdpa")
     if spec.encoder_from_decoder and not on_meta:
         _initialise_from(encoder, decoder.model)
-    return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp)
+    return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp,
+                          fusion=fusion)
+
+
+def added_parameters(name: str, fusion: str) -> int:
+    """What AwarenessModel adds to a pair with `fusion` (GCA blocks or cross-attention, and the projection), counted
+    on the real architecture on the meta device (default placement); merged adds only the projection."""
+    model = build_pair(name, device="meta", fusion=fusion)
+    return sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n
+               or n.startswith("memory_projection."))
+
+
+def fusion_parameter_table() -> str:
+    """The README's table of added parameters per fusion, for every named pair."""
+    from models.fusion import FUSIONS
+
+    lines = ["| pair | " + " | ".join(FUSIONS) + " |", "|---|" + "---:|" * len(FUSIONS)]
+    for name in PAIRS:
+        cells = [_short(added_parameters(name, fusion)) for fusion in FUSIONS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _short(count: int) -> str:
+    if count >= 1e9:
+        return f"{count / 1e9:.2f}B"
+    if count >= 1e6:
+        return f"{count / 1e6:.1f}M"
+    return f"{count / 1e3:.1f}k" if count >= 1e3 else str(count)

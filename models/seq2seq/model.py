@@ -168,30 +168,12 @@ class Qwen3MergedAttention(Qwen3Attention):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, H); attention_mask (B, 1, T, P+T+S) bool -> (B, T, H), weights (B, nh, T, P+T+S)."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
-        key = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nkv, T, hd)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)  # (B, nkv, P+T, hd)
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        query, key, value = self_queries_keys_values(self, hidden_states, position_embeddings, self_cache)
         cross_key, cross_value = self.encoder_keys_values(encoder_hidden_states, encoder_position_embeddings,
                                                           past_key_values)  # (B, nkv, S, hd)
-        key = torch.cat([key, cross_key], dim=2)  # (B, nkv, P+T+S, hd)
-        value = torch.cat([value, cross_value], dim=2)
-        dropout = self.attention_dropout if self.training else 0.0
-        if output_attentions:
-            additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
-            additive = additive.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
-            output, weights = eager_attention_forward(self, query, key, value, additive, self.scaling, dropout)
-        else:
-            output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                    scale=self.scaling, enable_gqa=True)  # (B, nh, T, hd)
-            output, weights = output.transpose(1, 2), None  # (B, T, nh, hd)
-        output = self.o_proj(output.reshape(*input_shape, -1).contiguous())
-        return output, weights
+        return merged_attention(self, query, torch.cat([key, cross_key], dim=2), torch.cat([value, cross_value], dim=2),
+                                attention_mask, output_attentions=output_attentions)
 
     def encoder_keys_values(self, encoder_hidden_states, encoder_position_embeddings, cache):
         """The encoder's keys/values for this layer: from the cache once projected, else projected (and cached)."""
@@ -210,6 +192,39 @@ class Qwen3MergedAttention(Qwen3Attention):
             key, value = cache.cross_attention_cache.update(key, value, self.layer_idx)
             cache.is_updated[self.layer_idx] = True
         return key, value
+
+
+def self_queries_keys_values(attention: nn.Module, hidden_states: torch.Tensor,
+                             position_embeddings: tuple[torch.Tensor, torch.Tensor], cache=None):
+    """A Qwen3 attention's own queries (B, nh, T, hd) and keys/values (B, nkv, P+T, hd): QK-norm, RoPE at the decoder
+    positions, the keys/values appended to `cache` (a self-attention Cache) when given. Shared by this decoder and
+    the Awareness model's `fusion="merged"` layers."""
+    hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+    query = attention.q_norm(attention.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nh, T, hd)
+    key = attention.k_norm(attention.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # (B, nkv, T, hd)
+    value = attention.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, nkv, T, hd)
+    cos, sin = position_embeddings
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)  # (B, nkv, P+T, hd)
+    return query, key, value
+
+
+def merged_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     mask: torch.Tensor, *, output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention of the decoder's queries (B, nh, T, hd) over its own and the other model's keys/values
+    (B, nkv, P+T+S, hd) under one bool mask (B, 1, T, P+T+S), True = attend, then the attention's o_proj
+    -> (B, T, H), weights (B, nh, T, P+T+S) when `output_attentions` (eager), else None (SDPA)."""
+    dropout = attention.attention_dropout if attention.training else 0.0
+    if output_attentions:
+        additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+        additive = additive.masked_fill(~mask, torch.finfo(query.dtype).min)
+        output, weights = eager_attention_forward(attention, query, key, value, additive, attention.scaling, dropout)
+    else:
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                scale=attention.scaling, enable_gqa=True)  # (B, nh, T, hd)
+        output, weights = output.transpose(1, 2), None  # (B, T, nh, hd)
+    return attention.o_proj(output.reshape(*output.shape[:2], -1).contiguous()), weights
 
 
 def merged_attention_mask(decoder_mask: torch.Tensor, encoder_mask: torch.Tensor, query_len: int) -> torch.Tensor:

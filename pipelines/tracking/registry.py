@@ -74,7 +74,7 @@ def promote(version: str | int, *, tracking_uri: str | None = None, name: str = 
 def lineage_tags(run, config, sweep_run_id: str | None) -> dict[str, str]:
     tags = {k: run.data.tags[k] for k in LINEAGE_TAGS if k in run.data.tags}
     tags |= {"run_id": run.info.run_id, "base.decoder": config.decoder, "base.encoder": config.encoder,
-             "gca_layers": ",".join(map(str, config.gca_layers))}
+             "gca_layers": ",".join(map(str, config.gca_layers)), "fusion": config.fusion}
     sweep = sweep_run_id or run.data.tags.get("sweep.run_id") or run.data.tags.get("mlflow.parentRunId")
     if sweep:
         tags["sweep_run_id"] = sweep

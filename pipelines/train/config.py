@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from models import PAIRS
+from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.cli import ConfigError, from_typed_dict
@@ -22,8 +23,12 @@ class ModelConfig:
     checkpoint_root: str | None = None  # where real pairs' checkpoints live; None: $AWARENESS_CHECKPOINT_ROOT
     gca_layers: str = "upper_third"  # placement spec (see models.placement)
     encoder_attention: str | None = None  # causal | bidirectional; None: the pair's default
+    # How the decoder reads the memory (models/fusion.py): gca (gated blocks in gca_layers), cross (a cross-attention
+    # in every layer, o_proj at 0, trained as the gca group) or merged (every layer's own attention reads it too;
+    # nothing added but the projection: it learns through the decoder). gca_layers, gca_mlp and gca_gate_init: gca only
+    fusion: str = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
-    gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged
+    gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
     decoder: str = "lora"  # frozen | lora | full
     encoder: str = "frozen"  # frozen | lora | full
     gca: str = "full"  # full | lora
@@ -163,6 +168,20 @@ class StageConfig:
         for name in ("decoder", "encoder", "gca"):
             if getattr(m, name) not in TRAIN_MODES:
                 p.append(f"model.{name} must be one of {TRAIN_MODES}, got {getattr(m, name)!r}")
+        if m.fusion not in FUSIONS:
+            p.append(f"model.fusion must be one of {FUSIONS}, got {m.fusion!r}")
+        elif m.fusion != "gca":
+            if m.memory != "gca":
+                p.append(f"model.fusion {m.fusion} reads the encoder's memory, and model.memory {m.memory} is a baseline "
+                         f"that puts the memory in the prompt (or leaves it out): use model.fusion gca with a baseline")
+            if m.gca_mlp:
+                p.append(f"model.gca_mlp adds gated MLPs to GCA blocks; model.fusion {m.fusion} has none: drop it")
+            if m.fusion == "merged" and m.gca == "lora":
+                p.append("model.gca lora puts LoRA on GCA/cross-attention blocks; model.fusion merged has none: use "
+                         "model.gca full (the projection) and model.decoder lora")
+            if m.fusion == "merged" and m.decoder == "frozen":
+                p.append("model.fusion merged adds no attention weights (the decoder's own attention reads the memory): "
+                         "train the decoder with model.decoder lora or full")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
         targets = m.lora_targets

@@ -13,7 +13,7 @@ def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -
     """The pair, its LoRA adapters and what trains, all from the model config; partitioned as it is built under a
     ZeRO-3 `partitioner` (pipelines.train.engine.zero3_loading)."""
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
-                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp,
+                       encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp, fusion=cfg.fusion,
                        encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner)
     return prepare_model(model, cfg, partitioner=partitioner)
 
@@ -32,7 +32,7 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Parti
     )
     if plan.decoder or plan.gca or plan.encoder:
         apply_lora(model, plan)
-    if cfg.gca_gate_init:
+    if cfg.gca_gate_init and cfg.fusion == "gca":  # cross and merged have no gates
         model.set_gates(cfg.gca_gate_init, partitioner=partitioner)
     if cfg.init_from:
         model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME, partitioner=partitioner)

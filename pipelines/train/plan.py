@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair, get_pair
+from models.fusion import FUSIONS
 from models.pairs import default_tiny_root
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
@@ -42,9 +43,12 @@ class PlanInput:
     gradient_checkpointing: bool = True
     offload_optimizer: bool = False
     offload_params: bool = False
+    fusion: str = "gca"  # gca | cross | merged: how the decoder reads the memory (cross adds a block to every layer)
 
     def problems(self) -> list[str]:
         p = [] if self.nodes > 0 and self.gpus_per_node > 0 else ["nodes and gpus_per_node must be positive"]
+        if self.fusion not in FUSIONS:
+            p.append(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.pair not in PAIRS:
             return p + [f"pair {self.pair!r} is not one of {sorted(PAIRS)}"]
         if EXPERTS in self.lora_targets and PAIRS[self.pair].decoder_config["model_type"] != "qwen3_moe":
@@ -120,6 +124,7 @@ def plan_for_stage(config) -> MemoryPlan:
         memories=per_gpu_memories, seq_len=seq_len, memory_tokens=memory_tokens,
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
+        fusion=config.model.fusion,
     ))
 
 
@@ -155,7 +160,7 @@ def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
     """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
     Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own. The model
     comes back too, LoRA and all (its modules size the activations and the load peak)."""
-    model = build_pair(inputs.pair, device="meta")
+    model = build_pair(inputs.pair, device="meta", fusion=inputs.fusion)
     if inputs.decoder == "lora":
         apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
     decoder = sum(p.numel() for n, p in model.decoder.named_parameters() if not is_added_parameter(n))

@@ -61,8 +61,9 @@ class StageRecipe:
         return int((batch["labels"] != -100).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
-        """Gates and attention entropy: only a GCA system reads its memory through them."""
-        return probe_metrics(engine, config, state, stream) if config.model.memory == "gca" else {}
+        """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross
+        or merged fusions)."""
+        return probe_metrics(engine, config, state, stream) if engine.module.gca_blocks() else {}
 
     def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
         """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""
@@ -101,10 +102,11 @@ class StageRecipe:
             "job": f"stage{config.stage}",
             "pair": config.model.pair,
             "memory": config.model.memory,
+            "fusion": config.model.fusion,
             "needle_accuracy": metrics.get("needle_accuracy"),
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
-            "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)),  # what the gates started at, to compare
+            "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)) if engine_has_gates(config) else None,
             **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
             "examples_seen": metrics.get("examples_seen"),
             "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
@@ -163,6 +165,11 @@ def lineage_tags(config: StageConfig) -> dict[str, str]:
             "data.manifest_hash": data_manifest_hash(config.data.train_path, dataclasses.asdict(config.needle)),
             "git.commit": git_commit(), **system_info(),
             **({"init_from": str(Path(config.model.init_from).resolve())} if config.model.init_from else {})}
+
+
+def engine_has_gates(config: StageConfig) -> bool:
+    """Whether the trained model has GCA gates (what the summary's gate fields describe)."""
+    return config.model.memory == "gca" and config.model.fusion == "gca"
 
 
 def log_evaluation_table(tracker: Tracker, metrics: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models import PAIRS, get_pair
+from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
@@ -38,6 +39,9 @@ class SweepConfig:
     lora_ranks: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
     # None: upper_third, upper_half, every_k:4, last:4 and an explicit list (the middle and the last layer)
     placements: list[str] | None = None
+    # how the decoder reads the memory (gca cross merged); None: the base config's model.fusion alone. Placement
+    # applies to gca; cross and merged read in every layer whatever the trial's placement says
+    fusions: list[str] | None = None
     lr_min: float = 1e-4  # learning rate, log-uniform in [lr_min, lr_max]
     lr_max: float = 3e-3
     metric: str | None = None  # reported at every evaluation (train.eval_every); None: validation_metric(base)
@@ -63,6 +67,9 @@ class SweepConfig:
                 resolve_gca_layers(spec, depth)
             except ValueError as error:
                 p.append(f"sweep.placements: {error}")
+        unknown = sorted(set(self.fusions or ()) - set(FUSIONS))
+        if unknown or self.fusions == []:
+            p.append(f"sweep.fusions must name some of {FUSIONS}, got {self.fusions}")
         if self.num_samples <= 0:
             p.append(f"sweep.num_samples must be positive, got {self.num_samples}")
         if not self.lora_ranks or any(r <= 0 for r in self.lora_ranks):
@@ -84,6 +91,9 @@ class SweepConfig:
             p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
                      f"on small machines), got {self.trial_cpus}")
         return p
+
+    def fusion_choices(self, base: StageConfig) -> list[str]:
+        return list(self.fusions) if self.fusions else [base.model.fusion]
 
     def placement_specs(self, base: StageConfig) -> list[str]:
         if self.placements:
@@ -118,7 +128,7 @@ def evaluation_report_callback(metric: str):
 
 
 def train_trial(trial: dict[str, Any]) -> None:
-    """One Tune trial: the stage job's Ray Train run with this trial's rank, placement and learning rate."""
+    """One Tune trial: the stage job's Ray Train run with this trial's fusion, rank, placement and learning rate."""
     import ray.tune
 
     from pipelines.train.driver import run_stage
@@ -133,7 +143,8 @@ def train_trial(trial: dict[str, Any]) -> None:
 
 
 def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, trial_id: str) -> StageConfig:
-    model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]))
+    model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]),
+                                fusion=str(params.get("fusion", base.model.fusion)))
     train = dataclasses.replace(base.train, lr=float(params["lr"]))
     run = dataclasses.replace(base.run, name=f"{sweep_name}-{trial_id}")
     return dataclasses.replace(base, model=model, train=train, run=run).validate()
@@ -163,6 +174,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
         ray.init(log_to_driver=True)
     concurrency = max_concurrent_trials(sweep, base)
     space = {
+        "fusion": ray.tune.choice(sweep.fusion_choices(base)),
         "lora_rank": ray.tune.choice(sweep.lora_ranks),
         "gca_layers": ray.tune.choice(sweep.placement_specs(base)),
         "lr": ray.tune.loguniform(sweep.lr_min, sweep.lr_max),
@@ -214,7 +226,8 @@ def max_concurrent_trials(sweep: SweepConfig, base: StageConfig) -> int:
 
 
 def open_sweep_run(sweep: SweepConfig, base: StageConfig, tracking_uri: str) -> Tracker:
-    config = {"sweep": dataclasses.asdict(sweep) | {"placements": sweep.placement_specs(base)}, "base": base.to_dict()}
+    config = {"sweep": dataclasses.asdict(sweep) | {"placements": sweep.placement_specs(base),
+                                                    "fusions": sweep.fusion_choices(base)}, "base": base.to_dict()}
     tags = {"sweep": "true", "pair": base.model.pair, "stage": str(base.stage), "git.commit": git_commit(),
             **system_info()}
     return Tracker.start(tracking_uri, base.tracking.experiment, sweep.name, config, tags)
@@ -233,8 +246,8 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         export = f"{checkpoint}/export" if checkpoint and steps >= base.train.max_steps else None
         seconds = float(m.get("time_total_s", 0.0))
         rows.append({
-            "trial_id": m.get("trial_id") or Path(result.path).name, "lora_rank": c["lora_rank"],
-            "placement": c["gca_layers"], "gca_layers": resolve_gca_layers(c["gca_layers"], depth), "lr": c["lr"],
+            "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"], "lora_rank": c["lora_rank"],
+            "placement": c["gca_layers"], "gca_layers": memory_layers(c["fusion"], c["gca_layers"], depth), "lr": c["lr"],
             sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
             "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,
             "stopped_early": steps < base.train.max_steps and result.error is None,
@@ -243,6 +256,11 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
             "error": repr(result.error) if result.error else None, "mlflow_run_id": None,
         })
     return rows
+
+
+def memory_layers(fusion: str, placement: str, depth: int) -> list[int]:
+    """The layers that read the memory: the placement's for gca, every layer for cross and merged."""
+    return resolve_gca_layers(placement, depth) if fusion == "gca" else list(range(depth))
 
 
 def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri: str) -> None:
@@ -279,7 +297,7 @@ def finish_sweep(sweep: SweepConfig, base: StageConfig, parent: Tracker, rows: l
                      "sweep/trials.json")
     parent.log_text(table, "sweep/table.md")
     figure = plot_sweep(rows, sweep.metric)
-    parent.log_figure(figure, "sweep_rank_x_placement.png")
+    parent.log_figure(figure, "sweep_rank_x_placement.png")  # columns: fusion and placement
     parent.log_metrics({"sweep_wall_seconds": wall, "sweep_cpu_seconds": sum(r["cpu_seconds"] for r in rows),
                         "trials_finished": sum(r["export"] is not None for r in rows),
                         "trials_stopped_early": sum(r["stopped_early"] for r in rows),

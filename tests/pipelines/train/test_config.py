@@ -78,3 +78,20 @@ def test_gate_init_opens_the_gates_before_training_and_an_export_overrides_it(tm
     closed.save_pretrained(tmp_path / "export")
     loaded = build_model(ModelConfig(pair="tiny", gca_gate_init=0.3, init_from=str(tmp_path / "export")))
     assert set(loaded.gate_values().values()) == {0.0}
+
+
+def test_fusion_is_validated_with_the_reason(capsys):
+    """An unknown fusion, and combinations that cannot mean anything, are one line each on stderr and exit 2."""
+    def problems(*flags):
+        with pytest.raises(SystemExit) as stop:
+            parse_config(list(flags), DEFAULT)
+        assert stop.value.code == 2
+        return capsys.readouterr().err
+
+    assert "model.fusion must be one of ('gca', 'cross', 'merged'), got 'concat'" in problems("--model.fusion", "concat")
+    err = problems("--model.fusion", "cross", "--model.memory", "rag", "--model.gca_mlp", "true")
+    assert "model.memory rag is a baseline" in err and "model.gca_mlp adds gated MLPs" in err
+    err = problems("--model.fusion", "merged", "--model.decoder", "frozen", "--model.gca", "lora")
+    assert "train the decoder with model.decoder lora or full" in err and "model.fusion merged has none" in err
+    for fusion in ("cross", "merged"):
+        assert parse_config(["--model.fusion", fusion], DEFAULT).model.fusion == fusion

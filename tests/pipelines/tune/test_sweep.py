@@ -36,6 +36,7 @@ def sweep(tmp_path_factory, checkpoint_root, mlflow_server):
         summary = main([
             "--model.pair", "tiny", "--stage", "0", "--sweep.num_samples", "2", "--sweep.lora_ranks", "8", "16",
             "--sweep.placements", "upper_half", "1,3", "--sweep.grace_period", "1", "--sweep.name", "tiny-sweep",
+            "--sweep.fusions", "gca", "cross",
             "--train.max_steps", str(STEPS), "--train.eval_every", str(EVAL_EVERY), "--train.log_every", "2",
             "--train.checkpoint_every", str(STEPS), *NEEDLE, "--model.checkpoint_root", str(checkpoint_root),
             "--run.storage_path", str(tmp / "ray"),
@@ -65,11 +66,12 @@ def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_s
     table = open(client.download_artifacts(parent.info.run_id, "sweep/table.md")).read()
     for row in sweep["table"]:
         assert row["error"] is None and row["needle_val_loss"] is not None
-        assert f"| {row['lora_rank']} | {row['placement']} |" in table
+        assert f"| {row['fusion']} | {row['lora_rank']} | {row['placement']} |" in table
         child = client.get_run(row["mlflow_run_id"])
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.data.params["model.lora_rank"] == str(row["lora_rank"])
         assert child.data.params["model.gca_layers"] == row["placement"]
+        assert child.data.params["model.fusion"] == row["fusion"]
         assert child.data.tags["data.manifest_hash"].startswith("synthetic:") and "git.commit" in child.data.tags
         evaluated = [m.step for m in client.get_metric_history(child.info.run_id, "needle_val_loss")]
         names = {a.path for a in client.list_artifacts(child.info.run_id)}
@@ -153,9 +155,10 @@ def test_sweep_config_collects_every_problem():
     from pipelines.tune.sweep import SweepConfig, default_base
 
     base = default_base("tiny", 0)
-    sweep = SweepConfig(num_samples=0, lora_ranks=[0], placements=["last:9"], lr_min=1e-2, lr_max=1e-3, trial_cpus=1)
+    sweep = SweepConfig(num_samples=0, lora_ranks=[0], placements=["last:9"], lr_min=1e-2, lr_max=1e-3, trial_cpus=1,
+                        fusions=["gca", "concat"])
     problems = "\n".join(sweep.problems(dataclasses_replace_decoder(base, "full")))
-    for text in ("num_samples", "lora_ranks", "last:9", "lr_min", "trial_cpus", "model.decoder=lora"):
+    for text in ("num_samples", "lora_ranks", "last:9", "lr_min", "trial_cpus", "model.decoder=lora", "concat"):
         assert text in problems, text
     assert SweepConfig().problems(base) == []
     assert SweepConfig().placement_specs(base) == ["upper_third", "upper_half", "every_k:4", "last:4", "2,3"]
@@ -199,6 +202,7 @@ def test_concurrency_counts_what_a_trial_reserves(monkeypatch, tmp_path):
 
 
 def test_table_and_best_trial():
+    from pipelines.tune.report import plot_sweep
     from pipelines.tune.sweep import SweepConfig, best_row, format_table
 
     rows = [
@@ -211,8 +215,13 @@ def test_table_and_best_trial():
     ]
     best = best_row(rows, SweepConfig(metric="needle_val_loss"))
     assert best["trial_id"] == "a"  # b is lower but was stopped: nothing to register
+    lines = format_table(rows, "needle_val_loss").splitlines()  # rows without a fusion were GCA's
+    assert lines[2].startswith("| gca | 8 | last:1 | [3] |") and lines[3].startswith("| gca | 16 | upper_half | [2, 3] |")
+    rows.append({**rows[0], "trial_id": "c", "fusion": "cross", "lora_rank": 8, "gca_layers": [0, 1, 2, 3]})
     lines = format_table(rows, "needle_val_loss").splitlines()
-    assert lines[2].startswith("| 8 | last:1 | [3] |") and lines[3].startswith("| 16 | upper_half | [2, 3] |")
+    assert lines[-1].startswith("| gca | 16 |") and lines[2].startswith("| cross | 8 | upper_half | [0, 1, 2, 3] |")
+    figure = plot_sweep(rows, "needle_val_loss")  # a column per GCA placement, one for cross
+    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["last:1", "upper_half", "cross (every layer)"]
 
 
 def dataclasses_replace_decoder(base, decoder: str):
