@@ -72,7 +72,8 @@ def _fit(example: dict, spec: PackingSpec, stats: PackStats) -> dict:
         if len(chunk) > spec.chunk_len:
             stats.cut_chunks += 1
             chunks[i] = chunk[: spec.chunk_len]
-    return {"input_ids": input_ids, "labels": labels, "memory_input_ids": chunks}
+    kept = {"input_ids": input_ids, "labels": labels, "memory_input_ids": chunks}
+    return kept | ({"id": example["id"]} if "id" in example else {})  # the row id joins stage 4's teacher entries
 
 
 def collate_packed(rows: list[list[dict]], spec: PackingSpec, stats: PackStats | None = None) -> dict[str, torch.Tensor]:

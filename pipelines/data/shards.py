@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.json"
@@ -100,6 +101,21 @@ def load_split(path: str | Path) -> Split:
     prefix = f"{split.name}/"
     shards = {name: record for name, record in manifest["shards"].items() if name.startswith(prefix)}
     return Split(str(split.parent), shards, rebuild)
+
+
+def write_corpus(out: str | Path, splits: dict[str, list[dict[str, Any]]], *, row_group_rows: int = 256,
+                 stage: int, sources: list[str], **facts: Any) -> Path:
+    """Rows already in the corpus schema as OUT/<split>/part-00000.parquet and OUT/manifest.json (its `shards`
+    recorded as jobs/build_corpus.py records them, plus `facts`), for corpora a job makes itself (stage 4's default)."""
+    out = Path(out)
+    for name, rows in splits.items():
+        (out / name).mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), out / name / "part-00000.parquet", row_group_size=row_group_rows)
+    shards = {str(p.relative_to(out)): shard_record(p) for p in sorted(out.glob("*/*.parquet"))}
+    manifest = {"version": MANIFEST_VERSION, "stage": stage, "sources": sources, **facts,
+                "rows": {name: len(rows) for name, rows in splits.items()}, "shards": shards}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
 
 
 def rebuild_command(manifest: dict[str, Any], out: Path) -> str:

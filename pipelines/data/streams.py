@@ -19,6 +19,7 @@ from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_
 from pipelines.data.shards import RankReader, Split, head_rows, load_split
 from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
 from pipelines.data.synthetic_needles import NeedleSpec, make_batch, needle_batch
+from pipelines.data.teacher_logits import TeacherEntries, teacher_tensors
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
@@ -51,8 +52,9 @@ class CorpusStream:
     `start_step` left off at; the checksum sums the rows' global ids."""
 
     def __init__(self, split: Split, packing: PackingSpec, *, variants: list[str] | None, memories_per_step: int,
-                 grad_accum: int, rank: int, world: int, start_step: int, mode: MemoryMode = GCA):
-        self.packing, self.mode = packing, mode
+                 grad_accum: int, rank: int, world: int, start_step: int, mode: MemoryMode = GCA,
+                 teacher: TeacherEntries | None = None):
+        self.packing, self.mode, self.teacher = packing, mode, teacher
         self.stats = PackStats()
         self.per_rank = memories_per_step // (grad_accum * world)
         self.reader = RankReader(split, rank, world, columns=TOKEN_COLUMNS, variants=variants)
@@ -61,9 +63,14 @@ class CorpusStream:
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
         rows = list(islice(self._rows, self.per_rank))
-        batch = collate_memory_mode(rows, self.packing, self.mode, self.stats)
+        if self.teacher is None:
+            batch = collate_memory_mode(rows, self.packing, self.mode, self.stats)
+        else:  # stage 4 (a GCA student): the teacher's top-k joined to the packed rows by row id
+            packed = pack_examples(rows, self.packing, self.stats)
+            batch = collate_packed(packed, self.packing, self.stats)
+            batch |= teacher_tensors(packed, self.teacher, batch["input_ids"].shape[1])
         if self._probe is None:
-            self._probe = {k: v[:1] for k, v in batch.items() if k != "labels"}
+            self._probe = {k: v[:1] for k, v in batch.items() if k != "labels" and not k.startswith("teacher_")}
         return batch, len(rows), sum(row["id"] for row in rows)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:

@@ -152,3 +152,21 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
         input_ids[r, : len(ids)], label_ids[r, : len(labs)] = torch.tensor(ids), torch.tensor(labs)
     return {"input_ids": input_ids, "labels": label_ids, "depth": torch.from_numpy(np.concatenate(depth)),
             "answer_rows": torch.tensor(answer_rows), "answer_positions": torch.tensor(answer_starts)[:, None] + digits}
+
+
+def noisy_copy_rows(spec: NeedleSpec, seed: int, count: int, noise: float) -> list[dict]:
+    """Corpus rows (jobs/build_corpus.py's token columns) of one question each: the memory's chunks, the prompt
+    `BOS key`, and a target whose value digits each are, with probability `noise`, replaced by a random digit. The
+    label is one sample; the best prediction is the whole mixture (1 - noise + noise/10 on the memory's digit), which
+    a teacher that has learned the task gives and a one-hot label does not (stage 4's default corpus)."""
+    rows = []
+    for index in range(count):
+        example = make_example(spec, seed, index)
+        rng = np.random.default_rng([seed, index, 1])
+        input_ids, labels = example["input_ids"][0].copy(), example["labels"][0].copy()  # the first question
+        digits = np.arange(PROMPT_LEN, PROMPT_LEN + spec.value_digits)
+        replaced = digits[rng.random(spec.value_digits) < noise]
+        input_ids[replaced] = labels[replaced] = rng.choice(np.array(VALUES[: spec.value_range]), size=len(replaced))
+        rows.append({"task": "needle", "variant": "noisy_copy", "input_ids": input_ids.tolist(),
+                     "labels": labels.tolist(), "memory_input_ids": example["memory"].tolist()})
+    return rows

@@ -26,12 +26,14 @@ by reason, never dropped silently; rows whose memory did not all fit the teacher
 teacher sees whole chunks up to the budget, as it did in training) and counted as `memory_truncated_rows` (for a
 `rag` teacher that is every row with more chunks than rag_k, by design).
 
-Not here yet: joining these entries to packed training rows (the stage-4 loop reads a row's entry by its `id` and
-turns it into loss tensors with `dense_targets`; pipelines.train.distill is the loss).
+Training joins these entries to the packed rows by row id (`TeacherEntries`, `teacher_tensors`; a worker reads only
+the teacher shards of its own row groups), and pipelines.train.distill is the loss. `logits_match` says whether a
+directory already holds this teacher's logits of this corpus at this k, so stage 4 computes them only once.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import time
@@ -46,7 +48,7 @@ import torch
 
 from models.awareness import WEIGHTS_NAME, AwarenessConfig, AwarenessModel
 from pipelines.data.memory_modes import IGNORE, MemoryMode, memory_into_prompt, read_system, system_mode
-from pipelines.data.shards import MANIFEST, Unit, check_split, shard_record, split_units
+from pipelines.data.shards import MANIFEST, Split, Unit, check_split, shard_record, split_units
 
 ID_BYTES, LOGPROB_BYTES = 4, 2  # int32 ids, float16 log-probs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -195,14 +197,70 @@ def read_scored(path: str | Path, k: int) -> dict[int, dict[str, Any]]:
 
 def dense_targets(entry: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A stored row as the loss takes it, aligned to the student's labels: ids (length, k) int64 with -1 where the
-    teacher has no entry, log-probs (length, k) float32 (0 there)."""
+    teacher has no entry, log-probs (length, k) float32 (0 there). Positions at or past `length` (a row packing cut
+    to data.max_tokens) are dropped with the tokens they belonged to."""
     ids = torch.full((length, k), -1, dtype=torch.long)
     logprobs = torch.zeros((length, k), dtype=torch.float32)
-    positions = torch.as_tensor(np.asarray(entry["positions"], dtype=np.int64))
-    if len(positions):
-        ids[positions] = torch.as_tensor(np.asarray(entry["topk_ids"], dtype=np.int64).reshape(-1, k))
-        logprobs[positions] = torch.as_tensor(np.asarray(entry["topk_logprobs"], dtype=np.float32).reshape(-1, k))
+    positions = np.asarray(entry["positions"], dtype=np.int64)
+    kept = positions < length
+    if kept.any():
+        at = torch.as_tensor(positions[kept])
+        ids[at] = torch.as_tensor(np.asarray(entry["topk_ids"], dtype=np.int64).reshape(-1, k)[kept])
+        logprobs[at] = torch.as_tensor(np.asarray(entry["topk_logprobs"], dtype=np.float32).reshape(-1, k)[kept])
     return ids, logprobs
+
+
+class TeacherEntries:
+    """A split's stored teacher entries by global row id (the corpus split's fixed order, pipelines.data.shards),
+    read one teacher shard at a time: a rank reads its row groups in order, so it opens only its own."""
+
+    def __init__(self, directory: str | Path, split: Split, k: int):
+        units = split_units(split, 1)  # whole row groups, as compute_teacher_logits wrote them
+        self.directory, self.k = Path(directory), k
+        self.names = [item["name"] for item in unit_items(Path(split.paths()[0]).parent, units)]
+        self.starts = [u.first_id for u in units]
+        self._shard: tuple[str, dict[int, dict[str, Any]]] | None = None
+
+    def get(self, row_id: int) -> dict[str, Any] | None:
+        """The row's entry (None for an id the teacher never scored: then the row counts in the CE only)."""
+        index = bisect.bisect_right(self.starts, row_id) - 1
+        if index < 0:
+            return None
+        name = self.names[index]
+        if self._shard is None or self._shard[0] != name:
+            path = self.directory / name
+            self._shard = (name, read_scored(path, self.k) if path.is_file() else {})
+        return self._shard[1].get(row_id)
+
+
+def teacher_tensors(packed: list[list[dict]], entries: TeacherEntries, width: int) -> dict[str, torch.Tensor]:
+    """The teacher's targets for packed rows (pipelines.data.packing, examples carrying their `id`), laid out as
+    collate_packed lays out their labels: teacher_ids (B, width, k) int64 (-1: no entry, e.g. a skipped row or a
+    prompt position), teacher_logprobs (B, width, k) float32."""
+    k = entries.k
+    ids = torch.full((max(len(packed), 1), width, k), -1, dtype=torch.long)
+    logprobs = torch.zeros((max(len(packed), 1), width, k), dtype=torch.float32)
+    for r, row in enumerate(packed):
+        offset = 0
+        for example in row:
+            n = len(example["input_ids"])
+            entry = entries.get(example["id"]) if "id" in example else None
+            if entry is not None and not entry["skipped"]:
+                ids[r, offset : offset + n], logprobs[r, offset : offset + n] = dense_targets(entry, n, k)
+            offset += n
+    return {"teacher_ids": ids, "teacher_logprobs": logprobs}
+
+
+def logits_match(directory: str | Path, teacher: str | Path, k: int, split: str | Path) -> bool:
+    """Whether `directory` already holds `teacher`'s top-k logits of this split, as its corpus is now."""
+    manifest = Path(directory) / MANIFEST
+    if not manifest.is_file():
+        return False
+    stored = json.loads(manifest.read_text())
+    corpus = Path(split).resolve().parent
+    return (stored.get("k") == k and stored.get("split") == Path(split).resolve().name
+            and stored.get("teacher", {}).get("weights_sha256") == teacher_identity(teacher)["weights_sha256"]
+            and stored.get("corpus_manifest_sha256") == hashlib.sha256((corpus / MANIFEST).read_bytes()).hexdigest())
 
 
 def teacher_identity(export: str | Path) -> dict[str, Any]:

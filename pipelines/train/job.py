@@ -26,8 +26,10 @@ def run_job(argv: list[str] | None, default: StageConfig | Ul2Config, descriptio
     # Ray Train and DeepSpeed: imported only for a valid config
     from pipelines.train.console import closing_sentence
     from pipelines.train.driver import run_stage, shutdown_ray
+    from pipelines.train.stage4 import run_stage4
 
-    summary = run_stage(config) | ({"shards_checked": checked} if checked else {})
+    run = run_stage4 if isinstance(config, StageConfig) and config.stage == 4 else run_stage  # stage 4: 2-3 runs
+    summary = run(config) | ({"shards_checked": checked} if checked else {})
     shutdown_ray()  # flushes whatever the workers still forward, so the summary is the last line
     print(closing_sentence(summary, resolve_tracking_uri(config.tracking.tracking_uri)), file=sys.stderr, flush=True)
     print(summary_json(summary), flush=True)

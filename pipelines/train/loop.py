@@ -36,7 +36,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []
     while state.step < t.max_steps:
-        metrics = train_step(engine, recipe, t, state, stream)
+        metrics = train_step(engine, recipe, config, state, stream)
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         hook("train", state.step)
@@ -70,28 +70,36 @@ def worker_tracking_uri(loop_config: dict[str, Any]) -> str | None:
     return for_other_nodes(uri, driver_ip)
 
 
-def train_step(engine, recipe: Recipe, t, state: TrainState, stream) -> dict[str, float]:
-    """One optimizer step over train.grad_accum micro-batches; loss, tokens and the index checksum over all ranks."""
-    started, losses, tokens, checksum, world = time.perf_counter(), [], 0, 0, dist.get_world_size()
+def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dict[str, float]:
+    """One optimizer step over train.grad_accum micro-batches; loss (and the recipe's loss parts), tokens and the
+    index checksum over all ranks."""
+    started, losses, parts, tokens, checksum = time.perf_counter(), [], [], 0, 0
+    t, world = config.train, dist.get_world_size()
     for micro in range(t.grad_accum):
         batch, _, batch_checksum = stream.batch(state.step, micro)
-        out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-        engine.backward(out.loss)
+        loss = recipe.loss(engine, config, batch)
+        engine.backward(loss.total)
         engine.step()
-        losses.append(out.loss.detach())
+        losses.append(loss.total.detach())
+        parts.append(loss.parts)
         tokens += recipe.count_tokens(batch)
         checksum += batch_checksum
-    totals = torch.tensor([torch.stack(losses).mean().item(), tokens, checksum], dtype=torch.float64)
+    names = sorted(parts[0])  # the same parts on every rank and micro-batch
+    means = [torch.stack([p[n].detach() for p in parts]).mean().item() for n in names]
+    totals = torch.tensor([torch.stack(losses).mean().item(), tokens, checksum, *means], dtype=torch.float64)
     dist.all_reduce(totals)
     state.step += 1
     state.examples_seen += t.memories_per_step
     state.index_checksum += int(totals[2].item())  # global, so every rank's checkpointed state is the same
     loss = totals[0].item() / world
     state.loss_first = loss if state.loss_first is None else state.loss_first
+    part_values = {n: v / world for n, v in zip(names, totals[3:].tolist(), strict=True)}
+    state.parts_first = state.parts_first or dict(part_values)
     elapsed = time.perf_counter() - started
     return {"step": state.step, "loss": loss, "loss_first": state.loss_first, "lr": max(engine.get_lr()),
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
-            "examples_seen": state.examples_seen, "index_checksum": float(state.index_checksum)}
+            "examples_seen": state.examples_seen, "index_checksum": float(state.index_checksum), **part_values,
+            **{f"{n}_first": v for n, v in state.parts_first.items()}}
 
 
 def resumed_state(engine, world: int) -> TrainState:

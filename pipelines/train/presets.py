@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from pipelines.data.ul2 import Ul2DataConfig
-from pipelines.train.config import (DataConfig, DeepSpeedSettings, ModelConfig, RunSettings, ScalingSettings,
-                                    StageConfig, TrainConfig, Ul2Config)
+from pipelines.train.config import (DataConfig, DeepSpeedSettings, DistillConfig, ModelConfig, NeedleConfig,
+                                    RunSettings, ScalingSettings, StageConfig, TrainConfig, Ul2Config)
 
 # Stage 0 (`make demo`): a tiny random pair learns needle retrieval from scratch, so everything trains in full.
 # Its encoder starts from its decoder (as Qwen3-Embedding starts from Qwen3), and attends bidirectionally, so a
@@ -52,6 +52,23 @@ STAGE2 = StageConfig(
     run=RunSettings(name="stage2"),
 )
 
+# Stage 4 (`python jobs/stage4.py`): distillation on CPU. The default corpus is one needle fact per memory with noisy
+# target digits (pipelines/train/stage4.py says why); an in_context teacher trains first (cached under the checkpoint
+# root), then the GCA student with the teacher's top-32 (alpha 0.5), then the same student with alpha 0. The pair and
+# settings are stage 0's, which learn a needle lookup from scratch on this machine.
+STAGE4 = StageConfig(
+    stage=4,
+    model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
+                      encoder="full", gca="full", gca_gate_init=0.3, context_budget=64),
+    needle=NeedleConfig(facts=1, questions=1, value_digits=4, chunk_len=7, distractors=0),
+    data=DataConfig(max_tokens=64, max_chunks=8, chunk_len=8, val_examples=256),
+    train=TrainConfig(max_steps=400, memories_per_step=64, lr=2e-3, warmup_steps=20, eval_every=200,
+                      checkpoint_every=400, log_every=10),
+    deepspeed=DeepSpeedSettings(zero_stage=2),
+    distill=DistillConfig(teacher_steps=300, k=32, alpha=0.5),
+    run=RunSettings(name="stage4-tiny", export_every_checkpoint=False),
+)
+
 # The UL2 job: a tiny random Qwen3 (the `tiny` pair's decoder) with a byte-level tokenizer, trained on
 # this repository's own sources; everything trains in full. A few minutes on 2 CPU cores.
 ENCODER_UL2 = Ul2Config(
@@ -61,4 +78,4 @@ ENCODER_UL2 = Ul2Config(
     run=RunSettings(name="encoder-ul2-tiny", export_every_checkpoint=False),  # its export is the whole model
 )
 
-STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}
+STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}  # the sweepable stages (stage 4 is a sequence of runs: jobs/stage4.py)

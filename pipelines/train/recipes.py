@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -21,6 +21,7 @@ class TrainState:
     index_checksum: int = 0  # sum of the example indices consumed: a skipped or repeated example changes it
     world: int = 0  # workers the stream was split over (0: not recorded); a resume must use as many
     loss_first: float | None = None  # the first step's loss, for the summary (Ray keeps only the last report)
+    parts_first: dict[str, float] = field(default_factory=dict)  # the first step's loss parts (stage 4: kl, ce)
     gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
 
 
@@ -41,6 +42,19 @@ class Stream(Protocol):
         """A micro-batch, its example count and the sum of its example indices (0 where examples have none)."""
 
 
+class Loss(NamedTuple):
+    """What a micro-batch's forward gives the loop: the loss backward runs on, and its named parts to log (detached
+    scalars, e.g. stage 4's kl and ce; empty for a plain language-model loss)."""
+
+    total: torch.Tensor
+    parts: dict[str, torch.Tensor]
+
+
+def model_loss(engine, batch: dict[str, torch.Tensor]) -> Loss:
+    """Today's loss for every recipe: the model's own (transformers' causal-LM cross-entropy on `labels`)."""
+    return Loss(engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss, {})
+
+
 class Recipe(Protocol):
     """One job's parts. Driver side: `prepare`, `summary`; worker side: the rest (it travels pickled)."""
 
@@ -57,6 +71,9 @@ class Recipe(Protocol):
     def stream(self, config: Any, worker: dict[str, Any], rank: int, world: int, start_step: int) -> Stream: ...
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int: ...
+
+    def loss(self, engine, config: Any, batch: dict[str, torch.Tensor]) -> Loss:
+        """The micro-batch's loss; `model_loss` for a job whose model computes its own."""
 
     def probe(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]: ...
 

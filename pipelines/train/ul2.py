@@ -22,7 +22,7 @@ from pipelines.data.tokenizer import TOKENIZER_FILE, load_tokenizer, ul2_vocab, 
 from pipelines.data.ul2 import collate, ul2_dataset
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import Ul2Config
-from pipelines.train.recipes import Prepared, TrainState, trainable_groups
+from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 
 TINY_CHECKPOINT = "tiny-qwen3-ul2"
 GROUP = "seq2seq"  # every parameter trains in full, at the schedule's rate (no decoder warm-up phase here)
@@ -63,6 +63,9 @@ class Ul2Recipe:
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+
+    def loss(self, engine, config: Ul2Config, batch: dict[str, torch.Tensor]) -> Loss:
+        return model_loss(engine, batch)
 
     def probe(self, engine, config: Ul2Config, state: TrainState, stream) -> dict[str, float]:
         return {}

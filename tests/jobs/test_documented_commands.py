@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "jobs").glob("*.py"))]
-TRAINING_JOBS = ("stage0", "stage1", "stage2", "encoder_ul2", "sweep")
+TRAINING_JOBS = ("stage0", "stage1", "stage2", "stage4", "encoder_ul2", "sweep")
 # The command the issue asks to show: prod on 2 nodes x 8 GPUs plans and fits.
 MUST_SHOW = ["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",
              "--data.train_path", "C/train", "--data.val_path", "C/val", "--dry-run"]
@@ -65,6 +65,9 @@ class DocPaths:
             (self.corpus / split).mkdir(parents=True, exist_ok=True)
         self.export.mkdir(parents=True, exist_ok=True)
         (self.export / "awareness.safetensors").write_bytes(b"")  # init_from only has to name an export
+        self.teacher.mkdir(parents=True, exist_ok=True)  # a stage-4 teacher: an export that reads its prompt
+        (self.teacher / "awareness_config.json").write_text("{}")
+        (self.teacher / "system.json").write_text('{"memory": "in_context"}')
         self.qwen3.mkdir(parents=True, exist_ok=True)
         (self.qwen3 / "config.json").write_text("{}")
         self.sources.mkdir(parents=True, exist_ok=True)
@@ -74,12 +77,13 @@ class DocPaths:
 
     corpus = property(lambda self: self.root / "C")
     export = property(lambda self: self.root / "export")
+    teacher = property(lambda self: self.root / "teacher")
     qwen3 = property(lambda self: self.root / "Qwen3-0.6B")
     sources = property(lambda self: self.root / "repo")
 
     def flags(self) -> dict[str, str]:
         return {"--data.train_path": str(self.corpus / "train"), "--data.val_path": str(self.corpus / "val"),
-                "--model.init_from": str(self.export), "--model_dir": str(self.export),
+                "--model.init_from": str(self.export), "--distill.teacher": str(self.teacher), "--model_dir": str(self.export),
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
                 "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
@@ -127,7 +131,7 @@ def dry_run(job: str, args: list[str], capsys) -> str:
     """The job's own entry (run_job for the stage and UL2 jobs, jobs/sweep.py's main) with --dry-run: it must exit 0
     from the dry run, before any Ray or DeepSpeed start. Returns what it printed."""
     from pipelines.train.job import run_job
-    from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2
+    from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2, STAGE4
 
     args = args if "--dry-run" in args else [*args, "--dry-run"]
     with pytest.raises(SystemExit) as exit:
@@ -136,7 +140,8 @@ def dry_run(job: str, args: list[str], capsys) -> str:
 
             jobs.sweep.main(args)
         else:
-            run_job(args, {"stage0": STAGE0, "stage1": STAGE1, "stage2": STAGE2, "encoder_ul2": ENCODER_UL2}[job], "")
+            run_job(args, {"stage0": STAGE0, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4,
+                           "encoder_ul2": ENCODER_UL2}[job], "")
     out, err = capsys.readouterr()
     assert exit.value.code == 0, err
     return out
