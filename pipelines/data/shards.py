@@ -103,6 +103,8 @@ def load_split(path: str | Path) -> Split:
 
 
 def rebuild_command(manifest: dict[str, Any], out: Path) -> str:
+    if manifest.get("rebuild"):  # a corpus another job wrote (stage 3) says how to rewrite it
+        return manifest["rebuild"]
     sources = " ".join(manifest.get("sources") or ["SRC"])
     return f"python jobs/build_corpus.py --stage {manifest.get('stage', 'N')} --sources {sources} --out {out}"
 

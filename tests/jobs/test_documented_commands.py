@@ -65,6 +65,7 @@ class DocPaths:
             (self.corpus / split).mkdir(parents=True, exist_ok=True)
         self.export.mkdir(parents=True, exist_ok=True)
         (self.export / "awareness.safetensors").write_bytes(b"")  # init_from only has to name an export
+        (self.export / "awareness_config.json").write_text("{}")  # and stage 3's teacher, to look like one
         self.qwen3.mkdir(parents=True, exist_ok=True)
         (self.qwen3 / "config.json").write_text("{}")
         self.sources.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,8 @@ class DocPaths:
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
                 "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
-                "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus)}
+                "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus),
+                "--corpus": str(self.corpus), "--teacher": str(self.export)}
 
 
 def with_test_paths(args: list[str], paths: DocPaths) -> list[str]:
@@ -160,11 +162,13 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         from jobs.build_corpus import BuildJob
         from jobs.generate import GenerateArgs
         from jobs.register import RegisterArgs
+        from jobs.stage3_data import Stage3Job
         from pipelines.data.memory_encoding import EncodeMemoryConfig
         from pipelines.evaluate.job import EvaluateConfig
 
         default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs(),
-                   "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig()}[command.job]
+                   "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig(),
+                   "stage3_data": Stage3Job()}[command.job]
         parse_config(args, default)  # exits 2 with the problem on stderr when the command is wrong
 
 
