@@ -373,6 +373,11 @@ class UnitVerifier:
         return {"stats": stats}
 
 
+def verify_units(batch: dict[str, Any], **settings: Any) -> dict[str, list]:
+    """UnitVerifier as a function: Ray Data schedules functions as tasks (callable classes only on actors)."""
+    return UnitVerifier(**settings)(batch)
+
+
 def unit_stats(rows: list[dict], accepted: list[dict], rejected: list[dict], shards: dict) -> dict[str, Any]:
     return {"rows_in": len(rows), "accepted": dict(Counter(r["verification"] for r in accepted)),
             "rejected": dict(Counter(r["verification"] for r in rejected)),
@@ -413,10 +418,9 @@ def improve_corpus(config: Stage3Config, progress: Callable[[str], None] = print
         fn_constructor_kwargs={"teacher": config.teacher, "settings": settings, "use_gpu": config.use_gpu,
                                "dtype": dtype})
     verified = generated.map_batches(
-        UnitVerifier, batch_size=1, compute=ray.data.TaskPoolStrategy(), num_cpus=1,
-        fn_constructor_kwargs={"out": str(out), "teacher": teacher, "tokenizer": tokenizer,
-                               "timeout_s": config.test_timeout_s, "memory_mb": config.test_memory_mb,
-                               "row_group_rows": config.row_group_rows})
+        verify_units, batch_size=1, num_cpus=1,
+        fn_kwargs={"out": str(out), "teacher": teacher, "tokenizer": tokenizer, "timeout_s": config.test_timeout_s,
+                   "memory_mb": config.test_memory_mb, "row_group_rows": config.row_group_rows})
     units = []
     for row in verified.iter_rows():
         units.append(json.loads(row["stats"]))

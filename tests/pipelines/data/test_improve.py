@@ -11,13 +11,13 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
-import torch
 import pytest
+import torch
 
 from pipelines.data.agentic import FormatError, parse_trajectory, prompt_length
-from pipelines.data.improve import (REASONS, OUTPUT_SCHEMA, CorpusError, ParentTrees, Stage3Config, TrajectoryTeacher,
-                                    UnitVerifier, read_unit, source_split, stage3_manifest, verify, verify_rows,
-                                    work_items)
+from pipelines.data.improve import (OUTPUT_SCHEMA, REASONS, CorpusError, ParentTrees, Stage3Config, TrajectoryTeacher,
+                                    UnitVerifier, improve_corpus, read_unit, source_split, stage3_manifest, verify,
+                                    verify_rows, work_items)
 from pipelines.data.memory_modes import memory_into_prompt
 from pipelines.data.shards import MANIFEST, RankReader, check_split, split_units
 from pipelines.data.teacher_logits import teacher_identity
@@ -179,6 +179,20 @@ def test_a_random_teacher_samples_candidates_that_are_counted(corpus, checkpoint
     assert table.schema.equals(OUTPUT_SCHEMA)
     assert all(d == "no <|im_end|>: cut at max_new_tokens" or d.startswith("tags")
                for d in table.column("detail").to_pylist())
+
+
+@pytest.mark.ray
+def test_the_ray_data_pipeline_writes_what_the_actor_and_the_task_make(corpus, checkpoint_root, tmp_path, ray_local):
+    """improve_corpus on Ray Data (the actor pool, then the verifying tasks) with a random teacher: every candidate
+    counted as a format rejection, the rejected shards in the manifest and matching it."""
+    export = text_export(tmp_path, checkpoint_root, "in_context")
+    config = Stage3Config(corpus=str(corpus[0]), split="val", max_rows=3, teacher=str(export), attempts=2,
+                          max_new_tokens=3, out=str(tmp_path / "out"))
+    manifest = improve_corpus(config, progress=lambda line: None)
+    assert manifest["rows_in"] == 3 and manifest["candidates"] == 6 and manifest["accepted"] == 0
+    assert manifest["rejected_by_reason"]["format"] == 6 and manifest["stage"] == 3
+    assert check_split(tmp_path / "out" / "rejected").rows == 6
+    assert manifest["teacher"]["system"]["memory"] == "in_context"
 
 
 def test_bad_input_stops_the_job_with_the_fix(corpus, checkpoint_root, tmp_path, capsys):
