@@ -182,6 +182,7 @@ def test_a_random_teacher_samples_candidates_that_are_counted(corpus, checkpoint
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 82 s (+93 s starting Ray) at load average ~60 on 2 cores; the fast tests run its parts in process
 def test_the_ray_data_pipeline_writes_what_the_actor_and_the_task_make(corpus, checkpoint_root, tmp_path, ray_local):
     """improve_corpus on Ray Data (the actor pool, then the verifying tasks) with a random teacher: every candidate
     counted as a format rejection, the rejected shards in the manifest and matching it."""
