@@ -119,6 +119,8 @@ def write_corpus(out: str | Path, splits: dict[str, list[dict[str, Any]]], *, ro
 
 
 def rebuild_command(manifest: dict[str, Any], out: Path) -> str:
+    if manifest.get("rebuild"):  # a corpus another job wrote (stage 3) says how to rewrite it
+        return manifest["rebuild"]
     sources = " ".join(manifest.get("sources") or ["SRC"])
     return f"python jobs/build_corpus.py --stage {manifest.get('stage', 'N')} --sources {sources} --out {out}"
 

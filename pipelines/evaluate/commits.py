@@ -9,7 +9,7 @@ Per row (one commit in one prompt variant):
 - pass@1, pass@5 (Chen et al.'s unbiased estimator, metrics.pass_at_k) over `samples` sampled generations, where the
   repository has tests at the parent commit and they pass with the commit's own file (a commit whose reference fails
   its tests says nothing about the model, and is counted apart): the parent tree is rebuilt from git objects with
-  plumbing only (no checkout, no filters, no hooks), and its tests run with the edit in pipelines.evaluate.sandbox
+  plumbing only (no checkout, no filters, no hooks), and its tests run with the edit in pipelines.data.sandbox
   (a temporary copy, time and memory limits, no network, a minimal environment): nothing from a mined repository
   runs outside it;
 - agentic compliance (planning rows): `<plan>` -> one or more `<read>` -> `<edit>`, in that order and nothing else,
@@ -25,32 +25,26 @@ from __future__ import annotations
 
 import difflib
 import json
-import re
 import shutil
-import subprocess
 import tempfile
-import unicodedata
 import weakref
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipelines.data.corpora.commits import VARIANTS, GitError, git
+from pipelines.data.agentic import (READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file,
+                                    system_inputs)
+from pipelines.data.corpora.commits import TEST_FILE, VARIANTS, GitError, parent_file, write_parent_tree
 from pipelines.data.memory_modes import MemoryMode, system_mode
-from pipelines.data.packing import IGNORE, PackingSpec
+from pipelines.data.sandbox import run_sandboxed, run_tests
 from pipelines.data.shards import MANIFEST, ShardError, Split, check_split, head_rows, load_split
-from pipelines.data.streams import collate_memory_mode
-from pipelines.data.tokenizer import EDIT, END_EDIT, EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
+from pipelines.data.tokenizer import EOS, SPECIAL_IDS, cached_tokenizer
 from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
-from pipelines.evaluate.sandbox import run_sandboxed, run_tests
 
 COLUMNS = ["task", "variant", "target", "answer", "memory", "evidence", "origin", "input_ids", "labels",
            "memory_input_ids"]
-TEST_FILE = re.compile(r"(^|/)(test_[^/]*|[^/]*_test)\.py$")  # pytest's default discovery
-AGENTIC = re.compile(r"\s*<plan>(?P<plan>.*?)</plan>\s*(?P<reads>(?:<read>.*?</read>\s*)+)<edit>.*?</edit>\s*", re.S)
-READ = re.compile(r"<read>(.*?)</read>", re.S)
 BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"
 PAD = SPECIAL_IDS["<|endoftext|>"]
 
@@ -130,31 +124,7 @@ def load_rows(settings: CommitsSuite) -> tuple[list[dict[str, Any]], str | None]
     return rows, name.split(":", 1)[1] if name.startswith("tokenizers:") else None
 
 
-def prompt_length(row: dict[str, Any]) -> int:
-    return next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
-
-
 # ---------------------------------------------------------------------------------------------- generation
-def system_inputs(row: dict[str, Any], mode: MemoryMode) -> dict[str, torch.Tensor]:
-    """The row's prompt (1, T) as the system reads it: gca with its memory for the encoder; in_context and rag with
-    chunks before the prompt, none without (the training transform, pipelines.data.streams)."""
-    n = prompt_length(row)
-    chunks = [list(c) for c in row["memory_input_ids"]]
-    prompt = {"input_ids": list(row["input_ids"][:n]), "labels": [IGNORE] * n, "memory_input_ids": chunks}
-    spec = PackingSpec(max_tokens=n + sum(map(len, chunks)), max_chunks=max(len(chunks), 1),
-                       chunk_len=max(map(len, chunks), default=1))
-    batch = collate_memory_mode([prompt], spec, mode)
-    keys = ("input_ids", "memory_input_ids", "memory_attention_mask") if mode.kind == "gca" else ("input_ids",)
-    return {k: batch[k] for k in keys}
-
-
-def decode(tokenizer, ids: list[int]) -> str:
-    """Generated ids up to <|im_end|> as text (agentic tokens as their strings); ids past the tokenizer's
-    vocabulary (a decoder's spare embedding rows) decode to nothing."""
-    ids = ids[: ids.index(SPECIAL_IDS[EOS])] if SPECIAL_IDS[EOS] in ids else ids
-    return tokenizer.decode([i for i in ids if i < VOCAB_SIZE])
-
-
 @torch.no_grad()
 def generate_answers(model, mode: MemoryMode, row: dict[str, Any], tokenizer, settings: CommitsSuite, *,
                      samples: int, seed: int) -> tuple[str, list[str]]:
@@ -196,18 +166,6 @@ class CommitGenerator:
 
 
 # ---------------------------------------------------------------------------------------------- scoring
-def edited_file(answer: str) -> str:
-    """The new file an answer writes: what its last `<edit>` holds (to `</edit>` or the end), else the whole answer
-    (the raw, hinted and imperative variants answer with the file itself)."""
-    if EDIT not in answer:
-        return answer
-    return answer.rsplit(EDIT, 1)[1].split(END_EDIT, 1)[0]
-
-
-def same_file(a: str, b: str) -> bool:
-    return unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b)
-
-
 def file_diff(before: str, after: str) -> str:
     """The unified diff (3 lines of context, no file headers) from `before` to `after`."""
     lines = difflib.unified_diff(before.splitlines(), after.splitlines(), n=3, lineterm="")
@@ -219,68 +177,11 @@ def diff_similarity(parent: str, generated: str, reference: str) -> float:
     return edit_similarity(file_diff(parent, generated), file_diff(parent, reference))
 
 
-def chunk_names(memory: list[str]) -> list[str]:
-    """`### <path> [chunk <k>]` of each memory chunk (its first line)."""
-    return [text.split("\n", 1)[0].strip() for text in memory]
-
-
-def agentic_compliance(answer: str, real: list[str], path: str) -> bool:
-    """plan -> read(s) -> edit, in order and nothing else; every read names a real chunk (`real`: the memory's
-    chunks and what the reference reads, e.g. a new file's `### path [new file]`), one of them the edited file's."""
-    match = AGENTIC.fullmatch(answer)
-    if not match or not match.group("plan").strip():
-        return False
-    reads = [r.strip() for r in READ.findall(match.group("reads"))]
-    return all(r in real for r in reads) and any(r.startswith(f"### {path} [") for r in reads)
-
-
 def real_reads(row: dict[str, Any]) -> list[str]:
-    return chunk_names(row["memory"]) + [r.strip() for r in READ.findall(row["target"])]
+    return chunk_names(row["memory"]) + [r.strip() for r in READ_TAG.findall(row["target"])]
 
 
 # ---------------------------------------------------------------------------------------------- the parent tree
-def parent_file(origin: dict[str, str], path: str) -> str:
-    """The edited file at the parent commit ("" for a file the commit adds)."""
-    listed = git(origin["repository"], "ls-tree", "-z", origin["parent"], "--", path)
-    if not listed:
-        return ""
-    sha = listed.split("\t", 1)[0].split()[2]
-    return git(origin["repository"], "cat-file", "blob", sha, text=False).decode("utf-8", "replace")
-
-
-def write_parent_tree(origin: dict[str, str], dest: Path) -> list[str]:
-    """The parent commit's files (regular and executable blobs; no symlinks, no submodules) written under `dest`
-    from git objects (`ls-tree`, `cat-file --batch`): no checkout, so no filter, hook or attribute of the repository
-    runs. Returns the paths written."""
-    entries = []
-    for entry in git(origin["repository"], "ls-tree", "-r", "-z", "--full-tree", origin["parent"]).split("\0"):
-        if entry:
-            meta, _, path = entry.partition("\t")
-            mode, kind, sha = meta.split()
-            parts = PurePosixPath(path).parts
-            if kind == "blob" and mode in ("100644", "100755") and ".." not in parts and ".git" not in parts:
-                entries.append((mode, sha, path))
-    batch = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false", "-C",
-                            origin["repository"], "cat-file", "--batch"],
-                           input="".join(f"{sha}\n" for _, sha, _ in entries).encode(), capture_output=True,
-                           timeout=600, env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0"})
-    if batch.returncode != 0:
-        raise GitError(batch.stderr.decode("utf-8", "replace")[:300])
-    data, offset = batch.stdout, 0
-    for mode, sha, path in entries:
-        header_end = data.index(b"\n", offset)
-        header = data[offset:header_end].split()  # "<sha> blob <size>", or "<sha> missing"
-        if len(header) != 3:
-            raise GitError(f"{origin['repository']}: object {sha} ({path}) is missing")
-        size = int(header[2])
-        target = dest / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data[header_end + 1 : header_end + 1 + size])
-        target.chmod(0o755 if mode == "100755" else 0o644)
-        offset = header_end + 1 + size + 1
-    return [path for _, _, path in entries]
-
-
 def passes(tree: Path, path: str, content: str, settings: CommitsSuite) -> bool:
     """The repository's tests on its parent tree with `content` as `path`, in the sandbox."""
     if settings.test_command:

@@ -68,10 +68,12 @@ class DocPaths:
         self.teacher.mkdir(parents=True, exist_ok=True)  # a stage-4 teacher: an export that reads its prompt
         (self.teacher / "awareness_config.json").write_text("{}")
         (self.teacher / "system.json").write_text('{"memory": "in_context"}')
+        (self.export / "awareness_config.json").write_text("{}")  # and stage 3's teacher, to look like one
         self.qwen3.mkdir(parents=True, exist_ok=True)
         (self.qwen3 / "config.json").write_text("{}")
         self.sources.mkdir(parents=True, exist_ok=True)
         (self.sources / "module.py").write_text("def f(x):\n    return x\n")
+        subprocess.run(["git", "init", "-q", str(self.sources)], check=True)  # the curriculum mines its history
         (self.root / "my.yaml").write_text("train:\n  max_steps: 5\n")
         (self.root / "ul2.yaml").write_text("train:\n  max_steps: 5\n")
 
@@ -87,7 +89,8 @@ class DocPaths:
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
                 "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
-                "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus)}
+                "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus),
+                "--corpus": str(self.corpus), "--teacher": str(self.export)}
 
 
 def with_test_paths(args: list[str], paths: DocPaths) -> list[str]:
@@ -157,6 +160,13 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         assert out.startswith("# resolved config"), out[:500]
         if command.job != "encoder_ul2":
             assert "# memory plan" in out and "does NOT fit" not in out, out[-2000:]
+    elif command.job == "curriculum":  # its dry run prints the chain of job commands, nothing runs
+        import jobs.curriculum
+
+        with pytest.raises(SystemExit) as exit:
+            jobs.curriculum.main([*args, "--dry-run"] if "--dry-run" not in args else args)
+        out = capsys.readouterr().out
+        assert exit.value.code == 0 and out.startswith("curriculum into") and "jobs/stage4.py" in out, out[-2000:]
     elif command.job == "plan":
         import jobs.plan
 
@@ -165,11 +175,13 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         from jobs.build_corpus import BuildJob
         from jobs.generate import GenerateArgs
         from jobs.register import RegisterArgs
+        from jobs.stage3_data import Stage3Job
         from pipelines.data.memory_encoding import EncodeMemoryConfig
         from pipelines.evaluate.job import EvaluateConfig
 
         default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs(),
-                   "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig()}[command.job]
+                   "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig(),
+                   "stage3_data": Stage3Job()}[command.job]
         parse_config(args, default)  # exits 2 with the problem on stderr when the command is wrong
 
 

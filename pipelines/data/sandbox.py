@@ -86,7 +86,7 @@ os._exit(code if code >= 0 else 128 - code)
 """
 
 # The sandbox's sitecustomize.py: the Python-level network guard (a hook cannot be removed once installed).
-_GUARD = '''"""Sandbox network guard (pipelines.evaluate.sandbox): Python code here cannot reach the network."""
+_GUARD = '''"""Sandbox network guard (pipelines.data.sandbox): Python code here cannot reach the network."""
 import sys
 
 _REFUSED = frozenset({"socket.connect", "socket.sendto", "socket.getaddrinfo", "socket.gethostbyname",

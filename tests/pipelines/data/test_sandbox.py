@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from pipelines.evaluate import sandbox
-from pipelines.evaluate.sandbox import run_sandboxed, run_tests
+from pipelines.data import sandbox
+from pipelines.data.sandbox import run_sandboxed, run_tests
 
 MODULE = "def add(a, b):\n    return a + b\n"
 TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
