@@ -91,6 +91,13 @@ def steps(config: CurriculumConfig) -> list[Step]:
         val = corpus / "val" if any((corpus / "val").glob("*.parquet")) else corpus / "train"
         return ["--data.train_path", str(corpus / "train"), "--data.val_path", str(val)]
 
+    def distill_splits(done: dict[str, dict]) -> list[str]:
+        """Stage 4 trains on stage 3's accepted rows and validates on stage 2's held-out rows; when stage 3 accepted
+        nothing (a teacher too weak to write a verified edit), on the stage-2 corpus itself, as its summary says."""
+        accepted = done.get("stage3", {}).get("accepted") or 0
+        train = corpus3 / "train" if accepted else corpus2 / "train"
+        return ["--data.train_path", str(train), "--data.val_path", splits(corpus2)[3]]
+
     def export(name: str) -> Callable[[dict[str, dict]], list[str]]:
         return lambda done: ["--model.init_from", done[name]["export"]]
 
@@ -115,7 +122,7 @@ def steps(config: CurriculumConfig) -> list[Step]:
         Step("stage3", "stage3_data", lambda done: [
             "--corpus", str(corpus2), "--teacher", done["teacher"]["export"], "--out", str(corpus3),
             "--attempts", str(config.attempts), "--max_rows", str(config.stage3_rows)]),
-        Step("stage4", "stage4", lambda done: [*training("stage4", config.steps), *splits(corpus3),
+        Step("stage4", "stage4", lambda done: [*training("stage4", config.steps), *distill_splits(done),
                                                "--distill.teacher", done["teacher"]["export"],
                                                *export("stage2")(done)]),
     ]
@@ -158,7 +165,9 @@ def run_curriculum(config: CurriculumConfig, progress: Callable[[str], None] = p
         done[step.name] = summary
         progress(f"[{n}/{len(chain)}] {step.name}: {headline(step.name, summary)} "
                  f"({time.perf_counter() - started:.0f} s)")
+    fallback = not done.get("stage3", {}).get("accepted")
     return {"job": "curriculum", "error": None, "out": str(out),
+            "stage4_data": "stage-2 corpus (stage 3 accepted no candidate)" if fallback else "stage-3 accepted rows",
             **{name: brief(name, summary) for name, summary in done.items()}}
 
 
