@@ -149,6 +149,7 @@ def test_accepted_rows_are_corpus_rows_a_stage_job_reads(rows, corpus, judge, tm
     assert check_split(out / "rejected").rows == 2
 
 
+@pytest.mark.slow  # ~70 s on a loaded machine; the verdicts and the shard check stay in `make test`
 def test_a_random_teacher_samples_candidates_that_are_counted(corpus, checkpoint_root, tmp_path):
     """The job's actor and task without Ray: a random tiny-text teacher (memory in its prompt) samples `attempts`
     candidates per row, seeded per row; cut at a few tokens, all are rejected as format and counted."""
