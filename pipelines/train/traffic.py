@@ -124,13 +124,13 @@ class TrafficRecipe:
         if export_dir and Path(export_dir).is_dir():
             tracker.log_artifacts(export_dir, "export")
             model = log_traffic_pyfunc(tracker, export_dir, config.tracking.registered_model)
-        return {"job": "traffic_vlm", **{k: metrics.get(k) for k in SUMMARY_METRICS}, "accuracy_by_type": per_type,
+        return {"job": "traffic_vlm", **{k: metrics.get(k) for k in SUMMARY_METRICS}, "loss_last": metrics.get("loss"),
+                "accuracy_by_type": per_type,
                 "export": export_dir, **model}
 
 
 TRAFFIC = TrafficRecipe()
-SUMMARY_METRICS = ("accuracy", "no_image_accuracy", "majority_accuracy", "f1", "precision", "recall", "loss_first",
-                   "loss")
+SUMMARY_METRICS = ("accuracy", "no_image_accuracy", "majority_accuracy", "f1", "precision", "recall", "loss_first")
 
 
 # ---------------------------------------------------------------------------------------------- model and data
