@@ -13,6 +13,7 @@ The vision tower is a tiny random SigLIP by default, or a local checkpoint direc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from models.cross_attention import Qwen3CrossAttentionConfig, Qwen3CrossAttentionForCausalLM
+
+CONFIG_FILE = "traffic_vlm.json"
 
 
 class TrafficVLM(nn.Module):
@@ -68,6 +71,49 @@ class TrafficVLM(nn.Module):
         memory = self.vision_tokens(pixel_values, withhold_image=withhold_image)
         return self.decoder.generate(input_ids=input_ids, attention_mask=attention_mask, memory=memory,
                                      **generate_kwargs)
+
+    @torch.no_grad()
+    def cross_attention_map(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor | None = None, *, layer: int = -1) -> torch.Tensor:
+        """(B, N): how one decoder layer's cross-attention spreads each row's last real token over the N patches,
+        averaged over heads. SDPA never materialises the weights, so the layer's own input is captured by a hook and
+        its q/k projections, QK-norm and scale are applied to it: softmax(q k^T * scaling), as SDPA computes it."""
+        attention = self.decoder.model.layers[layer].cross_attn
+        captured = {}
+        hook = attention.register_forward_hook(lambda module, args, out: captured.update(h=args[0], m=args[1]))
+        try:
+            self.yes_no_logits(pixel_values, input_ids, attention_mask)
+        finally:
+            hook.remove()
+        hidden, memory = captured["h"], captured["m"]  # (B, T, d) normed, (B, N, d) projected
+        last = last_real_position(input_ids, attention_mask)  # (B,)
+        rows = hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None]  # (B, 1, d)
+        query = attention.q_norm(attention.q_proj(rows).view(rows.shape[0], 1, -1, attention.head_dim))  # (B,1,H,hd)
+        key, _ = attention.memory_keys_values(memory, None)  # (B, H_kv, N, hd)
+        key = key.repeat_interleave(query.shape[2] // key.shape[1], dim=1)  # (B, H, N, hd): GQA groups
+        scores = torch.einsum("bqhd,bhnd->bhn", query, key) * attention.scaling  # (B, H, N)
+        return scores.softmax(-1).mean(1)  # (B, N)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """vision/ and decoder/ (transformers checkpoints, safetensors) and traffic_vlm.json ([YES]/[NO] ids)."""
+        directory = Path(directory)
+        self.vision.save_pretrained(directory / "vision", safe_serialization=True)
+        self.decoder.save_pretrained(directory / "decoder", safe_serialization=True)
+        (directory / CONFIG_FILE).write_text(json.dumps({"yes_id": self.yes_id, "no_id": self.no_id}))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "TrafficVLM":
+        """What save_pretrained wrote, read back (safetensors only, never trust_remote_code, never a download)."""
+        directory = Path(directory)
+        if not (directory / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{directory} holds no {CONFIG_FILE}: pass a directory TrafficVLM.save_pretrained "
+                                    f"wrote (a traffic_vlm job's export/)")
+        ids = json.loads((directory / CONFIG_FILE).read_text())
+        options = {"use_safetensors": True, "trust_remote_code": False, "local_files_only": True}
+        vision = SiglipVisionModel.from_pretrained(directory / "vision", **options)
+        decoder = Qwen3CrossAttentionForCausalLM.from_pretrained(directory / "decoder", **options)
+        return cls(vision, decoder, yes_id=int(ids["yes_id"]), no_id=int(ids["no_id"]))
 
 
 def last_real_position(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -216,3 +216,24 @@ def pixel_values(images: list[Image.Image] | list[bytes], size: int | None = Non
             image = image.resize((size, size), Image.Resampling.BILINEAR)
         arrays.append(np.asarray(image, dtype=np.float32).transpose(2, 0, 1))  # (3, H, W)
     return np.stack(arrays) / 127.5 - 1.0
+
+
+def scene_seeds(split: str, count: int, heldout_fraction: float = 0.2) -> list[int]:
+    """The first `count` seeds (from 0 up) that `split_of` puts in `split`: a split's scenes, in a stable order."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    seeds, seed = [], 0
+    while len(seeds) < count:
+        if split_of(seed, heldout_fraction) == split:
+            seeds.append(seed)
+        seed += 1
+    return seeds
+
+
+def build_split(split: str, count: int, *, size: int = SIZE, heldout_fraction: float = 0.2, batch_size: int = 64,
+                question_types: tuple[str, ...] = QUESTION_TYPES):
+    """A Ray Data dataset of one split's first `count` scenes (`scene_seeds`), rendered by `render_batch`."""
+    seeds = scene_seeds(split, count, heldout_fraction)
+    return ray.data.from_items([{"id": s} for s in seeds]).map_batches(
+        render_batch, batch_size=batch_size,
+        fn_kwargs={"size": size, "heldout_fraction": heldout_fraction, "question_types": question_types})

@@ -1,10 +1,12 @@
-"""The pictures a run logs: the needle heatmap (depth x memory size) and the gate values over training."""
+"""The pictures a run logs: the needle heatmap (depth x memory size), the gate values over training, and the traffic
+VLM's confusion matrix, held-out scene grid and cross-attention overlay."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
@@ -78,3 +80,41 @@ def evaluation_figures(results: dict[str, Any]) -> dict[str, Any]:
     if results.get("efficiency"):
         figures["ttft_by_memory_size.png"] = ttft_figure(results)
     return figures
+
+
+def confusion_figure(matrix, labels: list[str]):
+    """matrix[i][j]: scenes whose truth is labels[i] answered labels[j]."""
+    figure, axis = plt.subplots(figsize=(3.6, 3.2))
+    axis.imshow(matrix, cmap="Blues")
+    for (i, j), value in np.ndenumerate(matrix):
+        axis.text(j, i, str(value), ha="center", va="center", color="black")
+    axis.set(xticks=range(len(labels)), xticklabels=labels, yticks=range(len(labels)), yticklabels=labels,
+             xlabel="answered", ylabel="truth", title="Held-out confusion matrix")
+    return figure
+
+
+def scene_grid_figure(images: list, captions: list[str], correct: list[bool], columns: int = 4):
+    """Images (H, W, 3) in [0, 1] with their captions; a wrong answer's caption in red."""
+    rows = -(-len(images) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(3 * columns, 3.4 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, image, caption, ok in zip(axes.flat, images, captions, correct):
+        axis.imshow(image)
+        axis.set_title(caption, fontsize=8, color="black" if ok else "red")
+    return figure
+
+
+def attention_overlay_figure(images: list, attention, questions: list[str]):
+    """Each image beside its cross-attention over the patches (attention: (N, patches), a square grid), overlaid."""
+    figure, axes = plt.subplots(1, max(len(images), 1), figsize=(3.2 * max(len(images), 1), 3.4), squeeze=False)
+    for axis, image, weights, question in zip(axes[0], images, attention, questions):
+        side = int(round(len(weights) ** 0.5))
+        height, width = image.shape[:2]
+        axis.imshow(image)
+        axis.imshow(np.asarray(weights).reshape(side, side), cmap="inferno", alpha=0.55, extent=(0, width, height, 0),
+                    interpolation="nearest")
+        axis.set_title(question, fontsize=8)
+        axis.axis("off")
+    figure.suptitle("Cross-attention of the answer position over the image patches (last layer)", fontsize=9)
+    return figure

@@ -11,6 +11,7 @@ from typing import Any
 from pipelines.tracking.tracker import resolve_tracking_uri
 
 DEFAULT_NAME = "awareness"
+MODEL_DESCRIPTION = "Qwen3 decoders reading an encoder memory through GCA"
 MODEL_ARTIFACT = "pyfunc"  # where the pyfunc model is logged inside the run
 LINEAGE_TAGS = ("pair", "stage", "base.decoder", "base.encoder", "data.manifest_hash", "git.commit")
 # The model's own code travels with it (MLflow `code_paths`, put on sys.path at load): a serving machine needs the
@@ -23,7 +24,6 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
     """Logs the run's `export/` artifact (or, with `step`, the export inside that step's checkpoint, found through
     the run's checkpoint record) as a pyfunc model into that run and registers it. Returns the ModelVersion. The
     model references the base checkpoints the export names; they must exist where it is loaded."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from models import AwarenessConfig
@@ -44,18 +44,33 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
         config = AwarenessConfig.load(export)
         ensure_tokenizer(config.decoder)
         settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
-        model_dir = Path(tmp) / MODEL_ARTIFACT
-        mlflow.pyfunc.save_model(
-            str(model_dir), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
-            artifacts={"export": str(export)}, signature=signature(), model_config=settings,
-            pip_requirements=_requirements(), code_paths=list(CODE_PATHS),
-        )
-        client.log_artifacts(run_id, str(model_dir), artifact)
-    _ensure_registered_model(client, name)
+        log_pyfunc(client, run_id, Path(__file__).with_name("pyfunc_entry.py"), {"export": str(export)}, signature(),
+                   settings, _requirements(), artifact)
     tags = lineage_tags(run, config, sweep_run_id) | checkpoint_tags
     at = f", checkpoint of step {step}: {checkpoint_tags['checkpoint.uri']}" if step is not None else ""
-    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/{artifact}", run_id=run_id,
-                                          tags=tags, description=f"run {run.info.run_name} ({run_id}){at}")
+    return register_version(client, name, run, artifact, tags, f"run {run.info.run_name} ({run_id}){at}", alias)
+
+
+def log_pyfunc(client, run_id: str, entry: Path, artifacts: dict[str, str], signature, model_config: dict[str, Any],
+               requirements: list[str], artifact: str = MODEL_ARTIFACT) -> str:
+    """A pyfunc model from code (`entry` calls mlflow.models.set_model; nothing pickled) with its artifacts, our
+    code (CODE_PATHS) and stated requirements, logged into the run at `artifact`; returns its runs:/ URI."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / MODEL_ARTIFACT
+        mlflow.pyfunc.save_model(str(model_dir), python_model=str(entry), artifacts=artifacts, signature=signature,
+                                 model_config=model_config, pip_requirements=requirements, code_paths=list(CODE_PATHS))
+        client.log_artifacts(run_id, str(model_dir), artifact)
+    return f"runs:/{run_id}/{artifact}"
+
+
+def register_version(client, name: str, run, artifact: str, tags: dict[str, str], description: str,
+                     alias: str = "candidate", model_description: str = ""):
+    """A new version of registered model `name` from the run's logged pyfunc at `artifact`, `alias` pointed at it."""
+    _ensure_registered_model(client, name, model_description or MODEL_DESCRIPTION)
+    version = client.create_model_version(name, source=f"{run.info.artifact_uri}/{artifact}", run_id=run.info.run_id,
+                                          tags=tags, description=description)
     client.set_registered_model_alias(name, alias, version.version)
     return version
 
@@ -143,27 +158,26 @@ def _answer_end(params: dict[str, str]) -> dict[str, Any]:
     return {"eos_token": "<eos>" if params.get("model.pair", "").startswith(("tiny", "small")) else None}
 
 
-def _ensure_registered_model(client, name: str) -> None:
+def _ensure_registered_model(client, name: str, description: str) -> None:
     from mlflow.exceptions import MlflowException
 
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description="Qwen3 decoders reading an encoder memory through GCA")
+        client.create_registered_model(name, description=description)
 
 
 def _requirements() -> list[str]:
     """Stated, not inferred (inference imports and times every module): what the model's code imports at load."""
-    import bm25s
-    import numpy
-    import peft
-    import tokenizers
-    import torch
-    import transformers
+    return pinned_requirements("torch", "transformers", "tokenizers", "peft", "safetensors", "numpy",
+                               "bm25s")  # bm25s: a rag baseline's retrieval
 
-    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
-            f"tokenizers=={tokenizers.__version__}", f"peft=={peft.__version__}", "safetensors",
-            f"numpy=={numpy.__version__}", f"bm25s=={bm25s.__version__}"]  # a rag baseline's retrieval
+
+def pinned_requirements(*packages: str) -> list[str]:
+    """Each package pinned to the version installed here (torch without its local build tag, e.g. +cpu)."""
+    from importlib.metadata import version
+
+    return [f"{p}=={version(p).split('+')[0]}" for p in packages]
 
 
 def describe(version) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
 from pipelines.data.shards import MANIFEST
 from pipelines.data.teacher_logits import teacher_identity
 from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.data.traffic_scenes import QUESTION_TYPES
+from pipelines.data.traffic_tokenizer import vocabulary
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
 
 
@@ -385,4 +387,122 @@ class Ul2Config:
         problems = self.problems()
         if problems:
             raise ConfigError("invalid UL2 config:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+# ------------------------------------------------------------------------------ the traffic-scene VLM job
+TRAFFIC_VOCAB = len(vocabulary())
+
+@dataclass
+class TrafficModelConfig:
+    """The traffic-scene VLM (models/traffic_vlm.py): a SigLIP vision tower whose patch states the classic
+    cross-attention decoder reads; the decoder keeps the seed's small configuration unless told otherwise."""
+
+    vision_path: str | None = None  # a local SigLIP checkpoint directory (safetensors); None: a random tower built from the vision_* fields
+    image_size: int = 224  # pixels per side the tower reads (scenes are drawn at 224 and resized)
+    patch_size: int = 16  # (image_size / patch_size)^2 vision tokens: 196 at 224 / 16
+    vision_hidden_size: int = 128  # the random tower's width (the memory width the decoder projects from)
+    vision_layers: int = 2
+    vision_heads: int = 4
+    vocab_size: int = 500  # decoder rows; the traffic tokenizer's vocabulary must fit
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    max_positions: int = 128
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class TrafficDataConfig:
+    """Synthetic scenes (pipelines/data/traffic_scenes.py): training scenes rendered by Ray Data before training,
+    held-out scenes (another split of the seeds) rendered by each worker for its share of the evaluation."""
+
+    train_scenes: int = 4000  # the first N seeds of the train split; the stream cycles through them epoch after epoch
+    heldout_scenes: int = 480  # the first N seeds of the held-out split: accuracy, F1, per-type accuracy
+    heldout_fraction: float = 0.2  # share of seeds the split hash sends to held-out
+    question_types: list[str] = field(default_factory=lambda: list(QUESTION_TYPES))  # which questions scenes ask
+    shuffle_buffer: int = 512  # rows each worker shuffles locally while streaming
+    grid_scenes: int = 12  # held-out scenes drawn with question, prediction and truth in the logged grid
+
+
+@dataclass
+class TrafficTrackingSettings(TrackingSettings):
+    registered_model: str | None = "traffic-vlm"  # the pyfunc is registered under this name (alias candidate); None: logged, not registered
+
+
+@dataclass
+class TrafficConfig:
+    """One typed section per concern, as the stage jobs; train.memories_per_step counts scenes here."""
+
+    model: TrafficModelConfig = field(default_factory=TrafficModelConfig)
+    data: TrafficDataConfig = field(default_factory=TrafficDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    # the export is the whole model (vision tower, decoder, tokenizer), so only the final checkpoint writes one
+    run: RunSettings = field(default_factory=lambda: RunSettings(name="traffic-vlm", export_every_checkpoint=False))
+    tracking: TrafficTrackingSettings = field(default_factory=TrafficTrackingSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrafficConfig":
+        return from_typed_dict(cls, data)
+
+    def problems(self) -> list[str]:
+        p, m, d, t = [], self.model, self.data, self.train
+        if m.vision_path and not (Path(m.vision_path).expanduser() / "config.json").is_file():
+            p.append(f"model.vision_path {m.vision_path!r} holds no config.json: pass a local SigLIP checkpoint "
+                     f"directory (config.json, model.safetensors), or leave it empty for the random tower")
+        elif m.vision_path:
+            saved = json.loads((Path(m.vision_path).expanduser() / "config.json").read_text())
+            size = saved.get("vision_config", saved).get("image_size", 224)  # a whole SigLIP or its vision tower
+            if size != m.image_size:
+                p.append(f"model.image_size ({m.image_size}) differs from the checkpoint's image_size ({size}): "
+                         f"pass --model.image_size {size}")
+        if m.image_size <= 0 or m.patch_size <= 0 or m.image_size % m.patch_size:
+            p.append(f"model.image_size ({m.image_size}) must be a positive multiple of model.patch_size "
+                     f"({m.patch_size})")
+        for name, heads in (("vision_hidden_size", "vision_heads"), ("hidden_size", "heads")):
+            if getattr(m, heads) <= 0 or getattr(m, name) % getattr(m, heads):
+                p.append(f"model.{name} ({getattr(m, name)}) must divide into model.{heads} ({getattr(m, heads)})")
+        if m.kv_heads <= 0 or m.heads % m.kv_heads:
+            p.append(f"model.heads ({m.heads}) must be a multiple of model.kv_heads ({m.kv_heads})")
+        if m.vocab_size < TRAFFIC_VOCAB:
+            p.append(f"model.vocab_size ({m.vocab_size}) is smaller than the traffic tokenizer's {TRAFFIC_VOCAB} "
+                     f"words: use at least {TRAFFIC_VOCAB}")
+        unknown = sorted(set(d.question_types) - set(QUESTION_TYPES))
+        if unknown or not d.question_types:
+            p.append(f"data.question_types {unknown or '(none)'}: choose from {list(QUESTION_TYPES)}")
+        if not 0 < d.heldout_fraction < 1:
+            p.append(f"data.heldout_fraction must be within (0, 1), got {d.heldout_fraction}")
+        for name in ("train_scenes", "heldout_scenes", "shuffle_buffer"):
+            if getattr(d, name) <= 0:
+                p.append(f"data.{name} must be positive, got {getattr(d, name)}")
+        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
+            if getattr(t, name) <= 0:
+                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
+        if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+            p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+        if self.scaling.num_workers <= 0:
+            p.append("scaling.num_workers must be positive")
+        elif t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
+            p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                     f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
+        elif d.train_scenes < t.memories_per_step:
+            p.append(f"data.train_scenes ({d.train_scenes}) must hold at least one step's train.memories_per_step "
+                     f"({t.memories_per_step}) scenes")
+        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
+            p.append(f"deepspeed.zero_stage must be 0-3, got {self.deepspeed.zero_stage}")
+        if self.deepspeed.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {self.deepspeed.precision!r}")
+        return p
+
+    def validate(self) -> "TrafficConfig":
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid traffic VLM config:\n  - " + "\n  - ".join(problems))
         return self

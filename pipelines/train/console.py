@@ -49,6 +49,9 @@ def eval_line(metrics: dict[str, Any]) -> str | None:
     m, step = metrics, metrics.get("step")
     if "needle_accuracy" in m:
         return f"eval step {step}  needle acc {m['needle_accuracy']:.2f} (no memory {m['no_memory_accuracy']:.2f})"
+    if "no_image_accuracy" in m:
+        return (f"eval step {step}  held-out acc {m['accuracy']:.2f} (image withheld {m['no_image_accuracy']:.2f}, "
+                f"majority {m['majority_accuracy']:.2f})  F1 {m['f1']:.2f}")
     if "val_loss" in m:
         return (f"eval step {step}  val loss {m['val_loss']:.3f} (no memory {m['no_memory_val_loss']:.3f})  "
                 f"token acc {m['token_accuracy']:.2f} (no memory {m['no_memory_token_accuracy']:.2f})")
@@ -62,6 +65,10 @@ def closing_sentence(summary: dict[str, Any], tracking_uri: str | None) -> str:
     elif summary.get("needle_accuracy") is not None:
         learned = (f"The model answers {summary['needle_accuracy']:.0%} of held-out needle questions from its memory "
                    f"({summary['no_memory_accuracy']:.0%} without it).")
+    elif summary.get("no_image_accuracy") is not None:
+        learned = (f"The model answers {summary['accuracy']:.0%} of held-out scenes' questions from the image "
+                   f"({summary['no_image_accuracy']:.0%} with it withheld; majority answer "
+                   f"{summary['majority_accuracy']:.0%}).")
     elif summary.get("token_accuracy") is not None:
         learned = (f"The model predicts {summary['token_accuracy']:.0%} of held-out answer tokens with its memory "
                    f"({summary['no_memory_token_accuracy']:.0%} without it).")

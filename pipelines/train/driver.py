@@ -1,10 +1,11 @@
 """The driver side of every training job: the recipe's preparation, the MLflow run, the one TorchTrainer, fit,
-the summary. The stage jobs and the UL2 job differ only in their recipe (pipelines.train.recipes)."""
+the summary. The stage jobs, the UL2 job and the traffic VLM job differ only in their recipe (pipelines.train.recipes)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,27 +15,29 @@ from ray.train.torch import TorchTrainer
 
 from pipelines.tracking.checkpoints import CheckpointRecorder
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
-from pipelines.train.config import StageConfig, Ul2Config
+from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
 from pipelines.train.recipes import Prepared, Recipe
 from pipelines.train.stage import STAGE
+from pipelines.train.traffic import TRAFFIC
 from pipelines.train.ul2 import UL2
 
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
 CHECKPOINTS_PENDING_FILE = "tracking_pending_checkpoints.json"  # the same, from the checkpoint recorder
-RECIPES: dict[type, Recipe] = {StageConfig: STAGE, Ul2Config: UL2}
+RECIPES: dict[type, Recipe] = {StageConfig: STAGE, Ul2Config: UL2, TrafficConfig: TRAFFIC}
 
 
-def run_stage(config: StageConfig | Ul2Config, *, parent_run_id: str | None = None,
+def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
     """Trains the job its config describes on Ray Train and returns the job's summary. A rerun with the same
     run.name and run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run).
     Every checkpoint's URI, step and validation metrics are recorded on the run as Ray Train persists it.
     A sweep passes its MLflow `parent_run_id` (the run nests under it), extra `tags`, and Ray Train `callbacks`
     (Tune's report callback)."""
+    started = time.perf_counter()
     recipe, config = RECIPES[type(config)], config.validate()  # a config error costs no cluster start
     quiet(config.run.verbose)
     init_ray(config.run.verbose)
@@ -52,7 +55,7 @@ def run_stage(config: StageConfig | Ul2Config, *, parent_run_id: str | None = No
         result = trainer.fit()
     tracker.adopt_pending(run_dir / PENDING_FILE)
     tracker.adopt_pending(run_dir / CHECKPOINTS_PENDING_FILE)
-    return summarise(recipe, config, result, tracker)
+    return summarise(recipe, config, result, tracker, seconds=time.perf_counter() - started)
 
 
 def init_ray(verbose: bool) -> None:
@@ -108,7 +111,7 @@ def open_run(config, prepared: Prepared, tracking_uri: str, run_dir: Path, *, pa
     return tracker
 
 
-def summarise(recipe: Recipe, config, result, tracker: Tracker) -> dict[str, Any]:
+def summarise(recipe: Recipe, config, result, tracker: Tracker, *, seconds: float | None = None) -> dict[str, Any]:
     """The recipe's fields (what it learned, its exports) and every job's: steps, timing, checkpoint, run, error."""
     metrics = result.metrics or {}
     checkpoint = result.checkpoint.path if result.checkpoint else None
@@ -117,6 +120,7 @@ def summarise(recipe: Recipe, config, result, tracker: Tracker) -> dict[str, Any
         **recipe.summary(config, metrics, export_dir, tracker),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "seconds_per_step": metrics.get("step_seconds_median"),
+        "seconds": round(seconds, 1) if seconds is not None else None,  # data, Ray start, training and evaluation, up to the summary
         "checkpoint": checkpoint,
         "mlflow_run_id": tracker.run_id,
         "error": repr(result.error) if result.error else None,

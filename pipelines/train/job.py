@@ -11,11 +11,11 @@ import time
 from pipelines.cli import parse_config
 from pipelines.data.shards import ShardError, check_splits
 from pipelines.tracking.tracker import resolve_tracking_uri, summary_json
-from pipelines.train.config import StageConfig, Ul2Config
+from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.plan import dry_run_report
 
 
-def run_job(argv: list[str] | None, default: StageConfig | Ul2Config, description: str) -> int:
+def run_job(argv: list[str] | None, default: StageConfig | Ul2Config | TrafficConfig, description: str) -> int:
     config = parse_config(argv, default, description=description, on_dry_run=dry_run_report)
     checked = {}
     if isinstance(config, StageConfig) and config.data.train_path:

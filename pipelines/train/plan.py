@@ -133,11 +133,35 @@ def dry_run_report(config) -> str:
     configs) the memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
     config = resolved_paths(config)
     lines = ["# resolved config", yaml.safe_dump(dataclasses.asdict(config), sort_keys=False).rstrip()]
-    if hasattr(config, "needle"):
+    if hasattr(config, "needle"):  # a stage config; the UL2 and traffic VLM models fit whole on any one device
         plan = plan_for_stage(config)
         device = "" if config.scaling.use_gpu else " (scaling.use_gpu is false: the same workers as GPUs)"
         lines += [f"# memory plan{device}", plan.table()]
+    if hasattr(config.model, "vision_path"):  # the traffic VLM
+        lines += ["# model", traffic_model_lines(config)]
     return "\n".join(lines)
+
+
+def traffic_model_lines(config) -> str:
+    """The traffic VLM's shape, built on the meta device (no memory, no weights read): vision tokens and parameters."""
+    import torch
+    from transformers import SiglipVisionConfig
+
+    from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
+
+    m = config.model
+    vision = (SiglipVisionConfig.from_pretrained(m.vision_path) if m.vision_path else
+              tiny_vision_config(image_size=m.image_size, patch_size=m.patch_size, hidden_size=m.vision_hidden_size,
+                                 layers=m.vision_layers, heads=m.vision_heads))
+    with torch.device("meta"):
+        model = build_traffic_vlm(yes_id=4, no_id=5, vision_config=vision, vocab_size=m.vocab_size,
+                                  hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, layers=m.layers,
+                                  heads=m.heads, kv_heads=m.kv_heads, max_positions=m.max_positions)
+    counts = {part: sum(p.numel() for p in getattr(model, part).parameters()) for part in ("vision", "decoder")}
+    tokens = (vision.image_size // vision.patch_size) ** 2
+    return (f"vision tokens: {tokens} ({vision.image_size}/{vision.patch_size} squared, width {vision.hidden_size}); "
+            f"parameters: vision {counts['vision'] / 1e6:.2f}M, decoder {counts['decoder'] / 1e6:.2f}M "
+            f"(vocab {m.vocab_size}, hidden {m.hidden_size}, {m.layers} layers, {m.heads} q / {m.kv_heads} kv heads)")
 
 
 def resolved_paths(config):

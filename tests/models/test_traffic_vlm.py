@@ -153,3 +153,45 @@ def test_tiny_training_loop_learns_held_out_scenes():
     majority = max((held[3] == 0).float().mean().item(), (held[3] == 1).float().mean().item())
     assert accuracy >= 0.7 and accuracy >= majority + 0.15, (accuracy, majority)
     assert withheld <= accuracy - 0.15, (withheld, accuracy)
+
+
+def test_cross_attention_map_is_the_layers_softmax_and_rebuilds_its_output():
+    """The map's weights, applied to the layer's own values and o_proj, give exactly what the layer's SDPA returned."""
+    model = small_vlm()
+    pixels, ids = images(2), torch.tensor([[1, 10, 15, 35, 38, 6], [1, 11, 12, 6, 0, 0]])
+    mask = (ids != PAD_ID).long()
+    for layer in (0, -1):
+        weights = model.cross_attention_map(pixels, ids, mask, layer=layer)  # (B, N)
+        assert weights.shape == (2, 16)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+        attention = model.decoder.model.layers[layer].cross_attn
+        seen = {}
+        hook = attention.register_forward_hook(lambda m, args, out: seen.update(h=args[0], m=args[1], out=out))
+        with torch.no_grad():
+            model.yes_no_logits(pixels, ids, mask)
+        hook.remove()
+        # per head, written out: softmax(q k^T * scale) @ v at each row's last real token, heads joined, o_proj
+        last = last_real_position(ids, mask)
+        h = seen["h"][torch.arange(2), last]  # (B, d)
+        q = attention.q_norm(attention.q_proj(h).view(2, -1, attention.head_dim))  # (B, H, hd)
+        k, v = attention.memory_keys_values(seen["m"], None)  # (B, Hkv, N, hd)
+        group = q.shape[1] // k.shape[1]
+        per_head = torch.stack([(q[:, i, None] * k[:, i // group]).sum(-1) * attention.scaling
+                                for i in range(q.shape[1])], 1).softmax(-1)  # (B, H, N)
+        torch.testing.assert_close(weights, per_head.mean(1))
+        heads = torch.stack([(per_head[:, i, :, None] * v[:, i // group]).sum(1) for i in range(q.shape[1])], 1)
+        rebuilt = attention.o_proj(heads.reshape(2, -1))  # (B, d)
+        torch.testing.assert_close(rebuilt, seen["out"][torch.arange(2), last], atol=1e-5, rtol=1e-5)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = small_vlm(seed=4)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "vision" / "model.safetensors").is_file() and (tmp_path / "decoder" / "model.safetensors").is_file()
+    loaded = TrafficVLM.from_pretrained(tmp_path).eval()
+    pixels, ids = images(2), torch.tensor([[1, 10, 15, 35, 38, 6]] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.yes_no_logits(pixels, ids), model.yes_no_logits(pixels, ids))
+    assert (loaded.yes_id, loaded.no_id) == (YES_ID, NO_ID)
+    with pytest.raises(FileNotFoundError, match="traffic_vlm.json"):
+        TrafficVLM.from_pretrained(tmp_path / "vision")

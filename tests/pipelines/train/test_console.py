@@ -18,6 +18,8 @@ def test_eval_lines_for_needles_and_corpora_and_none_otherwise():
     corpus = {"step": 200, "val_loss": 1.5, "no_memory_val_loss": 2.25, "token_accuracy": 0.61,
               "no_memory_token_accuracy": 0.4}
     assert eval_line(corpus) == "eval step 200  val loss 1.500 (no memory 2.250)  token acc 0.61 (no memory 0.40)"
+    traffic = {"step": 100, "accuracy": 0.914, "no_image_accuracy": 0.51, "majority_accuracy": 0.52, "f1": 0.9}
+    assert eval_line(traffic) == "eval step 100  held-out acc 0.91 (image withheld 0.51, majority 0.52)  F1 0.90"
     assert eval_line({"step": 3, "loss": 1.0}) is None
 
 
@@ -27,5 +29,9 @@ def test_closing_sentence_says_what_was_learned_where_the_export_is_and_how_to_l
     sentence = closing_sentence(summary, "sqlite:///mlflow.db")
     assert "93% of held-out needle questions" in sentence and "(2% without it)" in sentence
     assert "/runs/x/export" in sentence and "mlflow ui --backend-store-uri sqlite:///mlflow.db" in sentence
+    traffic = closing_sentence({"accuracy": 0.93, "no_image_accuracy": 0.5, "majority_accuracy": 0.52,
+                                "export": "/t", "mlflow_run_id": None}, None)
+    assert traffic == ("The model answers 93% of held-out scenes' questions from the image (50% with it withheld; "
+                       "majority answer 52%). The export is in /t.")
     ul2 = closing_sentence({"loss_first": 5.7, "loss_last": 5.3, "encoder": "/e", "mlflow_run_id": None}, None)
     assert ul2 == "The loss went from 5.700 to 5.300. The export is in /e."
