@@ -37,7 +37,7 @@ class CurriculumConfig:
     teacher_steps: int = 40  # the in_context teacher's steps (it must beat the student for stages 3-4 to help)
     memories_per_step: int = 2
     max_commits: int = 8  # stage 2 corpus: the newest commits per repository
-    max_tokens: int = 2048  # decoder tokens per packed row in every stage
+    max_tokens: int = 1024  # decoder tokens per packed row (logits over Qwen3's 151,936 ids dominate memory)
     max_chunks: int = 8
     attempts: int = 4  # stage 3: candidates sampled per example
     stage3_rows: int = 8  # stage 3: stage-2 examples the teacher improves
