@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -210,7 +211,10 @@ def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dic
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     if config.register:
-        version = register_run(run_id, tracking_uri=uri, name=config.model_name, alias=name)
+        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # the curriculum's console is its step lines
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # mlflow's advice on type hints and input examples
+            version = register_run(run_id, tracking_uri=uri, name=config.model_name, alias=name)
         client.set_model_version_tag(config.model_name, version.version, "curriculum.step", name)
         if previous.get("version"):
             client.set_model_version_tag(config.model_name, version.version, "curriculum.previous_version",
