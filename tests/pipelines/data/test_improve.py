@@ -235,7 +235,7 @@ def test_bad_input_stops_the_job_with_the_fix(corpus, checkpoint_root, tmp_path,
 
 # ---------------------------------------------------------------------------------------------- end to end
 def train_teacher(rows: list[dict], directory, checkpoint_root, *, steps: int = 300, lr: float = 5e-3,
-                  stop_loss: float = 0.02):
+                  stop_loss: float = 0.02, full_steps: int = 200, full_stop_loss: float = 0.05):
     """A small in_context teacher: tiny-text (Qwen3's vocabulary, width 64) trained in full on the stage-2 planning
     rows with the memory in its prompt, as `jobs/stage2.py --model.memory in_context --model.decoder full` trains
     one, in one process. To stay within a test's minutes on a shared 2-core CPU its cross-entropy is taken over the
@@ -268,6 +268,17 @@ def train_teacher(rows: list[dict], directory, checkpoint_root, *, steps: int = 
         optimizer.step()
         optimizer.zero_grad()
         if loss.item() < stop_loss:
+            break
+    # The restricted softmax leaves the other 151,9xx output rows untrained, and sampling over the whole vocabulary
+    # picked them (every candidate was rejected as `format`): a full-vocabulary phase pushes them down.
+    full_targets = vocabulary[targets]  # (N,) the Qwen3 ids
+    for _ in range(full_steps):
+        states = model.decoder.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        loss = torch.nn.functional.cross_entropy(model.decoder.lm_head(states[predicts]), full_targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if loss.item() < full_stop_loss:
             break
     model.save_pretrained(directory)
     write_system(directory, config)
