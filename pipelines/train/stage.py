@@ -79,7 +79,9 @@ class StageRecipe:
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross
         or merged fusions)."""
-        return probe_metrics(engine, config, state, stream) if engine.module.gca_blocks() else {}
+        reads_through_gates = config.model.memory == "gca" and bool(engine.module.gca_blocks())  # a baseline has
+        # GCA blocks it never runs
+        return probe_metrics(engine, config, state, stream) if reads_through_gates else {}
 
     def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
         """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""
