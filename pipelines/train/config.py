@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from models import PAIRS
 from models.fusion import FUSIONS
@@ -20,6 +20,50 @@ from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.traffic_scenes import QUESTION_TYPES
 from pipelines.data.traffic_tokenizer import vocabulary
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
+
+
+class JobConfig:
+    """What every training job's typed config shares: the dict it crosses the Ray Train boundary as, its parsing,
+    and a validation that raises every problem at once (each subclass lists its own in `problems`)."""
+
+    KIND: ClassVar[str] = "config"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        return from_typed_dict(cls, data)
+
+    def problems(self) -> list[str]:
+        raise NotImplementedError
+
+    def validate(self):
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid {self.KIND}:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepSpeedSettings") -> list[str]:
+    """The checks of the sections every training job has: the schedule, the workers, DeepSpeed."""
+    p = [f"train.{name} must be positive, got {getattr(t, name)}" for name in
+         ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every")
+         if getattr(t, name) <= 0]
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+    if scaling.num_workers <= 0:
+        p.append("scaling.num_workers must be positive")
+    elif t.memories_per_step % (scaling.num_workers * t.grad_accum):
+        p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                 f"({scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
+    if deepspeed.zero_stage not in (0, 1, 2, 3):
+        p.append(f"deepspeed.zero_stage must be 0-3, got {deepspeed.zero_stage}")
+    if deepspeed.precision not in ("auto", "bf16", "fp32"):
+        p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {deepspeed.precision!r}")
+    if deepspeed.offload_params and deepspeed.zero_stage != 3:
+        p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
+    return p
 
 
 @dataclass
@@ -219,7 +263,7 @@ class TrackingSettings:
 
 
 @dataclass
-class StageConfig:
+class StageConfig(JobConfig):
     stage: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     needle: NeedleConfig = field(default_factory=NeedleConfig)
@@ -230,13 +274,6 @@ class StageConfig:
     run: RunSettings = field(default_factory=RunSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
     distill: DistillConfig = field(default_factory=DistillConfig)  # stage 4 only
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
-        return from_typed_dict(cls, data, "")
 
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field and what would be accepted."""
@@ -287,18 +324,7 @@ class StageConfig:
                      f"export directory (the `export` path in its summary line)")
         p += m.memory_mode().problems()
         p += [f"needle: {q}" for q in self.needle.spec().problems()]
-        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
-            if getattr(t, name) <= 0:
-                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
-        if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
-            p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
-        if self.scaling.num_workers <= 0:
-            p.append("scaling.num_workers must be positive")
-        elif t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
-            p.append(
-                f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
-                f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})"
-            )
+        p += run_problems(t, self.scaling, self.deepspeed)
         d = self.data
         if d.val_path and not d.train_path:
             p.append("data.val_path needs data.train_path (the synthetic needles bring their own validation)")
@@ -319,19 +345,8 @@ class StageConfig:
                      f"--stage 2 --source REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
         if self.needle.val_memories % self.scaling.num_workers:
             p.append(f"needle.val_memories ({self.needle.val_memories}) must divide over {self.scaling.num_workers} workers")
-        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
-            p.append(f"deepspeed.zero_stage must be 0-3, got {self.deepspeed.zero_stage}")
-        if self.deepspeed.precision not in ("auto", "bf16", "fp32"):
-            p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {self.deepspeed.precision!r}")
-        if self.deepspeed.offload_params and self.deepspeed.zero_stage != 3:
-            p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
         return p
 
-    def validate(self) -> "StageConfig":
-        problems = self.problems()
-        if problems:
-            raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
-        return self
 
 
 # ------------------------------------------------------------------------------ the encoder-decoder UL2 job
@@ -345,8 +360,10 @@ class Ul2ModelConfig:
 
 
 @dataclass
-class Ul2Config:
+class Ul2Config(JobConfig):
     """One typed section per concern, as the stage jobs; train.memories_per_step counts sequences here."""
+
+    KIND: ClassVar[str] = "UL2 config"
 
     model: Ul2ModelConfig = field(default_factory=Ul2ModelConfig)
     data: Ul2DataConfig = field(default_factory=Ul2DataConfig)
@@ -356,13 +373,6 @@ class Ul2Config:
     # its export is the whole encoder-decoder, so only the final checkpoint writes one
     run: RunSettings = field(default_factory=lambda: RunSettings(name="encoder-ul2", export_every_checkpoint=False))
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Ul2Config":
-        return from_typed_dict(cls, data)
 
     def problems(self) -> list[str]:
         p, t = [], self.train
@@ -375,19 +385,8 @@ class Ul2Config:
             p.append(f"data.mixture {self.data.mixture!r} is not one of {sorted(MIXTURES)}")
         if self.data.seq_len < 16:
             p.append(f"data.seq_len must be at least 16 tokens, got {self.data.seq_len}")
-        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "checkpoint_every"):
-            if getattr(t, name) <= 0:
-                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
-        if t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
-            p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
-                     f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
-        return p
+        return p + run_problems(t, self.scaling, self.deepspeed)
 
-    def validate(self) -> "Ul2Config":
-        problems = self.problems()
-        if problems:
-            raise ConfigError("invalid UL2 config:\n  - " + "\n  - ".join(problems))
-        return self
 
 
 # ------------------------------------------------------------------------------ the traffic-scene VLM job
@@ -433,8 +432,10 @@ class TrafficTrackingSettings(TrackingSettings):
 
 
 @dataclass
-class TrafficConfig:
+class TrafficConfig(JobConfig):
     """One typed section per concern, as the stage jobs; train.memories_per_step counts scenes here."""
+
+    KIND: ClassVar[str] = "traffic VLM config"
 
     model: TrafficModelConfig = field(default_factory=TrafficModelConfig)
     data: TrafficDataConfig = field(default_factory=TrafficDataConfig)
@@ -444,13 +445,6 @@ class TrafficConfig:
     # the export is the whole model (vision tower, decoder, tokenizer), so only the final checkpoint writes one
     run: RunSettings = field(default_factory=lambda: RunSettings(name="traffic-vlm", export_every_checkpoint=False))
     tracking: TrafficTrackingSettings = field(default_factory=TrafficTrackingSettings)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrafficConfig":
-        return from_typed_dict(cls, data)
 
     def problems(self) -> list[str]:
         p, m, d, t = [], self.model, self.data, self.train
@@ -482,27 +476,8 @@ class TrafficConfig:
         for name in ("train_scenes", "heldout_scenes", "shuffle_buffer"):
             if getattr(d, name) <= 0:
                 p.append(f"data.{name} must be positive, got {getattr(d, name)}")
-        for name in ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
-            if getattr(t, name) <= 0:
-                p.append(f"train.{name} must be positive, got {getattr(t, name)}")
-        if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
-            p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
-        if self.scaling.num_workers <= 0:
-            p.append("scaling.num_workers must be positive")
-        elif t.memories_per_step % (self.scaling.num_workers * t.grad_accum):
-            p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
-                     f"({self.scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
-        elif d.train_scenes < t.memories_per_step:
+        if 0 < d.train_scenes < t.memories_per_step:
             p.append(f"data.train_scenes ({d.train_scenes}) must hold at least one step's train.memories_per_step "
                      f"({t.memories_per_step}) scenes")
-        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
-            p.append(f"deepspeed.zero_stage must be 0-3, got {self.deepspeed.zero_stage}")
-        if self.deepspeed.precision not in ("auto", "bf16", "fp32"):
-            p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {self.deepspeed.precision!r}")
-        return p
+        return p + run_problems(t, self.scaling, self.deepspeed)
 
-    def validate(self) -> "TrafficConfig":
-        problems = self.problems()
-        if problems:
-            raise ConfigError("invalid traffic VLM config:\n  - " + "\n  - ".join(problems))
-        return self
