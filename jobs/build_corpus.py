@@ -14,11 +14,10 @@ import json
 import sys
 from dataclasses import dataclass
 
-import ray
-
 from pipelines.cli import parse_config
 from pipelines.data.corpora import BuildConfig, build_corpus
 from pipelines.data.corpora.sources import check_sources
+from pipelines.data.ray_session import data_job_ray
 
 
 @dataclass
@@ -44,14 +43,8 @@ class BuildJob(BuildConfig):
 def main(argv: list[str] | None = None) -> dict:
     job = parse_config(argv, BuildJob(), description=__doc__)
     config = job.build_config()
-    # --num_cpus asks for a local instance of that size; without it, Ray joins $RAY_ADDRESS or a cluster started on
-    # this machine (`ray start`), else starts one with every CPU.
-    ray.init(address="local" if job.num_cpus else None, num_cpus=job.num_cpus, include_dashboard=False,
-             ignore_reinit_error=True)
-    try:
+    with data_job_ray(job.num_cpus):
         manifest = build_corpus(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    finally:
-        ray.shutdown()
     summary = {"out": config.out, "stage": config.stage, "rows": manifest["rows"], "inputs": manifest["inputs"],
                "rejects": manifest["rejects"], "content_hash": manifest["content_hash"], "seconds": manifest["seconds"]}
     print(json.dumps(summary), flush=True)

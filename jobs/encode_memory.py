@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
-import ray
-
 from pipelines.cli import parse_config
 from pipelines.data.memory_encoding import EncodeMemoryConfig, encode_repository
 from pipelines.data.memory_store import encoder_source
+from pipelines.data.ray_session import data_job_ray
 
 
 def refuse(error: Exception) -> None:
@@ -33,16 +32,11 @@ def main(argv: list[str] | None = None) -> dict:
         encoder_source(config.model, config.encoder_attention)  # before Ray starts: an export or encoder directory
     except FileNotFoundError as error:
         refuse(error)
-    # --num_cpus asks for a local instance of that size; without it, Ray joins $RAY_ADDRESS or a cluster started on
-    # this machine, else starts one with every CPU.
-    ray.init(address="local" if config.num_cpus else None, num_cpus=config.num_cpus, include_dashboard=False,
-             ignore_reinit_error=True, log_to_driver=False)
     try:
-        manifest = encode_repository(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        with data_job_ray(config.num_cpus, log_to_driver=False):
+            manifest = encode_repository(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (FileNotFoundError, ValueError) as error:
         refuse(error)
-    finally:
-        ray.shutdown()
     summary = {"job": "encode_memory", "store": config.out, "chunks": len(manifest["chunks"]),
                "tokens": manifest["tokens"], "files": manifest["files"], "rejects": manifest["rejects"],
                "encoder": manifest["encoder"]["checkpoint"], "seconds": manifest["seconds"]}

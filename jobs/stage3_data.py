@@ -17,10 +17,9 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-import ray
-
 from pipelines.cli import parse_config
 from pipelines.data.improve import CorpusError, Stage3Config, improve_corpus, source_split
+from pipelines.data.ray_session import data_job_ray
 
 
 @dataclass
@@ -46,12 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"stage3_data: {error}", file=sys.stderr)
         print(json.dumps({"error": str(error).splitlines()[0], "out": config.out}), flush=True)
         sys.exit(2)
-    ray.init(address="local" if job.num_cpus else None, num_cpus=job.num_cpus, include_dashboard=False,
-             ignore_reinit_error=True)
-    try:
+    with data_job_ray(job.num_cpus):
         manifest = improve_corpus(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    finally:
-        ray.shutdown()
     result = summary(manifest, config.out)
     print(json.dumps(result), flush=True)
     return result
