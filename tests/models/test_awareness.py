@@ -108,13 +108,21 @@ def test_cached_decoding_equals_full_forward(tiny):
     mem, mask = memory_batch(pad_from=2)
     with torch.no_grad():
         full = tiny(input_ids=full_ids, memory_input_ids=mem, memory_attention_mask=mask).logits
-        step = tiny(input_ids=prompt, memory_input_ids=mem, memory_attention_mask=mask, use_cache=True)
+    torch.testing.assert_close(cached_logits(tiny, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+
+
+def cached_logits(model, prompt, continuation, mem, mask):
+    """The prompt's logits, then each continuation token's, one at a time from the cache and the memory encoded
+    once: (B, prompt + continuation, V)."""
+    with torch.no_grad():
+        step = model(input_ids=prompt, memory_input_ids=mem, memory_attention_mask=mask, use_cache=True)
         logits, cache, memory = [step.logits], step.past_key_values, step.gca_memory
         for t in range(continuation.shape[1]):
-            step = tiny(input_ids=continuation[:, t : t + 1], gca_memory=memory, past_key_values=cache, use_cache=True)
+            step = model(input_ids=continuation[:, t : t + 1], gca_memory=memory, past_key_values=cache,
+                         use_cache=True)
             logits.append(step.logits)
             cache = step.past_key_values
-    torch.testing.assert_close(torch.cat(logits, dim=1), full, rtol=1e-4, atol=1e-5)
+    return torch.cat(logits, dim=1)
 
 
 def greedy_by_full_forwards(model, prompt, mem, mask, steps):

@@ -8,6 +8,7 @@ from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, gca_parameter_count, set_trainable
 from models.fusion import FUSIONS
 from tests.conftest import random_ids
+from tests.models.test_awareness import cached_logits
 
 DEC_VOCAB, ENC_VOCAB = 512, 496
 REFERENCES = {"tiny": (Qwen3ForCausalLM, "tiny-qwen3"), "tiny-moe": (Qwen3MoeForCausalLM, "tiny-qwen3-moe")}
@@ -71,14 +72,7 @@ def test_cached_decoding_equals_a_full_forward(checkpoint_root, fusion):
     mem, mask = memory_batch()
     mask[1, 2, 3:] = 0
     full = logits(model, torch.cat([prompt, continuation], dim=1), mem, mask)
-    with torch.no_grad():
-        step = model(input_ids=prompt, memory_input_ids=mem, memory_attention_mask=mask, use_cache=True)
-        steps, cache, memory = [step.logits], step.past_key_values, step.gca_memory
-        for t in range(continuation.shape[1]):
-            step = model(input_ids=continuation[:, t : t + 1], gca_memory=memory, past_key_values=cache, use_cache=True)
-            steps.append(step.logits)
-            cache = step.past_key_values
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached_logits(model, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("fusion", FUSIONS)
