@@ -194,7 +194,7 @@ def run_step(step: Step, done: dict[str, dict], out: Path) -> dict[str, Any]:
 def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dict]) -> dict[str, str]:
     """Tags the step's MLflow run with the curriculum and the run it started from; registers its export as a model
     version tagged with the version it started from."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # here, so --dry-run and the step lines start without MLflow
 
     from pipelines.tracking.registry import register_run
 
@@ -203,7 +203,7 @@ def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dic
     previous = done.get(PREVIOUS.get(name, ""), {}).get("curriculum", {})
     tags = {"curriculum.out": str(Path(config.out).resolve()), "curriculum.step": name,
             **({"curriculum.previous_run_id": previous["run_id"]} if previous.get("run_id") else {})}
-    if name in ("stage4",) and done.get("teacher", {}).get("mlflow_run_id"):
+    if name == "stage4" and done.get("teacher", {}).get("mlflow_run_id"):
         tags["curriculum.teacher_run_id"] = done["teacher"]["mlflow_run_id"]
     linked = {"run_id": run_id or ""}
     if not run_id:
