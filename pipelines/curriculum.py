@@ -42,6 +42,7 @@ class CurriculumConfig:
     max_chunks: int = 8
     attempts: int = 4  # stage 3: candidates sampled per example
     stage3_rows: int = 8  # stage 3: stage-2 examples the teacher improves
+    max_new_tokens: int = 256  # stage 3: tokens per candidate (the tiny teacher rarely stops by itself)
     num_workers: int = 2  # Ray Train workers per stage
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else ./mlflow.db
     register: bool = True  # register each stage's export in the MLflow model registry, chained by tags
@@ -50,7 +51,7 @@ class CurriculumConfig:
     def problems(self) -> list[str]:
         p = [f"{name} must be positive, got {getattr(self, name)}" for name in
              ("steps", "teacher_steps", "memories_per_step", "max_commits", "max_tokens", "max_chunks", "attempts",
-              "stage3_rows", "num_workers") if getattr(self, name) <= 0]
+              "stage3_rows", "max_new_tokens", "num_workers") if getattr(self, name) <= 0]
         if self.memories_per_step % self.num_workers:
             p.append(f"memories_per_step ({self.memories_per_step}) must divide over num_workers ({self.num_workers})")
         for source in self.sources:
@@ -122,7 +123,8 @@ def steps(config: CurriculumConfig) -> list[Step]:
                                                 "--model.context_budget", str(config.max_tokens)]),
         Step("stage3", "stage3_data", lambda done: [
             "--corpus", str(corpus2), "--teacher", done["teacher"]["export"], "--out", str(corpus3),
-            "--attempts", str(config.attempts), "--max_rows", str(config.stage3_rows)]),
+            "--attempts", str(config.attempts), "--max_rows", str(config.stage3_rows),
+            "--max_new_tokens", str(config.max_new_tokens)]),
         Step("stage4", "stage4", lambda done: [*training("stage4", config.steps), *distill_splits(done),
                                                "--distill.teacher", done["teacher"]["export"],
                                                *export("stage2")(done)]),

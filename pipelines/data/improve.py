@@ -412,6 +412,9 @@ def improve_corpus(config: Stage3Config, progress: Callable[[str], None] = print
     progress(f"[stage3] {sum(i['stop'] - i['start'] for i in items)} rows in {len(items)} row groups, "
              f"{config.attempts} attempts each, teacher {identity['export']} ({identity['system'].get('memory')})")
     dataset = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64)))
+    # one row group's sampling can outlast Ray Data's no-progress limit (30 min) on a CPU: the progress lines
+    # below show that it moves
+    dataset.context.execution_no_progress_timeout_s = -1
     generated = dataset.map_batches(
         TrajectoryTeacher, batch_size=1, compute=ray.data.ActorPoolStrategy(size=config.actors),
         num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
