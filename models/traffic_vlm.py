@@ -47,15 +47,27 @@ class TrafficVLM(nn.Module):
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask, memory=memory, **kwargs)
 
     def yes_no_logits(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, *, withhold_image: bool = False) -> torch.Tensor:
-        """(B, 2): the [YES] and [NO] logits at each row's last real token (left or right padding)."""
+                      attention_mask: torch.Tensor | None = None, *, withhold_image: bool = False,
+                      position_ids: torch.Tensor | None = None,
+                      answer_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, 2): the [YES] and [NO] logits at each row's last real token (left or right padding).
+
+        A row may instead pack several questions about its image (`pack_questions`): `position_ids` (B, T) restart
+        at 0 where each question starts, `attention_mask` is None (transformers' mask then keeps every question's
+        attention within itself), and the logits are read at `answer_positions` (B, Q): (B, Q, 2). Each question's
+        logits equal those of the question alone, and the image is encoded and cross-attended once for all."""
         memory = self.vision_tokens(pixel_values, withhold_image=withhold_image)
-        hidden = self.decoder.model(input_ids=input_ids, attention_mask=attention_mask,
-                                    memory=memory).last_hidden_state  # (B, T, d)
-        last = last_real_position(input_ids, attention_mask)  # (B,)
-        final = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # (B, d)
+        if answer_positions is not None and attention_mask is not None:
+            raise ValueError("packed questions are told apart by position_ids: pass attention_mask=None")
+        hidden = self.decoder.model(input_ids=input_ids, attention_mask=attention_mask, memory=memory,
+                                    position_ids=position_ids, use_cache=False).last_hidden_state  # (B, T, d)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if answer_positions is None:
+            final = hidden[rows, last_real_position(input_ids, attention_mask)]  # (B, d)
+        else:
+            final = hidden[rows[:, None], answer_positions]  # (B, Q, d)
         head = self.decoder.lm_head.weight[[self.yes_id, self.no_id]]  # (2, d)
-        return final @ head.T  # (B, 2)
+        return final @ head.T  # (B, 2) or (B, Q, 2)
 
     @torch.no_grad()
     def classify(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,

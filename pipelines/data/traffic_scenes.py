@@ -183,18 +183,24 @@ def split_of(seed: int, heldout_fraction: float = 0.2) -> str:
 
 def make_row(seed: int, *, size: int = SIZE, heldout_fraction: float = 0.2,
              question_types: tuple[str, ...] = QUESTION_TYPES) -> dict[str, Any]:
-    """One dataset row: {png, question, answer ('yes'/'no'), seed, split}."""
+    """One dataset row: {png, question, answer ('yes'/'no'), seed, split} and every question type's answer about the
+    same scene (scene_questions, scene_answers: training asks them all at once, `pipelines.train.traffic`)."""
     scene = make_scene(seed, question_types)
     return {"png": png_bytes(render(scene, size)), "question": QUESTIONS[scene.question],
-            "answer": "yes" if scene.answer_yes else "no", "seed": seed, "split": split_of(seed, heldout_fraction)}
+            "answer": "yes" if scene.answer_yes else "no", "seed": seed, "split": split_of(seed, heldout_fraction),
+            "scene_questions": [QUESTIONS[q] for q in question_types],
+            "scene_answers": ["yes" if answer(scene, q) else "no" for q in question_types]}
+
+
+COLUMNS = ("png", "question", "answer", "seed", "split", "scene_questions", "scene_answers")
 
 
 def render_batch(batch: dict[str, np.ndarray], *, size: int = SIZE, heldout_fraction: float = 0.2,
                  question_types: tuple[str, ...] = QUESTION_TYPES) -> dict[str, list]:
-    """A Ray Data batch of seeds ({'id': (N,)}) -> columns png, question, answer, seed, split."""
+    """A Ray Data batch of seeds ({'id': (N,)}) -> the columns of `make_row` (COLUMNS)."""
     rows = [make_row(int(s), size=size, heldout_fraction=heldout_fraction, question_types=question_types)
             for s in batch["id"]]
-    return {key: [row[key] for row in rows] for key in ("png", "question", "answer", "seed", "split")}
+    return {key: [row[key] for row in rows] for key in COLUMNS}
 
 
 def build_dataset(n: int, *, size: int = SIZE, heldout_fraction: float = 0.2, batch_size: int = 64,

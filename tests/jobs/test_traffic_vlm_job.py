@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from models.traffic_vlm import TrafficVLM
 from pipelines.data.traffic_scenes import make_row, pixel_values, scene_seeds
 from pipelines.data.traffic_tokenizer import load_tokenizer
+from pipelines.train.presets import TRAFFIC_VLM
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray  # every test here starts Ray
@@ -79,7 +80,7 @@ def test_embedded_default_answers_held_out_scenes_from_the_image(tmp_path):
     """The issue's must-show: `python jobs/traffic_vlm.py` reaches held-out accuracy >= 0.9, and the same model
     with its vision tokens zeroed stays near the majority rate (<= 0.6)."""
     summary = run(tmp_path, timeout=3300)
-    assert summary["error"] is None and summary["steps"] == 400, summary
+    assert summary["error"] is None and summary["steps"] == TRAFFIC_VLM.train.max_steps, summary
     assert summary["accuracy"] >= 0.9, summary
     assert summary["no_image_accuracy"] <= 0.6, summary
     assert summary["majority_accuracy"] <= 0.6, summary  # balanced held-out split: the claim is not the base rate

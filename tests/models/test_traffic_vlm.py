@@ -72,6 +72,33 @@ def test_yes_no_logits_are_the_lm_heads_logits_at_the_last_real_token(side):
         assert model.classify(pixels, ids, mask).tolist() == (got[:, 0] > got[:, 1]).tolist()
 
 
+def test_packed_questions_each_get_the_logits_they_get_alone():
+    """Training packs a scene's questions into one row (position_ids restart per question, no attention mask):
+    each question's logits must equal the question asked alone, whatever stands before it."""
+    model = small_vlm()
+    questions = [[1, 10, 15, 35, 38, 6], [1, 11, 12, 6], [1, 20, 6]]
+    orders = [(0, 1, 2), (2, 0, 1)]
+    ids, positions, answers = [], [], []
+    for order in orders:
+        row, pos, ends = [], [], []
+        for k in order:
+            row += questions[k]
+            pos += range(len(questions[k]))
+            ends.append(len(row) - 1)
+        ids.append(row + [PAD_ID] * 2), positions.append(pos + [0, 1]), answers.append(ends)  # a [PAD] tail
+    pixels = images(2)
+    with torch.no_grad():
+        packed = model.yes_no_logits(pixels, torch.tensor(ids), position_ids=torch.tensor(positions),
+                                     answer_positions=torch.tensor(answers))  # (2, 3, 2)
+        for b, order in enumerate(orders):
+            for q, k in enumerate(order):
+                alone = model.yes_no_logits(pixels[b:b + 1], torch.tensor([questions[k]]))[0]
+                torch.testing.assert_close(packed[b, q], alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention_mask=None"):
+        model.yes_no_logits(pixels, torch.tensor(ids), torch.ones(2, len(ids[0])),
+                            answer_positions=torch.tensor(answers))
+
+
 def test_withholding_the_image_zeroes_the_memory_and_changes_the_logits():
     model = small_vlm()
     pixels, ids = images(3), torch.tensor([[1, 10, 15, 35, 38, 6]] * 3)

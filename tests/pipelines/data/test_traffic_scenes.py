@@ -119,8 +119,13 @@ def test_splits_disjoint_by_seed_and_near_fraction():
 
 def test_render_batch_columns():
     out = render_batch({"id": np.arange(4)}, size=32)
-    assert set(out) == {"png", "question", "answer", "seed", "split"}
+    assert set(out) == {"png", "question", "answer", "seed", "split", "scene_questions", "scene_answers"}
     assert out["seed"] == [0, 1, 2, 3] and all(isinstance(p, bytes) for p in out["png"])
+    for seed, questions, answers in zip(out["seed"], out["scene_questions"], out["scene_answers"]):
+        scene = make_scene(seed)  # every question about the scene, its own among them with the same answer
+        assert questions == [QUESTIONS[q] for q in QUESTION_TYPES]
+        assert answers == ["yes" if answer(scene, q) else "no" for q in QUESTION_TYPES]
+        assert answers[QUESTION_TYPES.index(scene.question)] == out["answer"][seed]
 
 
 @pytest.mark.ray
