@@ -170,6 +170,12 @@ def prepare_distillation(config: StageConfig) -> tuple[dict[str, Any], dict[str,
         compute_teacher_logits(TeacherLogitsConfig(teacher=d.teacher, split=config.data.train_path, out=str(directory),
                                                    k=d.k, actors=d.actors, use_gpu=d.use_gpu))
     manifest = json.loads((directory / MANIFEST).read_text())
+    if not manifest["target_tokens"]:  # distilling nothing would train the CE alone and call it stage 4
+        skipped = ", ".join(f"{n} {reason}" for reason, n in manifest["skipped"].items() if n) or "none skipped"
+        raise ValueError(f"the teacher scored no target token of {config.data.train_path} ({manifest['rows']} rows: "
+                         f"{skipped}; {directory / MANIFEST}). too_long: its memory in the prompt, the prompt and the "
+                         f"target exceed the teacher's context: train the teacher with a smaller "
+                         f"--model.context_budget, or give it shorter rows")
     teacher = manifest["teacher"]
     tags = {"teacher.export": teacher["export"], "teacher.weights_sha256": teacher["weights_sha256"],
             "teacher.memory": teacher["system"].get("memory", ""), "teacher.logits": str(directory),

@@ -23,7 +23,7 @@ from pipelines.data.teacher_logits import TeacherEntries, TeacherLogitsConfig, r
 from pipelines.train.config import (DistillConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
                                     TrackingSettings, TrainConfig)
 from pipelines.train.recipes import model_loss
-from pipelines.train.stage import STAGE
+from pipelines.train.stage import STAGE, prepare_distillation
 from tests.pipelines.data.test_shards import write_split
 from tests.pipelines.data.test_teacher_logits import corpus_rows, run_in_process
 
@@ -149,6 +149,18 @@ def test_logits_of_another_teacher_are_refused(tmp_path, tiny, scored):
     assert same == ""
     assert "holds top-8 logits, and distill.k is 16" in problems(
         StageConfig(stage=4, distill=DistillConfig(teacher=str(tmp_path / "teacher"), logits=str(logits), k=16)))
+
+
+def test_a_teacher_that_scored_no_row_stops_stage4_with_the_fix(tmp_path, tiny):
+    """Every row over the teacher's context (too_long): stage 4 would distil nothing, so it says so and how."""
+    split = write_split(tmp_path / "corpus", corpus_rows(5), files=1, row_group_rows=5)
+    teacher = in_context_export(tiny, tmp_path / "teacher")
+    config = TeacherLogitsConfig(teacher=str(teacher), split=str(split), k=K, max_tokens=2, batch_rows=4)
+    assert run_in_process(config)["skipped"]["too_long"] == 5
+    stage4 = dataclasses.replace(stage4_config(0.5, teacher=str(teacher), logits=str(config.out_dir())),
+                                 data=dataclasses.replace(StageConfig().data, train_path=str(split)))
+    with pytest.raises(ValueError, match=r"scored no target token .*5 too_long.*--model.context_budget"):
+        prepare_distillation(stage4)
 
 
 def few_steps(tmp_path: Path, checkpoint_root: Path) -> StageConfig:
