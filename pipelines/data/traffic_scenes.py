@@ -164,9 +164,10 @@ def render(scene: Scene, size: int = SIZE) -> Image.Image:
 
 
 def _pedestrian(draw: ImageDraw.ImageDraw, x: int, y: int) -> None:
-    """A person seen from above: an orange body and a skin-coloured head."""
-    draw.ellipse((x - 7, y - 5, x + 7, y + 9), fill=(240, 120, 20))
-    draw.ellipse((x - 4, y - 10, x + 4, y - 2), fill=(250, 200, 160))
+    """A person seen from above: an orange body and a skin-coloured head, 20 x 28 px (at 14 x 19 a from-scratch tower
+    had not learnt to see one on the zebra stripes after 450 steps, while it read the 18-px lamps)."""
+    draw.ellipse((x - 10, y - 7, x + 10, y + 13), fill=(240, 120, 20))
+    draw.ellipse((x - 6, y - 15, x + 6, y - 3), fill=(250, 200, 160))
 
 
 def png_bytes(image: Image.Image) -> bytes:

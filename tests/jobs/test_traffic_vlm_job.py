@@ -22,10 +22,13 @@ from pipelines.train.presets import TRAFFIC_VLM
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.ray  # every test here starts Ray
+# A small model for a few steps, on two workers (the default's one would skip the gradient exchange and the
+# evaluation's split over ranks).
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.layers", "1", "--model.heads", "4",
         "--model.kv_heads", "2", "--model.image_size", "64", "--data.train_scenes", "64", "--data.heldout_scenes", "24",
         "--data.grid_scenes", "4", "--train.max_steps", "4", "--train.memories_per_step", "8", "--train.eval_every", "2",
-        "--train.log_every", "1", "--train.warmup_steps", "1"]
+        "--train.log_every", "1", "--train.warmup_steps", "1",
+        "--scaling.num_workers", "2", "--scaling.cpus_per_worker", "1"]
 SUMMARY = ("accuracy", "no_image_accuracy", "majority_accuracy", "f1", "steps", "seconds", "mlflow_run_id", "export",
            "error")
 
