@@ -117,12 +117,13 @@ def steps(config: CurriculumConfig) -> list[Step]:
                                                *export("stage0")(done)]),
         Step("stage2", "stage2", lambda done: [*training("stage2", config.steps), *splits(corpus2),
                                                *export("stage1")(done)]),
-        # the teacher of stages 3 and 4: the same decoder, trained with the repository's chunks in its prompt. Half
-        # the row's tokens for the chunks leaves the other half for prompt and target: stage 4's teacher scores a row
-        # only when all of it fits its context (the tiny decoder's 1024 positions); a full budget made it skip all
+        # the teacher of stages 3 and 4: the same decoder, trained with the repository's chunks in its prompt. A
+        # quarter of a row's tokens for the chunks: stage 4's teacher scores a row only when chunks, prompt and target
+        # all fit its context (the tiny decoder's 1024 positions), and this repository's stage-2 rows hold 650-1,450
+        # tokens of prompt and target (a full or half budget made it skip every row)
         Step("teacher", "stage2", lambda done: [*training("teacher", config.teacher_steps, decoder="full"),
                                                 *splits(corpus2), "--model.memory", "in_context",
-                                                "--model.context_budget", str(config.max_tokens // 2)]),
+                                                "--model.context_budget", str(config.max_tokens // 4)]),
         Step("stage3", "stage3_data", lambda done: [
             "--corpus", str(corpus2), "--teacher", done["teacher"]["export"], "--out", str(corpus3),
             "--attempts", str(config.attempts), "--max_rows", str(config.stage3_rows),
