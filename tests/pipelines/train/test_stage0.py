@@ -75,6 +75,9 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     assert all(0 <= a <= 1 for row in heatmap["accuracy_by_depth"] for a in row)
 
 
+# ~95 s; in `make test` resume stays checked by the corpus stage (a second epoch resumed) and by a worker failing
+# mid-save (restarted from the last complete checkpoint, nothing seen twice or skipped)
+@pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.driver import run_stage
 
@@ -104,8 +107,10 @@ def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, ch
     assert (tmp_path / "ray" / f"fail-{fail_at[:5]}" / f"injected-failure-{fail_at}").is_file()  # it did fail
 
 
-# the baseline's run (~50 s) in make test-slow; make test keeps gca's and the baselines' scoring through evaluate
-@pytest.mark.parametrize("memory", ["gca", pytest.param("in_context", marks=pytest.mark.slow)])
+# ~50 s each, in make test-slow: make test reloads a ZeRO-3 export in test_zero3_trains_each_fusion...[cross] and
+# scores exports, GCA and baselines, through the evaluate job
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", ["gca", "in_context"])
 def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, memory):
     """Also for a baseline (the memory in the prompt; only the decoder trains, under ZeRO-3 with the unused GCA
     blocks frozen): its export names its system, and reloaded it scores what the run reported."""
