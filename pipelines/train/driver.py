@@ -74,7 +74,7 @@ def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id:
     s = config.scaling
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"recipe": recipe, "config": config.to_dict(), "worker": prepared.worker,
+        train_loop_config={"recipe": recipe_reference(recipe), "config": config.to_dict(), "worker": prepared.worker,
                            "tracking_uri": tracking_uri, "driver_ip": ray.util.get_node_ip_address(),
                            "mlflow_run_id": run_id,
                            "tracking_pending": str(run_dir / PENDING_FILE)},
@@ -91,6 +91,14 @@ def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id:
         ),
         datasets=prepared.datasets or None,
     )
+
+
+def recipe_reference(recipe: Recipe) -> str:
+    """The recipe as "module:Class", not the object: Ray Train's controller unpickles the loop config, and the object
+    would make it import the recipe's module (torch, DeepSpeed, transformers: ~8 s on 2 cores) before any worker
+    starts. Only the workers import it (pipelines.train.loop.recipe_from)."""
+    cls = type(recipe)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def shutdown_ray() -> None:

@@ -23,7 +23,7 @@ HOOK_ENV = "AWARENESS_TRAIN_HOOK"  # "module:function" called as hook(event, ste
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    recipe: Recipe = loop_config["recipe"]
+    recipe = recipe_from(loop_config["recipe"])
     config, worker = recipe.parse(loop_config["config"]), loop_config["worker"]
     quiet_known_warnings()
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
@@ -59,6 +59,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             ray.train.report(metrics)
     recipe.finish(engine, config, state, tracker, rank, world)
     tracker.save_pending(loop_config.get("tracking_pending"))  # the driver retries what the server refused
+
+
+def recipe_from(reference: str) -> Recipe:
+    """The recipe a "module:Class" reference names (pipelines.train.driver.recipe_reference)."""
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(module), name)()
 
 
 def worker_tracking_uri(loop_config: dict[str, Any]) -> str | None:
