@@ -3,6 +3,7 @@ the summary. The stage jobs, the UL2 job and the traffic VLM job differ only in 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from pipelines.tracking.checkpoints import CheckpointRecorder
+from pipelines.cli import ConfigError
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.console import Console, quiet
@@ -28,6 +30,16 @@ RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
 CHECKPOINTS_PENDING_FILE = "tracking_pending_checkpoints.json"  # the same, from the checkpoint recorder
 RECIPES: dict[type, Recipe] = {StageConfig: STAGE, Ul2Config: UL2, TrafficConfig: TRAFFIC}
+CONFIG_FILE = "job_config.json"  # the config a run directory was trained with; a resume must match it
+# What a resumed run may change: how long it runs, how often it logs, evaluates and checkpoints, how many failures it
+# survives, and what it prints. Anything else (model, data, optimizer, seed, workers, tracking) would make one run
+# of two different jobs.
+RESUMABLE_CHANGES = frozenset({
+    "train.max_steps", "train.log_every", "train.eval_every", "train.checkpoint_every", "run.max_failures",
+    "run.keep_checkpoints", "run.export_every_checkpoint", "run.verbose", "data.verify_hashes",
+    "scaling.gpus_per_node", "scaling.gpu_memory_gib",
+    "run.storage_path", "run.name",  # the same directory, however it was spelt
+})
 
 
 def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
@@ -39,12 +51,14 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
     (Tune's report callback)."""
     started = time.perf_counter()
     recipe, config = RECIPES[type(config)], config.validate()  # a config error costs no cluster start
+    check_resumable(config)
     quiet(config.run.verbose)
     init_ray(config.run.verbose)
-    prepared = recipe.prepare(config)
+    prepared, config_given = recipe.prepare(config), config
     config = prepared.config
     run_dir = Path(config.run.storage_path) / config.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(config_fields(config_given), indent=1, sort_keys=True))
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
     tracker = (open_run(config, prepared, tracking_uri, run_dir, parent_run_id=parent_run_id, tags=tags)
                if config.tracking.enabled else Tracker(None, None))
@@ -56,6 +70,38 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
     tracker.adopt_pending(run_dir / PENDING_FILE)
     tracker.adopt_pending(run_dir / CHECKPOINTS_PENDING_FILE)
     return summarise(recipe, config, result, tracker, seconds=time.perf_counter() - started)
+
+
+def run_directory(config) -> Path:
+    return Path(config.run.storage_path).expanduser().resolve() / config.run.name
+
+
+def config_fields(config) -> dict[str, Any]:
+    """The config as flat `section.field` values (JSON types), as a run directory records it."""
+    flat = {}
+    for section, fields in json.loads(json.dumps(config.to_dict())).items():
+        if isinstance(fields, dict):
+            flat |= {f"{section}.{name}": value for name, value in fields.items()}
+        else:
+            flat[section] = fields
+    return flat
+
+
+def check_resumable(config) -> None:
+    """A rerun with the run's name and storage path resumes it, so it must be the same job: a ConfigError naming
+    each changed field, before any cluster starts, if it is not. Without this check a changed config would train on
+    from (or return) the old run's checkpoint as if it were the new job's."""
+    recorded_file = run_directory(config) / CONFIG_FILE
+    if not recorded_file.is_file():
+        return  # a new run (or one recorded before this check)
+    recorded, given = json.loads(recorded_file.read_text()), config_fields(config)
+    changed = [f"{key} {recorded[key]!r} -> {given[key]!r}" for key in sorted(recorded.keys() & given.keys())
+               if key not in RESUMABLE_CHANGES and recorded[key] != given[key]]
+    if changed:
+        raise ConfigError(
+            f"run.name {config.run.name!r} in {config.run.storage_path} resumes a run trained with another config "
+            f"({'; '.join(changed)}): rerun with that run's config to resume it, or start a new run with another "
+            f"--run.name (its config: {recorded_file})")
 
 
 def init_ray(verbose: bool) -> None:

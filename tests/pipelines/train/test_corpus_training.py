@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipelines.cli import ConfigError
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.shards import load_split, rank_units
 from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrackingSettings,
@@ -121,6 +122,10 @@ def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, lo
     for key in ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy"):
         assert resumed[key] is not None and np.isfinite(resumed[key]), key
     assert torch.tensor(resumed["val_loss"]) > 0
+    changed = corpus_config(tmp_path, checkpoint_root, steps=8)  # the same run, trained differently: refused
+    changed.train.lr = 5e-4
+    with pytest.raises(ConfigError, match=r"train.lr 0.001 -> 0.0005\)"):
+        run_stage(changed)
 
 
 @pytest.mark.ray

@@ -1,9 +1,10 @@
-"""A stage job checks its corpus shards before any cluster time: a truncated shard of a built corpus, or a corpus
-whose manifest predates shard records, is refused in seconds with the path and the fix, exit status 2, the JSON
-summary as the last line, and no MLflow run opened."""
+"""A stage job checks its corpus shards before any cluster time: a truncated shard of a corpus (its manifest as
+jobs/build_corpus.py writes it), or a corpus whose manifest predates shard records, is refused in seconds with the path
+and the fix, exit status 2, the JSON summary as the last line, and no MLflow run opened."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.pipelines.train.test_stage_commits import build_commit_corpus
+from tests.pipelines.data.test_shards import write_split
+from tests.pipelines.train.test_corpus_training import corpus_rows
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -39,9 +39,8 @@ def no_run_opened(tmp_path: Path) -> bool:
     return not [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
 
 
-@pytest.mark.ray  # the corpus build starts Ray; the refused job does not
 def test_a_truncated_shard_is_refused_before_ray_and_mlflow(tmp_path):
-    split = build_commit_corpus(tmp_path)
+    split = write_split(tmp_path / "corpus", corpus_rows(12, seed=0), files=2, row_group_rows=4)  # with shard records
     shard = sorted(split.glob("*.parquet"))[0]
     shard.write_bytes(shard.read_bytes()[:200])
     result, seconds = stage1(split, tmp_path)
@@ -62,3 +61,32 @@ def test_a_truncated_shard_is_refused_before_ray_and_mlflow(tmp_path):
     result, _ = stage1(split, tmp_path)
     assert result.returncode == 2 and "written by an older jobs/build_corpus.py" in result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["error"] and no_run_opened(tmp_path)
+
+
+def test_a_rerun_with_another_config_is_refused_before_ray(tmp_path, capsys):
+    """The same run.name and storage path resume the run, so a rerun whose model, data or optimizer differ would
+    train on from (or return) the old run's checkpoint as the new job's: it is refused, naming each changed field."""
+    from pipelines.train.driver import CONFIG_FILE, config_fields
+    from pipelines.train.job import run_job
+    from pipelines.train.presets import STAGE0
+
+    where = ["--run.storage_path", str(tmp_path / "ray"), "--run.name", "rerun"]
+    recorded = dataclasses.replace(STAGE0, run=dataclasses.replace(STAGE0.run, storage_path=str(tmp_path / "ray"),
+                                                                   name="rerun"))
+    (tmp_path / "ray" / "rerun").mkdir(parents=True)
+    (tmp_path / "ray" / "rerun" / CONFIG_FILE).write_text(json.dumps(config_fields(recorded)))
+    code = run_job([*where, "--train.lr", "1e-3", "--model.lora_rank", "4", "--train.max_steps", "5"], STAGE0, "")
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert "train.lr 0.002 -> 0.001" in err and "model.lora_rank 16 -> 4" in err, err
+    assert "max_steps" not in err  # a resume may run longer
+    assert "another --run.name" in err and err.startswith("stage0: run.name 'rerun'")
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["job"] == "stage0" and "train.lr" in summary["error"]
+    assert not ray_started(), "the refusal must come before Ray starts"
+
+
+def ray_started() -> bool:
+    import ray
+
+    return ray.is_initialized()
