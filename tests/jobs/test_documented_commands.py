@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,9 +238,15 @@ def test_every_documented_ray_hf_and_mlflow_flag_exists():
     assert {"ray job submit", "ray up", "ray exec", "ray dashboard", "ray attach", "hf download",
             "mlflow server", "mlflow models serve"} <= set(used), used
     bin_dir = Path(sys.executable).parent
-    for tool, flags in sorted(used.items()):
+
+    def help_of(tool: str) -> subprocess.CompletedProcess:
         program, *sub = tool.split()
-        result = subprocess.run([str(bin_dir / program), *sub, "--help"], capture_output=True, text=True, timeout=120)
+        return subprocess.run([str(bin_dir / program), *sub, "--help"], capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:  # each CLI's start-up is a few seconds of imports: two at a time
+        helps = dict(zip(sorted(used), pool.map(help_of, sorted(used))))
+    for tool, flags in sorted(used.items()):
+        result = helps[tool]
         assert result.returncode == 0, (tool, result.stderr[-1000:])
         for flag in flags:
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", result.stdout), f"{tool} has no {flag}"
