@@ -120,10 +120,7 @@ def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id:
     s = config.scaling
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"recipe": recipe_reference(recipe), "config": config.to_dict(), "worker": prepared.worker,
-                           "tracking_uri": tracking_uri, "driver_ip": ray.util.get_node_ip_address(),
-                           "mlflow_run_id": run_id,
-                           "tracking_pending": str(run_dir / PENDING_FILE)},
+        train_loop_config=loop_config(recipe, prepared, tracking_uri, run_id, run_dir),
         scaling_config=ray.train.ScalingConfig(
             num_workers=s.num_workers, use_gpu=s.use_gpu,
             resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})},
@@ -137,6 +134,14 @@ def build_trainer(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id:
         ),
         datasets=prepared.datasets or None,
     )
+
+
+def loop_config(recipe: Recipe, prepared: Prepared, tracking_uri: str, run_id: str | None,
+                run_dir: Path) -> dict[str, Any]:
+    """What every worker's loop gets: plain data only (Ray Train's controller unpickles it too)."""
+    return {"recipe": recipe_reference(recipe), "config": prepared.config.to_dict(), "worker": prepared.worker,
+            "tracking_uri": tracking_uri, "driver_ip": ray.util.get_node_ip_address(), "mlflow_run_id": run_id,
+            "tracking_pending": str(run_dir / PENDING_FILE)}
 
 
 def recipe_reference(recipe: Recipe) -> str:
