@@ -2,11 +2,14 @@
 training run waits on a JIT build. The build is cached under ~/.cache/torch_extensions; GPU installs skip it.
 
 torch's build lock is a bare file: a build killed midway (a cut-off session, a killed test) leaves it behind, and
-every later load of the op then waits on it forever. clear_stale_build_lock waits out a live build and removes a\nlock older than any build."""
+every later load of the op then waits on it forever. clear_stale_build_lock waits out a live build and removes a
+lock older than any build; the prebuild itself, stopped by a signal, releases its lock on the way out."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -50,7 +53,15 @@ def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 
     return lock
 
 
+def exit_on_signal(signum: int, frame) -> None:
+    """SIGTERM or SIGHUP (a killed `make`, a closed terminal) as SystemExit: torch then releases its build lock in
+    its `finally`, instead of leaving it for the next run to wait out."""
+    sys.exit(128 + signum)
+
+
 def main() -> None:
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, exit_on_signal)
     builder = shm_comm_builder()
     if builder is None:
         print("prebuild: not a CPU install with DeepSpeed's shared-memory comm op, nothing to build")
