@@ -14,8 +14,8 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from pipelines.tracking.checkpoints import CheckpointRecorder
 from pipelines.cli import ConfigError
+from pipelines.tracking.checkpoints import CheckpointRecorder
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.console import Console, quiet
@@ -56,7 +56,7 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
     init_ray(config.run.verbose)
     prepared, config_given = recipe.prepare(config), config
     config = prepared.config
-    run_dir = Path(config.run.storage_path) / config.run.name
+    run_dir = run_directory(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(json.dumps(config_fields(config_given), indent=1, sort_keys=True))
     tracking_uri = resolve_tracking_uri(config.tracking.tracking_uri)
@@ -73,6 +73,7 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
 
 
 def run_directory(config) -> Path:
+    """Where a run's checkpoints and records live; the same name and storage path is the same run."""
     return Path(config.run.storage_path).expanduser().resolve() / config.run.name
 
 

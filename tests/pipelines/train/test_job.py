@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import ray
+
 from tests.pipelines.data.test_shards import write_split
 from tests.pipelines.train.test_corpus_training import corpus_rows
 
@@ -83,13 +85,7 @@ def test_a_rerun_with_another_config_is_refused_before_ray(tmp_path, capsys):
     assert "another --run.name" in err and err.startswith("stage0: run.name 'rerun'")
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["job"] == "stage0" and "train.lr" in summary["error"]
-    assert not ray_started(), "the refusal must come before Ray starts"
-
-
-def ray_started() -> bool:
-    import ray
-
-    return ray.is_initialized()
+    assert not ray.is_initialized(), "the refusal must come before Ray starts"
 
 
 def test_the_loop_config_unpickles_without_torch(tmp_path):
