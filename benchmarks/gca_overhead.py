@@ -99,19 +99,19 @@ def decode_latency(memory: int, prompt: int, steps: int) -> tuple[float, float]:
 
     def per_token(forward_prefill, forward_step) -> float:
         out = forward_prefill()
-        cache, memory_kv, token = out.past_key_values, getattr(out, "gca_memory", None), out.logits[:, -1:].argmax(-1)
+        cache, memory_kv, token = out.cache, getattr(out, "gca_memory", None), out.logits[:, -1:].argmax(-1)
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             out = forward_step(token, cache, memory_kv)
             times.append(time.perf_counter() - start)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
         return statistics.median(times)
 
     t_gca = per_token(lambda: model(input_ids=ids, memory_input_ids=mem, use_cache=True),
-                      lambda tok, cache, kv: model(input_ids=tok, gca_memory=kv, past_key_values=cache, use_cache=True))
+                      lambda tok, cache, kv: model(input_ids=tok, gca_memory=kv, cache=cache, use_cache=True))
     t_long = per_token(lambda: base(input_ids=long_ids, use_cache=True),
-                       lambda tok, cache, _: base(input_ids=tok, past_key_values=cache, use_cache=True))
+                       lambda tok, cache, _: base(input_ids=tok, cache=cache, use_cache=True))
     return t_gca, t_long
 
 

@@ -47,25 +47,25 @@ class SeparateCrossAttentionLayer(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=False)
         self.layer_idx = layer_idx
 
-    def forward(self, hidden_states, attention_mask, position_embeddings, past_key_values=None,
+    def forward(self, hidden_states, attention_mask, position_embeddings, cache=None,
                 encoder_hidden_states=None, **kwargs):
         b, t, _ = hidden_states.shape
         s = encoder_hidden_states.shape[1]
         self_mask, cross_mask = attention_mask[..., :-s], attention_mask[..., -s:]
         residual = hidden_states
         attn, _ = self.layer.self_attn(self.layer.input_layernorm(hidden_states), position_embeddings, self_mask,
-                                       past_key_values=past_key_values.self_attention_cache if past_key_values else None)
+                                       cache=cache.self_attention_cache if cache else None)
         hidden_states = residual + attn
         q = self.q_proj(self.cross_norm(hidden_states)).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
-            cached = past_key_values.cross_attention_cache.layers[self.layer_idx]
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            cached = cache.cross_attention_cache.layers[self.layer_idx]
             k, v = cached.keys, cached.values
         else:
             k = self.k_proj(encoder_hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
             v = self.v_proj(encoder_hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-            if past_key_values is not None:
-                k, v = past_key_values.cross_attention_cache.update(k, v, self.layer_idx)
-                past_key_values.is_updated[self.layer_idx] = True
+            if cache is not None:
+                k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
         cross = F.scaled_dot_product_attention(q, k, v, attn_mask=cross_mask, enable_gqa=True)  # (B, nh, T, hd)
         hidden_states = hidden_states + self.o_proj(cross.transpose(1, 2).reshape(b, t, -1))
         return hidden_states + self.layer.mlp(self.layer.post_attention_layernorm(hidden_states))
@@ -137,13 +137,13 @@ def decode_latency(enc_len: int, steps: int, batch_size: int = 1) -> tuple[float
     def per_token(reproject: bool) -> float:
         token = torch.zeros(batch_size, 1, dtype=torch.long, device=DEVICE)
         out = model(encoder_outputs=enc, decoder_input_ids=token, use_cache=True)
-        cache, times = out.past_key_values, []
+        cache, times = out.cache, []
         for _ in range(steps):
             token = out.logits[:, -1:].argmax(-1)
             if reproject:  # the seed's way: the encoder's keys/values projected anew (not appended) each step
                 cache.cross_attention_cache, cache.is_updated = DynamicCache(), {}
             start = time.perf_counter()
-            out = model(encoder_outputs=enc, decoder_input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(encoder_outputs=enc, decoder_input_ids=token, cache=cache, use_cache=True)
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)

@@ -69,7 +69,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
 class AwarenessOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Any = None
+    cache: Any = None
     gca_memory: GCAMemory | None = None
     aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when the decoder reports it
 
@@ -331,7 +331,7 @@ class AwarenessModel(nn.Module):
         return AwarenessOutput(
             loss=out.loss,
             logits=out.logits,
-            past_key_values=out.past_key_values,
+            cache=out.cache,
             gca_memory=gca_memory,
             aux_loss=getattr(out, "aux_loss", None),
         )

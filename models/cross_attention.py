@@ -125,16 +125,16 @@ class CrossAttentionDecoderLayer(Qwen3DecoderLayer):
         memory_padding: MemoryPadding,
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        past_key_values: EncoderDecoderCache | None = None,
+        cache: EncoderDecoderCache | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """hidden_states (B, T, d), memory_states (B, M, d): positional, so reentrant checkpointing sends their
         gradients back."""
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        self_cache = cache.self_attention_cache if cache is not None else None
         return self_cross_mlp(
             self, hidden_states,
-            lambda h: self.cross_attn(self.cross_attn_layernorm(h), memory_states, memory_padding, past_key_values),
-            position_embeddings=position_embeddings, attention_mask=attention_mask, past_key_values=self_cache, **kwargs,
+            lambda h: self.cross_attn(self.cross_attn_layernorm(h), memory_states, memory_padding, cache),
+            position_embeddings=position_embeddings, attention_mask=attention_mask, cache=self_cache, **kwargs,
         )
 
 
@@ -179,7 +179,7 @@ class Qwen3CrossAttentionDecoder(Qwen3PreTrainedModel):
         memory_mask: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -192,26 +192,26 @@ class Qwen3CrossAttentionDecoder(Qwen3PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
-        if use_cache and not isinstance(past_key_values, EncoderDecoderCache):
-            past_key_values = EncoderDecoderCache(past_key_values or DynamicCache(config=self.config), DynamicCache())
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and not isinstance(cache, EncoderDecoderCache):
+            cache = EncoderDecoderCache(cache or DynamicCache(config=self.config), DynamicCache())
+        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2:  # real tokens count: left padding is fine
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # (B, T)
             else:
                 position_ids = torch.arange(past, past + length, device=inputs_embeds.device)[None]  # (1, T)
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        self_cache = cache.self_attention_cache if cache is not None else None
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         past_key_values=self_cache, position_ids=position_ids)
-        memory_states, memory_padding = self._memory(memory, memory_mask, past_key_values, batch)
+                                         cache=self_cache, position_ids=position_ids)
+        memory_states, memory_padding = self._memory(memory, memory_mask, cache, batch)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, memory_states, memory_padding=memory_padding,
                                   attention_mask=causal_mask, position_embeddings=position_embeddings,
-                                  past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+                                  cache=cache, use_cache=use_cache, **kwargs)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
-                                       past_key_values=past_key_values if use_cache else None)
+                                       cache=cache if use_cache else None)
 
     def _memory(self, memory, memory_mask, cache, batch) -> tuple[torch.Tensor | None, MemoryPadding]:
         """The projected memory (None once every layer caches its keys/values: not projected again) and its
@@ -254,7 +254,7 @@ class Qwen3CrossAttentionForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         memory_mask: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -266,10 +266,10 @@ class Qwen3CrossAttentionForCausalLM(Qwen3PreTrainedModel, GenerationMixin):
         for unused in ("output_attentions", "output_hidden_states", "return_dict"):
             kwargs.pop(unused, None)
         outputs = self.model(input_ids=input_ids, memory=memory, memory_mask=memory_mask,
-                             attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                             attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                              inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))  # (B, T, V)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache)

@@ -90,12 +90,12 @@ class MemoryMergedAttention:
         value = self.v_proj(memory_states).view(shape).transpose(1, 2)  # (B, H_kv, M, hd)
         return MemoryKV(key=key, value=value, padding=padding)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
                 gca_memory: GCAMemory | None = None, **kwargs):
         if gca_memory is None:
-            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         memory = gca_memory.layers[self.layer_idx]
-        query, key, value = self_queries_keys_values(self, hidden_states, position_embeddings, past_key_values)
+        query, key, value = self_queries_keys_values(self, hidden_states, position_embeddings, cache)
         b, t = hidden_states.shape[:2]
         r = b // memory.key.shape[0]  # beams / several questions per memory: row i reads memory i // r
         memory_key, memory_value = (x.repeat_interleave(r, dim=0) if r > 1 else x for x in (memory.key, memory.value))

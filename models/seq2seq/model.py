@@ -97,7 +97,7 @@ class Qwen3EncoderModel(Qwen3Model):
             layer.self_attn.is_causal = False  # belt and braces: SDPA also gets is_causal=False below
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
-        for unused in ("use_cache", "past_key_values", "is_causal"):
+        for unused in ("use_cache", "cache", "is_causal"):
             kwargs.pop(unused, None)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds to the encoder")
@@ -161,17 +161,17 @@ class Qwen3MergedAttention(Qwen3Attention):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
-        past_key_values: EncoderDecoderCache | None = None,
+        cache: EncoderDecoderCache | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         output_attentions: bool = False,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states (B, T, H); attention_mask (B, 1, T, P+T+S) bool -> (B, T, H), weights (B, nh, T, P+T+S)."""
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        self_cache = cache.self_attention_cache if cache is not None else None
         query, key, value = self_queries_keys_values(self, hidden_states, position_embeddings, self_cache)
         cross_key, cross_value = self.encoder_keys_values(encoder_hidden_states, encoder_position_embeddings,
-                                                          past_key_values)  # (B, nkv, S, hd)
+                                                          cache)  # (B, nkv, S, hd)
         return merged_attention(self, query, torch.cat([key, cross_key], dim=2), torch.cat([value, cross_value], dim=2),
                                 attention_mask, output_attentions=output_attentions)
 
@@ -269,7 +269,7 @@ class Qwen3MergedDecoder(Qwen3PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: EncoderDecoderCache | None = None,
+        cache: EncoderDecoderCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
@@ -282,9 +282,9 @@ class Qwen3MergedDecoder(Qwen3PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache())
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache())
+        past = cache.get_seq_length() if cache is not None else 0
         device = inputs_embeds.device
         decoder_mask = _bool_mask(attention_mask, batch, past + length, device, "decoder_attention_mask")
         encoder_mask = _bool_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1], device,
@@ -300,13 +300,13 @@ class Qwen3MergedDecoder(Qwen3PreTrainedModel):
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, attention_mask=mask, position_ids=position_ids, past_key_values=past_key_values,
+                hidden_states, attention_mask=mask, position_ids=position_ids, cache=cache,
                 use_cache=use_cache, position_embeddings=position_embeddings,
                 encoder_hidden_states=encoder_hidden_states, encoder_position_embeddings=encoder_position_embeddings,
                 **kwargs,
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
-                                       past_key_values=past_key_values if use_cache else None)
+                                       cache=cache if use_cache else None)
 
 
 def _bool_mask(mask: torch.Tensor | None, batch: int, length: int, device, name: str) -> torch.Tensor:
@@ -395,7 +395,7 @@ class Qwen3ForSeq2SeqLM(Qwen3PreTrainedModel, GenerationMixin):
         decoder_attention_mask: torch.Tensor | None = None,
         decoder_position_ids: torch.LongTensor | None = None,
         encoder_outputs: BaseModelOutput | tuple | None = None,
-        past_key_values: EncoderDecoderCache | None = None,
+        cache: EncoderDecoderCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -419,7 +419,7 @@ class Qwen3ForSeq2SeqLM(Qwen3PreTrainedModel, GenerationMixin):
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, inputs_embeds=decoder_inputs_embeds, attention_mask=decoder_attention_mask,
             position_ids=decoder_position_ids, encoder_hidden_states=encoder_states,
-            encoder_attention_mask=attention_mask, past_key_values=past_key_values, use_cache=use_cache, **outputs,
+            encoder_attention_mask=attention_mask, cache=cache, use_cache=use_cache, **outputs,
         )
         logits = self.lm_head(slice_logits_to_keep(decoder_outputs.last_hidden_state, logits_to_keep))  # (B, T, V)
         loss = None
@@ -432,7 +432,7 @@ class Qwen3ForSeq2SeqLM(Qwen3PreTrainedModel, GenerationMixin):
             decoder_attentions = tuple(w[..., :-encoder_len] for w in decoder_outputs.attentions)
             cross_attentions = tuple(w[..., -encoder_len:] for w in decoder_outputs.attentions)
         output = Seq2SeqLMOutput(
-            loss=loss, logits=logits, past_key_values=decoder_outputs.past_key_values,
+            loss=loss, logits=logits, cache=decoder_outputs.cache,
             decoder_hidden_states=decoder_outputs.get("hidden_states"), decoder_attentions=decoder_attentions,
             cross_attentions=cross_attentions, encoder_last_hidden_state=encoder_states,
             encoder_hidden_states=encoder_outputs.get("hidden_states"),

@@ -116,12 +116,12 @@ def cached_logits(model, prompt, continuation, mem, mask):
     once: (B, prompt + continuation, V)."""
     with torch.no_grad():
         step = model(input_ids=prompt, memory_input_ids=mem, memory_attention_mask=mask, use_cache=True)
-        logits, cache, memory = [step.logits], step.past_key_values, step.gca_memory
+        logits, cache, memory = [step.logits], step.cache, step.gca_memory
         for t in range(continuation.shape[1]):
-            step = model(input_ids=continuation[:, t : t + 1], gca_memory=memory, past_key_values=cache,
+            step = model(input_ids=continuation[:, t : t + 1], gca_memory=memory, cache=cache,
                          use_cache=True)
             logits.append(step.logits)
-            cache = step.past_key_values
+            cache = step.cache
     return torch.cat(logits, dim=1)
 
 

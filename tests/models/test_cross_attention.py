@@ -185,7 +185,7 @@ def test_cached_logits_step_by_step_equal_a_full_forward(model):
         out = model(ids[:, :4], memory=mem, memory_mask=mask, use_cache=True)
         steps = [out.logits]
         for i in range(4, 10):
-            out = model(ids[:, i:i + 1], memory=None, memory_mask=mask, past_key_values=out.past_key_values,
+            out = model(ids[:, i:i + 1], memory=None, memory_mask=mask, cache=out.cache,
                         use_cache=True)  # the memory is no longer needed: its keys/values are cached
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)

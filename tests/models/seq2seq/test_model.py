@@ -240,9 +240,9 @@ def test_cached_decoding_equals_full_forward_and_projects_encoder_once(model):
     with torch.no_grad():
         encoder_outputs = model.encoder(input_ids=enc)
         out = model(encoder_outputs=encoder_outputs, decoder_input_ids=dec[:, :3], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], out.cache
         for t in range(3, 6):
-            out = model(encoder_outputs=encoder_outputs, decoder_input_ids=dec[:, t : t + 1], past_key_values=cache,
+            out = model(encoder_outputs=encoder_outputs, decoder_input_ids=dec[:, t : t + 1], cache=cache,
                         use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
