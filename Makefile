@@ -1,21 +1,54 @@
 # Two entry points for a fresh machine with Python 3.11: `make demo` (main job) and `make test`.
-# Both create .venv at the repository root and install into it once (re-run when pyproject.toml changes).
+# Both create .venv at the repository root and install the lock into it once (again when the lock changes).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-# CPU installs pin the local CPU wheel; a GPU machine overrides it: `make install TORCH="torch>=2.8"`.
-TORCH ?= torch==2.13.0
+UV := $(VENV)/bin/uv
+# The lock `make install` installs: every package, direct and transitive, at an exact version with its hashes.
+# CPU (default) or CUDA: `make install LOCK=requirements/lock-cuda.txt` (docs/install.md).
+LOCK ?= requirements/lock-cpu.txt
+# Where the CPU torch wheel (torch==2.13.0+cpu) is found: this machine's disk, else PyTorch's CPU wheel page.
+TORCH_WHEELS ?= $(or $(wildcard /opt/wheels),https://download.pytorch.org/whl/cpu/torch/)
+UV_VERSION := 0.13.9
 STAMP := $(VENV)/.installed
+# `make lock` resolves pyproject.toml's ranges for this target, so one lock serves every Linux x86_64 machine.
+RESOLVE := pyproject.toml requirements/tools.in --extra test --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+LATEST := .venv-latest
 
-.PHONY: install demo generate lint test test-fast test-slow bench bench-gpu corpus
+.PHONY: install lock test-latest demo generate lint test test-fast test-slow bench bench-gpu corpus
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): $(LOCK) pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	test -x $(UV) || $(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
+	$(UV) pip sync --quiet --python $(PY) --require-hashes --find-links $(TORCH_WHEELS) $(LOCK)
+	$(UV) pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .
+	$(UV) pip check --quiet --python $(PY)
 	$(PY) -m pipelines.train.prebuild
 	touch $(STAMP)
+
+# Regenerates both locks from pyproject.toml's ranges (the newest versions they allow, today). The CUDA lock takes
+# the CPU lock's versions for everything but torch and what only a CUDA torch needs.
+lock: install
+	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override requirements/torch-cpu.txt \
+		--upgrade --quiet -o requirements/lock-cpu.txt
+	grep -v '^torch==' requirements/lock-cpu.txt | grep -v '^ *--hash' > $(VENV)/cpu-pins.txt
+	$(UV) pip compile $(RESOLVE) --override requirements/torch-cuda.txt --constraint $(VENV)/cpu-pins.txt \
+		--upgrade --quiet -o requirements/lock-cuda.txt
+
+# The next releases, before they reach the lock: a throwaway venv with the newest versions pyproject.toml's ranges
+# allow (torch stays this machine's CPU wheel), which versions differ from the lock, then make test-fast there.
+test-latest: install
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override requirements/torch-cpu.txt \
+		--upgrade --quiet -o $(LATEST)/resolved.txt
+	$(UV) pip sync --quiet --python $(LATEST)/bin/python --require-hashes --find-links $(TORCH_WHEELS) \
+		$(LATEST)/resolved.txt
+	$(UV) pip install --quiet --python $(LATEST)/bin/python --no-deps --no-build-isolation -e .
+	$(UV) pip check --python $(LATEST)/bin/python
+	$(LATEST)/bin/python -m pipelines.tracking.lineage --against requirements/lock-cpu.txt
+	$(MAKE) test-fast VENV=$(LATEST) STAMP=$(LATEST)/resolved.txt
 
 demo: install
 	$(PY) jobs/stage0.py
@@ -40,7 +73,7 @@ bench: install
 	$(PY) benchmarks/train_throughput.py
 	$(PY) benchmarks/corpus_throughput.py
 
-bench-gpu: install   # on a CUDA machine, with a CUDA torch: make bench-gpu TORCH="torch>=2.8"
+bench-gpu: install   # on a CUDA machine, installed from the CUDA lock: make bench-gpu LOCK=requirements/lock-cuda.txt
 	$(PY) benchmarks/gpu_mfu.py
 
 corpus: install   # a stage-0 corpus of this repository's own code and docs

@@ -3,15 +3,22 @@ manifest hash, library versions and hardware."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+LOCKS = {"cpu": REPOSITORY / "requirements" / "lock-cpu.txt", "cuda": REPOSITORY / "requirements" / "lock-cuda.txt"}
+LOCK_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", re.MULTILINE)
+NOT_LOCKED = {"awareness"}  # this repository's own editable install
 
 
 def system_info() -> dict[str, str]:
@@ -28,7 +35,47 @@ def system_info() -> dict[str, str]:
             info[f"sys.{module}"] = "missing"
     if torch.cuda.is_available():
         info["sys.gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    return info
+    return info | lock_info()
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def locked_versions(lock: Path) -> dict[str, str]:
+    """Package -> exact version, as a requirements lock (`make lock`'s output) pins them."""
+    return {_canonical(name): version for name, version in LOCK_PIN.findall(lock.read_text())}
+
+
+def installed_versions() -> dict[str, str]:
+    return {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+
+
+def lock_drift(lock: Path, installed: dict[str, str] | None = None) -> list[str]:
+    """How this environment differs from `lock`: 'name locked -> installed' ('missing' / 'not locked' for a
+    package on one side only), sorted. Empty when one `make install` from that lock reproduces it."""
+    locked, installed = locked_versions(lock), installed_versions() if installed is None else installed
+    drift = [f"{name} {version} -> {installed.get(name, 'missing')}" for name, version in locked.items()
+             if installed.get(name) != version]
+    drift += [f"{name} not locked -> {version}" for name, version in installed.items()
+              if name not in locked and name not in NOT_LOCKED]
+    return sorted(drift)
+
+
+def environment_lock(installed: dict[str, str] | None = None) -> Path:
+    """The lock this environment was meant to come from: the CPU lock under a CPU torch build, else the CUDA one."""
+    installed = installed_versions() if installed is None else installed
+    return LOCKS["cpu"] if installed.get("torch", "").endswith("+cpu") else LOCKS["cuda"]
+
+
+def lock_info() -> dict[str, str]:
+    """Tags that say which lock reproduces this run and whether the environment matches it exactly."""
+    lock = environment_lock()
+    if not lock.is_file():
+        return {"sys.lock": "missing"}
+    drift = lock_drift(lock)
+    return {"sys.lock": f"{lock.name}:{hashlib.sha256(lock.read_bytes()).hexdigest()[:16]}",
+            "sys.lock_match": str(not drift).lower(), **({"sys.lock_drift": "; ".join(drift)[:4000]} if drift else {})}
 
 
 def git_commit() -> str:
@@ -60,3 +107,21 @@ def data_manifest_hash(train_path: str | None, synthetic: dict[str, Any]) -> str
     files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
     listing = [(str(p.relative_to(path)) if path.is_dir() else p.name, p.stat().st_size) for p in files]
     return "listing:" + hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.tracking.lineage --against requirements/lock-cpu.txt`: the packages whose installed
+    version differs from the lock, one a line (make test-latest prints them)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--against", type=Path, default=None, help="a lock file (default: this environment's)")
+    lock = parser.parse_args(argv).against or environment_lock()
+    if not lock.is_file():
+        print(f"error: {lock} is not a file: name a lock, e.g. requirements/lock-cpu.txt", file=sys.stderr)
+        return 2
+    drift = lock_drift(lock)
+    print(f"{len(drift)} package(s) differ from {lock.name}" + "".join(f"\n  {line}" for line in drift))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

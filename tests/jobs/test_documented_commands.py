@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "jobs").glob("*.py"))]
+DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "jobs").glob("*.py"))]
 TRAINING_JOBS = ("stage0", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "sweep")
 # The command the issue asks to show: prod on 2 nodes x 8 GPUs plans and fits.
 MUST_SHOW = ["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",

@@ -1,0 +1,109 @@
+"""The install: both locks pin every dependency inside pyproject.toml's ranges, with hashes, and agree with each
+other; this environment is the CPU lock; the documented make targets expand to the commands docs/install.md
+describes; the CUDA lock resolves for a fresh Linux venv; lineage reports drift from a lock."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from pipelines.tracking.lineage import (LOCKS, environment_lock, installed_versions, lock_drift, lock_info,
+                                        locked_versions)
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DIRECT = [Requirement(r) for r in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]]
+UV = Path(sys.prefix) / "bin" / "uv"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "cuda"])
+def test_lock_pins_every_direct_dependency_inside_its_range_with_hashes(flavour):
+    text = LOCKS[flavour].read_text()
+    locked = locked_versions(LOCKS[flavour])
+    for requirement in DIRECT:
+        version = locked.get(_canonical(requirement.name))
+        assert version is not None, f"{requirement.name} is not in {LOCKS[flavour].name}: run make lock"
+        assert requirement.specifier.contains(version, prereleases=True), (requirement, version)
+    pins = re.findall(r"^\S+==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.MULTILINE)
+    assert len(pins) == len(locked), "every pin carries its sha256 hashes"
+
+
+def test_the_locks_agree_on_everything_but_torch_and_its_cuda_libraries():
+    cpu, cuda = locked_versions(LOCKS["cpu"]), locked_versions(LOCKS["cuda"])
+    assert cpu["torch"].endswith("+cpu") and not cuda["torch"].endswith("+cpu")
+    assert cpu["torch"].split("+")[0] == cuda["torch"]
+    assert {name: v for name, v in cpu.items() if name != "torch"} == {name: cuda[name] for name in cpu if name != "torch"}
+    only_cuda = set(cuda) - set(cpu)
+    assert only_cuda and all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in only_cuda), only_cuda
+
+
+def test_this_environment_is_the_cpu_lock():
+    assert environment_lock() == LOCKS["cpu"]
+    assert lock_drift(LOCKS["cpu"]) == [], "the venv differs from the lock: run make install"
+    tags = lock_info()
+    assert tags["sys.lock_match"] == "true" and tags["sys.lock"].startswith("lock-cpu.txt:")
+
+
+def test_lock_drift_names_each_difference(tmp_path):
+    lock = tmp_path / "lock.txt"
+    lock.write_text("# comment\nAlpha_Pkg==1.0 \\\n    --hash=sha256:" + "0" * 64 + "\nbeta==2.0\ngamma==3.0\n")
+    installed = {"alpha-pkg": "1.0", "beta": "2.1", "delta": "0.1", "awareness": "0.1.0"}
+    assert lock_drift(lock, installed) == ["beta 2.0 -> 2.1", "delta not locked -> 0.1", "gamma 3.0 -> missing"]
+    assert lock_drift(lock, {"alpha-pkg": "1.0", "beta": "2.0", "gamma": "3.0"}) == []
+    assert environment_lock({"torch": "2.13.0"}) == LOCKS["cuda"]
+    assert installed_versions()["torch"] == __import__("torch").__version__
+
+
+def test_lineage_cli_prints_drift_and_rejects_a_missing_lock(tmp_path):
+    lock = tmp_path / "lock.txt"
+    lock.write_text("torch==0.0.1\n")
+    out = subprocess.run([sys.executable, "-m", "pipelines.tracking.lineage", "--against", str(lock)],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.startswith(f"{len(lock_drift(lock))} package(s) differ from lock.txt") and "torch 0.0.1 -> " in out
+    bad = subprocess.run([sys.executable, "-m", "pipelines.tracking.lineage", "--against", str(tmp_path / "nope")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "is not a file" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def _make_dry_run(*args: str) -> str:
+    return subprocess.run(["make", "-n", "-B", *args], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+
+
+def test_make_install_syncs_the_named_lock_with_hashes():
+    for lock in ("requirements/lock-cpu.txt", "requirements/lock-cuda.txt"):
+        commands = _make_dry_run("install", f"LOCK={lock}")
+        sync = next(line for line in commands.splitlines() if " pip sync " in line)
+        assert "--require-hashes" in sync and sync.endswith(lock)
+        assert "pip check" in commands and "-e ." in commands
+
+
+def test_make_lock_and_test_latest_resolve_from_pyproject():
+    lock = _make_dry_run("lock")
+    assert "--override requirements/torch-cpu.txt" in lock and "-o requirements/lock-cpu.txt" in lock
+    assert "--constraint .venv/cpu-pins.txt" in lock and "-o requirements/lock-cuda.txt" in lock
+    latest = _make_dry_run("test-latest")
+    assert "-o .venv-latest/resolved.txt" in latest and "--upgrade" in latest
+    assert "pipelines.tracking.lineage --against requirements/lock-cpu.txt" in latest
+    assert "test-fast VENV=.venv-latest" in latest
+
+
+@pytest.mark.skipif(not UV.exists() or shutil.which("make") is None, reason="uv is installed by make install")
+def test_the_cuda_lock_resolves_for_a_fresh_linux_venv(tmp_path):
+    """The documented CUDA path, up to the download: every pin is served for Linux x86_64 / Python 3.11."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    result = subprocess.run([str(UV), "pip", "sync", "--dry-run", "--require-hashes", "--python",
+                             str(tmp_path / "venv" / "bin" / "python"), str(LOCKS["cuda"])],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"\+ torch==2\.13\.0\n", result.stderr) and "+ nvidia-cublas" in result.stderr
