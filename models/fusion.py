@@ -10,7 +10,7 @@ attends.
   the upstream gradient, and q/k/v get gradients as soon as o_proj leaves zero (the reasoning of LoRA's B = 0).
 * `merged`: T5Gemma 2-style: each layer's own self-attention also attends over the memory, through its own q/k/v/o
   projections and QK-norm, in one softmax with the causal part (`models/seq2seq/model.py`'s code path); memory keys
-  unrotated (RoPE decision in the README). Adds no parameters beyond the projection: it trains through the decoder
+  unrotated (RoPE decision in docs/seq2seq.md). Adds no parameters beyond the projection: it trains through the decoder
   (LoRA or full). Before training the decoder already reads the memory (its attention spreads over it): only a
   fully masked memory leaves it unchanged.
 

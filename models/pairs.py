@@ -262,7 +262,7 @@ def added_parameters(name: str, fusion: str) -> int:
 
 
 def fusion_parameter_table() -> str:
-    """The README's table of added parameters per fusion, for every named pair."""
+    """docs/pairs.md's table of added parameters per fusion, for every named pair."""
     from models.fusion import FUSIONS
 
     lines = ["| pair | " + " | ".join(FUSIONS) + " |", "|---|" + "---:|" * len(FUSIONS)]

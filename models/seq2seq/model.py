@@ -11,7 +11,7 @@
 
 RoPE on encoder keys: `encoder_key_rope="none"` (T5Gemma 2: encoder keys unrotated, every encoder token at the same
 relative distance) or `"encoder_positions"` (rotated by their own positions 0..S-1). The default is "none": see
-tests/models/test_seq2seq.py::test_rope_decision and the README section for the measurement that chose it.
+tests/models/seq2seq/test_model.py::test_rope_decision and docs/seq2seq.md for the measurement that chose it.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ def cosine_factor(t: TrainConfig) -> Callable[[int], float]:
     """transformers' schedule as a function of the step (its public constructor, read off a one-weight optimizer),
     read one step ahead: its factor at step 0 is 0, so the first update would only warm Adam's moments. Update k
     trains at transformers' factor for k + 1 (lr / warmup first, the floor on the last update). The stage-0 demo
-    moved with it: 0.84 needle accuracy with transformers' step 0 at LR 0, 0.95 with this (README, stage 0)."""
+    moved with it: 0.84 needle accuracy with transformers' step 0 at LR 0, 0.95 with this (docs/jobs.md, stage 0)."""
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     factor = get_cosine_with_min_lr_schedule_with_warmup(probe, t.warmup_steps, t.max_steps,
                                                          min_lr_rate=t.min_lr_ratio).lr_lambdas[0]

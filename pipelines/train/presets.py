@@ -17,7 +17,7 @@ STAGE0 = StageConfig(
     stage=0,
     # gca_gate_init: the random tiny pair has no pretrained behaviour for closed gates to protect, and a closed gate
     # is a saddle (gate and block get gradients only through each other): at 0, one of a seed's gates stayed shut
-    # for 3,500+ steps and the run ended at chance; at 0.3 every seed tried learned (README, "The learning claim").
+    # for 3,500+ steps and the run ended at chance; at 0.3 every seed tried learned (docs/jobs.md, stage 0).
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full", gca_gate_init=0.3),
     train=TrainConfig(max_steps=6000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,

@@ -7,9 +7,9 @@ Why the default corpus is one needle fact with noisy target digits (pipelines.da
 the teacher must be genuinely better than the student for distillation to teach anything. With its single memory
 chunk in the prompt, the fact's digits sit at a fixed distance before each digit the teacher predicts, which a
 decoder with RoPE learns in about a hundred steps (a fixed-offset attention); the GCA student reads position-free
-memory keys and must find the digits by content, which takes it far longer (README, "Stage 4"). The noise makes each
-label one sample of a distribution the teacher knows whole, as real text has many valid continuations: the KL hands
-the student that distribution at every target token, where the cross-entropy gives one draw.
+memory keys and must find the digits by content, which takes it far longer (docs/jobs.md, "Stage 4"). The noise
+makes each label one sample of a distribution the teacher knows whole, as real text has many valid continuations: the
+KL hands the student that distribution at every target token, where the cross-entropy gives one draw.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Every command the documentation shows runs: each `python jobs/NAME.py ...` in README.md, the Makefile, cluster.yaml
-(its comments) and the jobs' docstrings, with placeholders (corpus paths, exports, checkpoint roots, sources) replaced
-by test paths that exist. The training jobs and the sweep dry-run through their own entry points (validation and the
-memory plan must pass; a GPU command's plan must fit), jobs/plan.py runs for real, the others parse and validate
-(build_corpus and encode_memory check their sources exist). The issue's must-show command runs as a process. The `ray`, `hf` and
-`mlflow` commands shown beside them use only flags their own --help lists."""
+"""Every command the documentation shows runs: each `python jobs/NAME.py ...` in README.md, docs/*.md, the Makefile,
+cluster.yaml (its comments) and the jobs' docstrings, with placeholders (corpus paths, exports, checkpoint roots,
+sources) replaced by test paths that exist. The training jobs and the sweep dry-run through their own entry points
+(validation and the memory plan must pass; a GPU command's plan must fit), jobs/plan.py runs for real, the others
+parse and validate (build_corpus and encode_memory check their sources exist). The issue's must-show command runs as
+a process. The `ray`, `hf` and `mlflow` commands shown beside them use only flags their own --help lists."""
 
 from __future__ import annotations
 

@@ -120,11 +120,11 @@ def test_random_init_builds_the_random_checkpoints_weights_in_memory(checkpoint_
     assert [k for k in loaded if not is_added_parameter(k) and not torch.equal(built[k], loaded[k])] == []
 
 
-def test_readme_fusion_parameter_table_is_generated():
-    """The README's added parameters per fusion are what the meta-device pairs count."""
+def test_docs_fusion_parameter_table_is_generated():
+    """docs/pairs.md's added parameters per fusion are what the meta-device pairs count."""
     from pathlib import Path
 
     from models.pairs import fusion_parameter_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert fusion_parameter_table() in readme
+    pairs = (Path(__file__).resolve().parents[2] / "docs" / "pairs.md").read_text()
+    assert fusion_parameter_table() in pairs

@@ -174,28 +174,29 @@ def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
     assert needle.encode("k117 = 4 0 7 ;").ids == [1, 117, 2, 14, 10, 17, 3]
 
 
-def readme_registry_example() -> tuple[list[str], list[str], list[str]]:
-    """The README's pyfunc example: its memory (the README's own two lines, run), questions and commented answers."""
+def documented_registry_example() -> tuple[list[str], list[str], list[str]]:
+    """The documented pyfunc example (docs/tracking.md): its memory (the example's own two lines, run), questions and
+    commented answers."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "tracking.md").read_text()
     block = text[text.index('model = mlflow.pyfunc.load_model("models:/awareness@candidate")'):]
     block = block[: block.index("```")]
     scope: dict = {}
     exec("\n".join(line for line in block.splitlines() if line.startswith(("filler =", "memory =", "          "))),
-         {}, scope)  # only the README's own two assignments
+         {}, scope)  # only the example's own two assignments
     call = re.search(r"model\.predict\((\[.*\])\)\s+# (\[.*\])", block)
     questions = re.findall(r'"question": "([^"]+)"', call.group(1))
-    return scope["memory"], questions, eval(call.group(2))  # noqa: S307 - a literal list in our README
+    return scope["memory"], questions, eval(call.group(2))  # noqa: S307 - a literal list in our docs
 
 
-def test_the_readme_example_asks_in_the_training_format():
+def test_the_documented_example_asks_in_the_training_format():
     """Questions as stage 0 asks them (BOS key), a memory shaped like its memories (chunks of chunk_len ids the
     tokenizer knows, facts `key = d d d ;`), and the commented answers are the asked keys' values in that memory."""
     spec = NeedleSpec()
     tokenizer = needle_tokenizer()
-    memory, questions, answers = readme_registry_example()
+    memory, questions, answers = documented_registry_example()
     assert len(memory) == spec.chunks and len(questions) == len(answers) >= 1
     ids = [tokenizer.encode(chunk, add_special_tokens=False).ids for chunk in memory]
     assert all(len(chunk) == spec.chunk_len for chunk in ids)

@@ -21,21 +21,21 @@ def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    print(json.dumps(summary))  # shown by `pytest -rA`: the numbers the README reports
+    print(json.dumps(summary))  # shown by `pytest -rA`: the numbers docs/jobs.md reports
     assert summary["needle_accuracy"] >= 0.9, summary
     assert summary["no_memory_accuracy"] <= 0.2, summary
     assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
-    # registered with jobs/register.py and served with `mlflow models serve` (the README's commands): the README's
+    # registered with jobs/register.py and served with `mlflow models serve` (docs/tracking.md's commands): its
     # registry example and fresh needle questions, asked over REST in text
     from tests.pipelines.mlflow_server import ModelServer
-    from tests.pipelines.tracking.test_registry import needle_questions, readme_registry_example
+    from tests.pipelines.tracking.test_registry import needle_questions, documented_registry_example
 
     registered = subprocess.run([sys.executable, str(ROOT / "jobs" / "register.py"), "--run_id",
                                  summary["mlflow_run_id"], "--tracking_uri", tracking_uri],
                                 cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert registered.returncode == 0, registered.stderr[-3000:]
     version = json.loads(registered.stdout.strip().splitlines()[-1])
-    memory, questions, answers = readme_registry_example()
+    memory, questions, answers = documented_registry_example()
     rows, values = needle_questions(seed=99, memories=8)
     with ModelServer(f"models:/{version['name']}@candidate", tracking_uri, tmp_path) as server:
         assert server.predict([{"question": q, "memory": memory} for q in questions]) == answers
