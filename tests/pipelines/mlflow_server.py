@@ -85,7 +85,7 @@ def _wait_port_closed(port: int, timeout: float = 10) -> None:
 
 
 class ModelServer:
-    """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (README)."""
+    """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (docs/tracking.md)."""
 
     def __init__(self, model_uri: str, tracking_uri: str, root: Path):
         self.model_uri, self.tracking_uri, self.root = model_uri, tracking_uri, root
@@ -103,7 +103,7 @@ class ModelServer:
         return self
 
     def predict(self, rows: list[dict], params: dict | None = None) -> list:
-        """POST /invocations with dataframe_records, as the README's curl does; the answers."""
+        """POST /invocations with dataframe_records, as docs/tracking.md's curl does; the answers."""
         import json
 
         body = {"dataframe_records": rows, **({"params": params} if params else {})}

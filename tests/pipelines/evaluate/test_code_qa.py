@@ -235,8 +235,8 @@ def test_refusals_name_the_fix(tmp_path, corpus):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_evaluate_job_runs_code_qa_on_held_out_repositories(tmp_path, corpus, text_root):
-    """The README's command on a gca export and a baseline's, through Ray Data actors: results.json, every answer,
-    one line per system, MLflow."""
+    """The documented command (docs/evaluation.md) on a gca export and a baseline's, through Ray Data actors:
+    results.json, every answer, one line per system, MLflow."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -224,8 +224,8 @@ def test_systems_read_the_memory_as_they_trained(evaluation, tmp_path, checkpoin
 @pytest.mark.ray
 @pytest.mark.slow  # ~1-2 minutes: a corpus build and an evaluation, each on its own Ray
 def test_evaluate_commits_end_to_end(tmp_path, checkpoint_root):
-    """The README's commands: jobs/build_corpus.py --stage 2 on the fixture repository, then jobs/evaluate.py
-    --suite commits on a random tiny-text export (whose scores are near 0, but counted and written)."""
+    """The documented commands (docs/evaluation.md): jobs/build_corpus.py --stage 2 on the fixture repository, then
+    jobs/evaluate.py --suite commits on a random tiny-text export (whose scores are near 0, but counted and written)."""
     shas = fixture_repository(tmp_path / "calc")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     built = subprocess.run([sys.executable, str(ROOT / "jobs" / "build_corpus.py"), "--stage", "2", "--sources",

@@ -232,7 +232,7 @@ def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, m
 
 @pytest.mark.slow
 def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_path, monkeypatch):
-    """`mlflow models serve -m models:/NAME@candidate` (the README's command) answers needle questions over REST
+    """`mlflow models serve -m models:/NAME@candidate` (docs/tracking.md's command) answers needle questions over REST
     exactly as the pyfunc loaded in process does (the slow learning test scores a trained model over REST)."""
     import mlflow
 
