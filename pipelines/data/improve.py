@@ -56,8 +56,8 @@ from pipelines.data.agentic import (FormatError, Trajectory, chunk_names, decode
                                     same_file, system_inputs, trajectory_parts)
 from pipelines.data.corpora.build import DICTIONARY_COLUMNS, ROW_SCHEMA
 from pipelines.data.corpora.commits import TEST_FILE, GitError, parent_file, write_parent_tree
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import read_system, system_mode
-from pipelines.data.packing import IGNORE
 from pipelines.data.sandbox import run_tests
 from pipelines.data.shards import MANIFEST, MANIFEST_VERSION, ShardError, Unit, check_split, shard_record, split_units
 from pipelines.data.teacher_logits import DTYPES, teacher_identity

@@ -47,7 +47,8 @@ import pyarrow.parquet as pq
 import torch
 
 from models.awareness import WEIGHTS_NAME, AwarenessConfig, AwarenessModel
-from pipelines.data.memory_modes import IGNORE, MemoryMode, memory_into_prompt, read_system, system_mode
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, read_system, system_mode
 from pipelines.data.shards import MANIFEST, Split, Unit, check_split, shard_record, split_units
 
 ID_BYTES, LOGPROB_BYTES = 4, 2  # int32 ids, float16 log-probs
