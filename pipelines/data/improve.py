@@ -51,7 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from models.awareness import AwarenessModel
+from models.awareness import CONFIG_NAME, AwarenessModel
 from pipelines.data.agentic import (FormatError, Trajectory, chunk_names, decode, parse_trajectory, prompt_length,
                                     same_file, system_inputs, trajectory_parts)
 from pipelines.data.corpora.build import DICTIONARY_COLUMNS, ROW_SCHEMA
@@ -106,8 +106,8 @@ class Stage3Config:
         if not self.teacher:
             p.append("teacher: name the teacher's export: --teacher EXPORT_DIR (a stage job's export/, e.g. of "
                      "`python jobs/stage2.py --model.memory in_context ...`)")
-        elif not (Path(self.teacher) / "awareness_config.json").is_file():
-            p.append(f"teacher {self.teacher} is not an export (no awareness_config.json): pass a stage job's "
+        elif not (Path(self.teacher) / CONFIG_NAME).is_file():
+            p.append(f"teacher {self.teacher} is not an export (no {CONFIG_NAME}): pass a stage job's "
                      f"checkpoint_*/export directory")
         elif system_mode(read_system(self.teacher)).kind == "none":
             p.append(f"teacher {self.teacher} reads no memory (system.json memory none): it cannot read the chunks "

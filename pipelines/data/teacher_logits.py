@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from models.awareness import WEIGHTS_NAME, AwarenessConfig, AwarenessModel
+from models.awareness import CONFIG_NAME, WEIGHTS_NAME, AwarenessConfig, AwarenessModel
 from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, read_system, system_mode
 from pipelines.data.shards import MANIFEST, Split, Unit, check_split, shard_record, split_units
@@ -81,8 +81,8 @@ class TeacherLogitsConfig:
         p = []
         if not self.teacher:
             p.append("teacher: name the teacher's export: --teacher EXPORT_DIR (system.json memory in_context or rag)")
-        elif not (Path(self.teacher) / "awareness_config.json").is_file():
-            p.append(f"teacher {self.teacher} is not an export (no awareness_config.json)")
+        elif not (Path(self.teacher) / CONFIG_NAME).is_file():
+            p.append(f"teacher {self.teacher} is not an export (no {CONFIG_NAME})")
         elif not system_mode(read_system(self.teacher)).in_prompt:
             p.append(f"teacher {self.teacher} reads its memory as {read_system(self.teacher).get('memory')!r}; the "
                      f"teacher must read it in its prompt (system.json memory in_context or rag)")

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.awareness import CONFIG_NAME
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.evaluate import code_qa
@@ -114,8 +115,8 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
     """An export directory, an MLflow run id, or a registered version, as a local export directory."""
     path = Path(reference).expanduser()
     if path.is_dir():
-        if not (path / "awareness_config.json").is_file():
-            raise FileNotFoundError(f"{path} is not an export (no awareness_config.json): pass the `export` path a "
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path} is not an export (no {CONFIG_NAME}): pass the `export` path a "
                                     f"stage job's summary line names")
         return Source("", str(path.resolve()), read_system(path))
     if not reference.startswith("models:/") and not re.fullmatch(r"[0-9a-f]{32}", reference):
