@@ -55,25 +55,19 @@ from models.awareness import CONFIG_NAME, AwarenessModel
 from pipelines.data.agentic import (FormatError, Trajectory, chunk_names, decode, parse_trajectory, prompt_length,
                                     same_file, system_inputs, trajectory_parts)
 from pipelines.data.corpora.build import DICTIONARY_COLUMNS, ROW_SCHEMA
-from pipelines.data.corpora.commits import TEST_FILE, GitError, parent_file, write_parent_tree
+from pipelines.data.corpora.commits import BUILD, TEST_FILE, CorpusError, GitError, parent_file, write_parent_tree
 from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.sandbox import run_tests
 from pipelines.data.shards import MANIFEST, MANIFEST_VERSION, ShardError, Unit, check_split, shard_record, split_units
 from pipelines.data.teacher_logits import DTYPES, teacher_identity
-from pipelines.data.tokenizer import EOS, PLAN, SPECIAL_IDS, cached_tokenizer
+from pipelines.data.tokenizer import EOS, PAD, PLAN, SPECIAL_IDS, cached_tokenizer
 
-BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"
-PAD = SPECIAL_IDS["<|endoftext|>"]
 REASONS = ("format", "unknown_chunk", "evidence_not_read", "no_change", "tests_failed", "edit_mismatch", "duplicate")
 ACCEPTED = ("exact", "tests_passed")
 OUTPUT_SCHEMA = ROW_SCHEMA.append(pa.field("teacher", pa.string())).append(pa.field("attempt", pa.int32())) \
     .append(pa.field("verification", pa.string())).append(pa.field("detail", pa.string())) \
     .append(pa.field("source_id", pa.int64())).append(pa.field("source_variant", pa.string()))
-
-
-class CorpusError(FileNotFoundError):
-    """The corpus named is not a readable stage-2 corpus; the message names the fix (the job exits 2 with it)."""
 
 
 @dataclass
@@ -176,7 +170,7 @@ def sample_candidates(model, mode, row: dict[str, Any], *, attempts: int, temper
     torch.manual_seed(seed)
     out = model.generate(**inputs, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                          num_return_sequences=attempts, max_new_tokens=max_new_tokens,
-                         eos_token_id=SPECIAL_IDS[EOS], pad_token_id=PAD)  # (attempts, start + new)
+                         eos_token_id=SPECIAL_IDS[EOS], pad_token_id=SPECIAL_IDS[PAD])  # (attempts, start + new)
     eos = SPECIAL_IDS[EOS]
     return [[SPECIAL_IDS[PLAN], *(ids[: ids.index(eos) + 1] if eos in ids else ids)]
             for ids in out[:, start:].tolist()]
