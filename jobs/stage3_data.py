@@ -18,7 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from pipelines.cli import parse_config
-from pipelines.data.improve import CorpusError, Stage3Config, improve_corpus, source_split
+from pipelines.data.corpora.commits import CorpusError
+from pipelines.data.improve import Stage3Config, improve_corpus, source_split
 from pipelines.data.ray_session import data_job_ray
 
 

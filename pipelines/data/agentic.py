@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode
-from pipelines.data.packing import IGNORE, PackingSpec
+from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS,
                                       VOCAB_SIZE)

@@ -51,29 +51,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from models.awareness import AwarenessModel
+from models.awareness import CONFIG_NAME, AwarenessModel
 from pipelines.data.agentic import (FormatError, Trajectory, chunk_names, decode, parse_trajectory, prompt_length,
                                     same_file, system_inputs, trajectory_parts)
+from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
 from pipelines.data.corpora.build import DICTIONARY_COLUMNS, ROW_SCHEMA
-from pipelines.data.corpora.commits import TEST_FILE, GitError, parent_file, write_parent_tree
+from pipelines.data.corpora.commits import BUILD, TEST_FILE, CorpusError, GitError, parent_file, write_parent_tree
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import read_system, system_mode
-from pipelines.data.packing import IGNORE
 from pipelines.data.sandbox import run_tests
 from pipelines.data.shards import MANIFEST, MANIFEST_VERSION, ShardError, Unit, check_split, shard_record, split_units
-from pipelines.data.teacher_logits import DTYPES, teacher_identity
-from pipelines.data.tokenizer import EOS, PLAN, SPECIAL_IDS, cached_tokenizer
+from pipelines.data.teacher_logits import teacher_identity
+from pipelines.data.tokenizer import EOS, PAD, PLAN, SPECIAL_IDS, cached_tokenizer
 
-BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"
-PAD = SPECIAL_IDS["<|endoftext|>"]
 REASONS = ("format", "unknown_chunk", "evidence_not_read", "no_change", "tests_failed", "edit_mismatch", "duplicate")
 ACCEPTED = ("exact", "tests_passed")
 OUTPUT_SCHEMA = ROW_SCHEMA.append(pa.field("teacher", pa.string())).append(pa.field("attempt", pa.int32())) \
     .append(pa.field("verification", pa.string())).append(pa.field("detail", pa.string())) \
     .append(pa.field("source_id", pa.int64())).append(pa.field("source_variant", pa.string()))
-
-
-class CorpusError(FileNotFoundError):
-    """The corpus named is not a readable stage-2 corpus; the message names the fix (the job exits 2 with it)."""
 
 
 @dataclass
@@ -106,8 +101,8 @@ class Stage3Config:
         if not self.teacher:
             p.append("teacher: name the teacher's export: --teacher EXPORT_DIR (a stage job's export/, e.g. of "
                      "`python jobs/stage2.py --model.memory in_context ...`)")
-        elif not (Path(self.teacher) / "awareness_config.json").is_file():
-            p.append(f"teacher {self.teacher} is not an export (no awareness_config.json): pass a stage job's "
+        elif not (Path(self.teacher) / CONFIG_NAME).is_file():
+            p.append(f"teacher {self.teacher} is not an export (no {CONFIG_NAME}): pass a stage job's "
                      f"checkpoint_*/export directory")
         elif system_mode(read_system(self.teacher)).kind == "none":
             p.append(f"teacher {self.teacher} reads no memory (system.json memory none): it cannot read the chunks "
@@ -176,7 +171,7 @@ def sample_candidates(model, mode, row: dict[str, Any], *, attempts: int, temper
     torch.manual_seed(seed)
     out = model.generate(**inputs, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                          num_return_sequences=attempts, max_new_tokens=max_new_tokens,
-                         eos_token_id=SPECIAL_IDS[EOS], pad_token_id=PAD)  # (attempts, start + new)
+                         eos_token_id=SPECIAL_IDS[EOS], pad_token_id=SPECIAL_IDS[PAD])  # (attempts, start + new)
     eos = SPECIAL_IDS[EOS]
     return [[SPECIAL_IDS[PLAN], *(ids[: ids.index(eos) + 1] if eos in ids else ids)]
             for ids in out[:, start:].tolist()]
@@ -390,8 +385,6 @@ def unit_stats(rows: list[dict], accepted: list[dict], rejected: list[dict], sha
 def improve_corpus(config: Stage3Config, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """The teacher's candidates for the split's rows (Ray Data actor pool), verified and written (Ray Data tasks);
     writes and returns the manifest. Raises CorpusError for a corpus that is not a stage-2 one."""
-    import ray
-
     problems = config.problems()
     if problems:
         raise ValueError("\n".join(problems))
@@ -406,20 +399,20 @@ def improve_corpus(config: Stage3Config, progress: Callable[[str], None] = print
     teacher = f"{identity['export']} sha256:{identity['weights_sha256'][:16]}"
     tokenizer = source.get("tokenizer", {}).get("name", "")
     tokenizer = tokenizer.split(":", 1)[1] if tokenizer.startswith("tokenizers:") else None
-    dtype = config.dtype or ("bfloat16" if config.use_gpu else "float32")
+    dtype = actor_dtype(config.dtype, config.use_gpu)
     settings = {k: getattr(config, k) for k in ("attempts", "temperature", "top_p", "max_new_tokens", "seed",
                                                 "variants")}
     progress(f"[stage3] {sum(i['stop'] - i['start'] for i in items)} rows in {len(items)} row groups, "
              f"{config.attempts} attempts each, teacher {identity['export']} ({identity['system'].get('memory')})")
-    dataset = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64)))
+    dataset = items_dataset(items)
     # one row group's sampling can outlast Ray Data's no-progress limit (30 min) on a CPU: the progress lines
     # below show that it moves
     dataset.context.execution_no_progress_timeout_s = -1
-    generated = dataset.map_batches(
-        TrajectoryTeacher, batch_size=1, compute=ray.data.ActorPoolStrategy(size=config.actors),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"teacher": config.teacher, "settings": settings, "use_gpu": config.use_gpu,
-                               "dtype": dtype})
+    generated = map_with_actors(
+        dataset, TrajectoryTeacher, actors=config.actors, batch_size=1, cpus_per_actor=config.cpus_per_actor,
+        use_gpu=config.use_gpu,
+        constructor_kwargs={"teacher": config.teacher, "settings": settings, "use_gpu": config.use_gpu,
+                            "dtype": dtype})
     verified = generated.map_batches(
         verify_units, batch_size=1, num_cpus=1,
         fn_kwargs={"out": str(out), "teacher": teacher, "tokenizer": tokenizer, "timeout_s": config.test_timeout_s,

@@ -23,10 +23,9 @@ from models.awareness import AwarenessConfig, AwarenessModel
 from models.loading import load_encoder
 from models.memory import ENCODER_ATTENTIONS, MemoryEncoder
 from pipelines.data import memory_store
+from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
 from pipelines.data.corpora import sources, tasks
 from pipelines.data.tokenizer import cached_tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -61,7 +60,7 @@ class EncodeMemoryConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype or ("bfloat16" if self.use_gpu else "float32")]
+        return DTYPES[actor_dtype(self.dtype, self.use_gpu)]
 
 
 def tokenizer_dir(config: EncodeMemoryConfig) -> str | None:
@@ -161,8 +160,6 @@ class ChunkEncoder:
 # ---------------------------------------------------------------------------------------------- the pipeline
 def encode_repository(config: EncodeMemoryConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Lists, chunks and encodes the repository into config.out; returns the manifest."""
-    import ray
-
     started = time.time()
     identity = memory_store.encoder_identity(config.model, dtype=config.torch_dtype,
                                              attention=config.encoder_attention)
@@ -171,14 +168,14 @@ def encode_repository(config: EncodeMemoryConfig, progress: Callable[[str], None
     progress(f"[encode_memory] {len(items)} files; encoder {identity.describe()}")
     out = memory_store.clear(config.out).resolve()
     dtype = str(config.torch_dtype).removeprefix("torch.")
-    files = ray.data.from_items(items, override_num_blocks=max(1, min(len(items) // 8, 64)))
+    files = items_dataset(items, per_block=8)
     chunks = files.map_batches(chunk_rows, batch_size=8, batch_format="numpy", fn_kwargs={
         "tokenizer": tokenizer, "chunk_tokens": config.chunk_tokens, "syntax_cuts": config.syntax_cuts})
-    encoded = chunks.map_batches(
-        ChunkEncoder, batch_size=config.batch_size, compute=ray.data.ActorPoolStrategy(size=config.actors),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"model": config.model, "attention": config.encoder_attention, "dtype": dtype,
-                               "out": str(out), "use_gpu": config.use_gpu})
+    encoded = map_with_actors(
+        chunks, ChunkEncoder, actors=config.actors, batch_size=config.batch_size,
+        cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
+        constructor_kwargs={"model": config.model, "attention": config.encoder_attention, "dtype": dtype,
+                            "out": str(out), "use_gpu": config.use_gpu})
     rows = encoded.take_all()
     return finish(config, out, rows, identity, tokenizer, len(items), time.time() - started)
 

@@ -19,8 +19,9 @@ from typing import Any
 import bm25s
 import numpy as np
 
+from pipelines.data.corpora.rows import IGNORE
+
 MEMORY_MODES = ("gca", "in_context", "rag", "none")
-IGNORE = -100
 SYSTEM_FILE = "system.json"  # in a stage's export: how the model reads its memory, and the needle task it learned
 
 

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-IGNORE = -100
+from pipelines.data.corpora.rows import IGNORE
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memory
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
@@ -24,7 +25,6 @@ VALUES = range(10, 100)  # value tokens: a value position draws from the first `
 DIGITS = VALUES[:10]
 KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
-IGNORE = -100
 PROMPT_LEN = 2  # BOS key
 
 

@@ -46,12 +46,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from models.awareness import WEIGHTS_NAME, AwarenessConfig, AwarenessModel
-from pipelines.data.memory_modes import IGNORE, MemoryMode, memory_into_prompt, read_system, system_mode
+from models.awareness import CONFIG_NAME, WEIGHTS_NAME, AwarenessConfig, AwarenessModel
+from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, read_system, system_mode
 from pipelines.data.shards import MANIFEST, Split, Unit, check_split, shard_record, split_units
 
 ID_BYTES, LOGPROB_BYTES = 4, 2  # int32 ids, float16 log-probs
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 READ_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 SCHEMA = pa.schema([("id", pa.int64()), ("skipped", pa.string()), ("positions", pa.list_(pa.int32())),
                     ("topk_ids", pa.list_(pa.int32())), ("topk_logprobs", pa.list_(pa.float16()))])
@@ -80,8 +81,8 @@ class TeacherLogitsConfig:
         p = []
         if not self.teacher:
             p.append("teacher: name the teacher's export: --teacher EXPORT_DIR (system.json memory in_context or rag)")
-        elif not (Path(self.teacher) / "awareness_config.json").is_file():
-            p.append(f"teacher {self.teacher} is not an export (no awareness_config.json)")
+        elif not (Path(self.teacher) / CONFIG_NAME).is_file():
+            p.append(f"teacher {self.teacher} is not an export (no {CONFIG_NAME})")
         elif not system_mode(read_system(self.teacher)).in_prompt:
             p.append(f"teacher {self.teacher} reads its memory as {read_system(self.teacher).get('memory')!r}; the "
                      f"teacher must read it in its prompt (system.json memory in_context or rag)")
@@ -314,8 +315,6 @@ def unit_items(split_dir: Path, units: list[Unit]) -> list[dict[str, Any]]:
 def compute_teacher_logits(config: TeacherLogitsConfig) -> dict[str, Any]:
     """Scores every row of the split with the teacher on a Ray Data actor pool; writes the shards and the manifest,
     and returns the manifest."""
-    import ray
-
     problems = config.problems()
     if problems:
         raise ValueError("\n".join(problems))
@@ -323,13 +322,13 @@ def compute_teacher_logits(config: TeacherLogitsConfig) -> dict[str, Any]:
     split = check_split(config.split)
     split_dir, out = Path(config.split).resolve(), config.out_dir().resolve()
     items = unit_items(split_dir, split_units(split, 1))
-    dtype = config.dtype or ("bfloat16" if config.use_gpu else "float32")
-    written = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64))).map_batches(
-        TeacherScorer, batch_size=1, compute=ray.data.ActorPoolStrategy(size=config.actors),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"teacher": config.teacher, "k": config.k, "max_tokens": config.max_tokens,
-                               "batch_rows": config.batch_rows, "out": str(out), "dtype": dtype,
-                               "use_gpu": config.use_gpu}).take_all()
+    dtype = actor_dtype(config.dtype, config.use_gpu)
+    written = map_with_actors(
+        items_dataset(items), TeacherScorer, actors=config.actors, batch_size=1,
+        cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
+        constructor_kwargs={"teacher": config.teacher, "k": config.k, "max_tokens": config.max_tokens,
+                            "batch_rows": config.batch_rows, "out": str(out), "dtype": dtype,
+                            "use_gpu": config.use_gpu}).take_all()
     return write_manifest(out, config, written, split.root, dtype, time.time() - started)
 
 

@@ -42,6 +42,7 @@ QWEN3_SPECIAL = (
 AGENT_SPECIAL = ("<read>", "</read>", "<plan>", "</plan>", "<edit>", "</edit>")
 SPECIAL_IDS: dict[str, int] = {tok: N_RANKS + i for i, tok in enumerate(QWEN3_SPECIAL + AGENT_SPECIAL)}
 EOS = "<|im_end|>"  # ends every target (Qwen3's end of turn)
+PAD = "<|endoftext|>"  # pads a batch of generations (Qwen3's pad token)
 READ, END_READ, PLAN, END_PLAN, EDIT, END_EDIT = AGENT_SPECIAL
 VOCAB_SIZE = N_RANKS + len(SPECIAL_IDS)  # 151675 <= 151936 decoder rows
 

@@ -15,6 +15,7 @@ import torch
 
 from tokenizers import Tokenizer
 
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -152,4 +153,4 @@ def collate(batch: dict[str, np.ndarray], pad: int) -> dict[str, torch.Tensor]:
 
     input_ids = pad_to(batch["input_ids"], pad)
     return {"input_ids": input_ids, "attention_mask": pad_to([np.ones(len(r)) for r in batch["input_ids"]], 0),
-            "labels": pad_to(batch["labels"], -100)}
+            "labels": pad_to(batch["labels"], IGNORE)}

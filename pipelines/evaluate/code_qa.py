@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode
-from pipelines.data.packing import IGNORE, PackingSpec
+from pipelines.data.packing import PackingSpec
 from pipelines.data.shards import MANIFEST, RankReader, ShardError, check_split
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer

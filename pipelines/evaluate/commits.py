@@ -36,22 +36,17 @@ import torch
 
 from pipelines.data.agentic import (READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file,
                                     system_inputs)
-from pipelines.data.corpora.commits import TEST_FILE, VARIANTS, GitError, parent_file, write_parent_tree
+from pipelines.data.batch_inference import items_dataset, map_with_actors
+from pipelines.data.corpora.commits import (BUILD, TEST_FILE, VARIANTS, CorpusError, GitError, parent_file,
+                                           write_parent_tree)
 from pipelines.data.memory_modes import MemoryMode, system_mode
 from pipelines.data.sandbox import run_sandboxed, run_tests
 from pipelines.data.shards import MANIFEST, ShardError, Split, check_split, head_rows, load_split
-from pipelines.data.tokenizer import EOS, SPECIAL_IDS, cached_tokenizer
+from pipelines.data.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
 from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
 
 COLUMNS = ["task", "variant", "target", "answer", "memory", "evidence", "origin", "input_ids", "labels",
            "memory_input_ids"]
-BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"
-PAD = SPECIAL_IDS["<|endoftext|>"]
-
-
-class CorpusError(FileNotFoundError):
-    """The commits corpus named is not a readable stage-2 corpus; the message names the fix (jobs/evaluate.py exits 2
-    with it, as for a missing model)."""
 
 
 @dataclass
@@ -131,7 +126,7 @@ def generate_answers(model, mode: MemoryMode, row: dict[str, Any], tokenizer, se
     """The greedy answer and `samples` sampled ones, as text."""
     inputs = {k: v.to(model.device) for k, v in system_inputs(row, mode).items()}
     start = inputs["input_ids"].shape[1]
-    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS], "pad_token_id": PAD}
+    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS], "pad_token_id": SPECIAL_IDS[PAD]}
     greedy = model.generate(**inputs, do_sample=False, **common)[0, start:].tolist()
     sampled = []
     if samples:
@@ -253,18 +248,14 @@ class CommitsEvaluation:
 
     def run(self, source, *, actors: int, cpus_per_actor: float, use_gpu: bool) -> list[dict[str, Any]]:
         """Generate for every row on Ray Data actors, score on the driver (tests in the sandbox)."""
-        import ray
-
         items = [{"index": i, "samples": self.settings.samples if self.commit(row).reference_passes else 0,
                   "row": json.dumps({k: row[k] for k in ("input_ids", "labels", "memory_input_ids")})}
                  for i, row in enumerate(self.rows)]
-        dataset = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64)))
-        generated = dataset.map_batches(
-            CommitGenerator, batch_size=1, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus_per_actor,
-            num_gpus=1 if use_gpu else 0,
-            fn_constructor_kwargs={"export": source.export, "system": source.system,
-                                   "settings": asdict(self.settings), "tokenizer": self.tokenizer,
-                                   "use_gpu": use_gpu}).take_all()
+        generated = map_with_actors(
+            items_dataset(items), CommitGenerator, actors=actors, batch_size=1, cpus_per_actor=cpus_per_actor,
+            use_gpu=use_gpu,
+            constructor_kwargs={"export": source.export, "system": source.system, "settings": asdict(self.settings),
+                                "tokenizer": self.tokenizer, "use_gpu": use_gpu}).take_all()
         by_index = {int(g["index"]): g for g in generated}
         return [self.score(row, by_index[i]["greedy"], json.loads(by_index[i]["samples"]))
                 for i, row in enumerate(self.rows)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
@@ -32,7 +33,7 @@ def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec, mode: Mem
             batch = collate_memory_mode(batches[index if counted else 0], spec, system)
             batch = {k: v.to(model.device) for k, v in batch.items()}
             labels = batch.pop("labels")
-            target, valid = labels[:, 1:], labels[:, 1:] != -100
+            target, valid = labels[:, 1:], labels[:, 1:] != IGNORE
             logits = model(**batch, use_cache=False).logits.float()[:, :-1]
             if not counted:
                 continue

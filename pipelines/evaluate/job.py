@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.awareness import CONFIG_NAME
+from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.evaluate import code_qa
@@ -114,8 +116,8 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
     """An export directory, an MLflow run id, or a registered version, as a local export directory."""
     path = Path(reference).expanduser()
     if path.is_dir():
-        if not (path / "awareness_config.json").is_file():
-            raise FileNotFoundError(f"{path} is not an export (no awareness_config.json): pass the `export` path a "
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path} is not an export (no {CONFIG_NAME}): pass the `export` path a "
                                     f"stage job's summary line names")
         return Source("", str(path.resolve()), read_system(path))
     if not reference.startswith("models:/") and not re.fullmatch(r"[0-9a-f]{32}", reference):
@@ -225,43 +227,34 @@ def needle_items(config: EvaluateConfig) -> list[dict[str, Any]]:
 
 
 def run_needles(config: EvaluateConfig, source: Source, tracking_uri: str) -> list[dict[str, Any]]:
-    import ray
-
-    items = needle_items(config)
-    dataset = ray.data.from_items(items, override_num_blocks=max(1, min(len(items) // 4, 64)))
-    scored = dataset.map_batches(
-        NeedleScorer, batch_size=4, compute=ray.data.ActorPoolStrategy(size=config.actors), num_cpus=config.cpus_per_actor,
-        num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
-                               "depth_bins": config.needle.depth_bins, "seed": config.needle.seed,
-                               "use_gpu": config.use_gpu, "served": source.served, "tracking_uri": tracking_uri})
+    scored = map_with_actors(
+        items_dataset(needle_items(config), per_block=4), NeedleScorer, actors=config.actors, batch_size=4,
+        cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "depth_bins": config.needle.depth_bins, "seed": config.needle.seed,
+                            "use_gpu": config.use_gpu, "served": source.served, "tracking_uri": tracking_uri})
     return scored.take_all()
 
 
 def run_code_qa(config: EvaluateConfig, source: Source, rows: list[dict[str, Any]],
                 tracking_uri: str) -> list[dict[str, Any]]:
-    import ray
-
-    dataset = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // 4, 64)))
-    scored = dataset.map_batches(
-        CodeQaScorer, batch_size=4, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=config.actors),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
-                               "max_new_tokens": config.code_qa.max_new_tokens, "use_gpu": config.use_gpu,
-                               "served": source.served, "tracking_uri": tracking_uri})
+    scored = map_with_actors(
+        items_dataset(rows, per_block=4), CodeQaScorer, actors=config.actors, batch_size=4, batch_format="pyarrow",
+        cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "max_new_tokens": config.code_qa.max_new_tokens, "use_gpu": config.use_gpu,
+                            "served": source.served, "tracking_uri": tracking_uri})
     return scored.take_all()
 
 
 def run_efficiency(config: EvaluateConfig, source: Source) -> list[dict[str, Any]]:
-    import ray
-
-    dataset = ray.data.from_items([{"memory_tokens": n} for n in config.efficiency.memory_tokens],
-                                  override_num_blocks=1)
-    measured = dataset.map_batches(
-        EfficiencyMeter, batch_size=len(config.efficiency.memory_tokens), compute=ray.data.ActorPoolStrategy(size=1),
-        num_cpus=config.cpus_per_actor, num_gpus=1 if config.use_gpu else 0,
-        fn_constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
-                               "settings": asdict(config.efficiency), "use_gpu": config.use_gpu})
+    """One actor measures every memory size in one batch, so no two timings share a device."""
+    measured = map_with_actors(
+        items_dataset([{"memory_tokens": n} for n in config.efficiency.memory_tokens], per_block=None),
+        EfficiencyMeter, actors=1, batch_size=len(config.efficiency.memory_tokens),
+        cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "settings": asdict(config.efficiency), "use_gpu": config.use_gpu})
     return sorted(measured.take_all(), key=lambda row: row["memory_tokens"])
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
 
@@ -74,7 +75,7 @@ def score_needles(
         scores.correct += int(exact.sum())
         scores.total += exact.numel()
         shifted_labels = labels[:, 1:]
-        valid = shifted_labels != -100
+        valid = shifted_labels != IGNORE
         token_loss = torch.nn.functional.cross_entropy(
             logits[:, :-1][valid], shifted_labels[valid], reduction="sum"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from models import PAIRS
+from models.awareness import CONFIG_NAME
 from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
@@ -201,8 +202,8 @@ class DistillConfig:
 
 
 def teacher_problems(teacher: str) -> list[str]:
-    if not (Path(teacher) / "awareness_config.json").is_file():
-        return [f"distill.teacher {teacher} is not an export (no awareness_config.json): pass the `export` path of a "
+    if not (Path(teacher) / CONFIG_NAME).is_file():
+        return [f"distill.teacher {teacher} is not an export (no {CONFIG_NAME}): pass the `export` path of a "
                 f"finished stage run trained with --model.memory in_context (or rag)"]
     mode = system_mode(read_system(teacher))
     if not mode.in_prompt:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from pipelines.data.corpora.rows import IGNORE
 
 
 class DistillLoss(NamedTuple):

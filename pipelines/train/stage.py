@@ -17,6 +17,7 @@ import torch.distributed as dist
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from models.trainable import is_added_parameter, parameter_group
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.shards import MANIFEST, check_splits
 from pipelines.data.teacher_logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
@@ -62,7 +63,7 @@ class StageRecipe:
         return make_stream(config, rank, world, start_step, teacher_logits=worker.get("teacher_logits"))
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != -100).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+        return int((batch["labels"] != IGNORE).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
     def loss(self, engine, config: StageConfig, batch: dict[str, torch.Tensor]) -> Loss:
         """The model's own loss; with the teacher's top-k in the batch (stage 4), alpha * KL + (1 - alpha) * CE

@@ -18,6 +18,7 @@ from transformers import Qwen3ForCausalLM
 
 from models import Qwen3EncoderModel, Qwen3ForSeq2SeqLM
 from models.pairs import PAIRS, decoder_config, default_tiny_root
+from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.tokenizer import TOKENIZER_FILE, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.data.ul2 import collate, ul2_dataset
 from pipelines.tracking.tracker import Tracker
@@ -62,7 +63,7 @@ class Ul2Recipe:
         return Ul2Stream(config, worker["pad"], world)
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
+        return int(batch["attention_mask"].sum()) + int((batch["labels"] != IGNORE).sum())
 
     def loss(self, engine, config: Ul2Config, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)

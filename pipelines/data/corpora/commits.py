@@ -30,6 +30,7 @@ from pipelines.data.corpora.tasks import stable_seed
 from pipelines.data.tokenizer import EDIT, END_EDIT, END_PLAN, END_READ, PLAN, READ
 
 VARIANTS = ("raw", "hinted", "imperative", "planning")
+BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"  # what builds a stage-2 corpus
 MAX_CHANGED_LINES = 500
 EXCLUDED = re.compile(
     r"(^|/)(vendor|vendored|third_party|thirdparty|node_modules|external|dist|build)/"
@@ -53,6 +54,11 @@ class CommitSettings:
 
 class GitError(RuntimeError):
     pass
+
+
+class CorpusError(FileNotFoundError):
+    """The corpus named is not a readable stage-2 corpus; the message names the fix (jobs/stage3_data.py and
+    jobs/evaluate.py exit 2 with it, as for a missing model)."""
 
 
 def git(root: str, *args: str, text: bool = True) -> str | bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pipelines.data.tokenizer import EOS, SPECIAL_IDS
 
-IGNORE = -100
+IGNORE = -100  # a label that takes no loss: the prompt's, and padding (torch's cross_entropy ignore_index)
 
 
 def make_row(*, task: str, variant: str, kind: str, prompt: list[str], target: list[str], answer: str,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pipelines.data.agentic import FormatError, parse_trajectory, prompt_length
-from pipelines.data.improve import (OUTPUT_SCHEMA, REASONS, CorpusError, ParentTrees, Stage3Config, TrajectoryTeacher,
+from pipelines.data.corpora.commits import CorpusError
+from pipelines.data.improve import (OUTPUT_SCHEMA, REASONS, ParentTrees, Stage3Config, TrajectoryTeacher,
                                     UnitVerifier, improve_corpus, read_unit, source_split, stage3_manifest, verify,
                                     verify_rows, work_items)
 from pipelines.data.memory_modes import memory_into_prompt

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.memory_modes import IGNORE, SYSTEM_FILE, MemoryMode
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.data.memory_modes import SYSTEM_FILE, MemoryMode
 from pipelines.data.shards import check_split, split_units
 from pipelines.data.teacher_logits import (TeacherLogitsConfig, TeacherScorer, bytes_per_target_token,
                                            compute_teacher_logits, dense_targets, read_scored, score_rows,

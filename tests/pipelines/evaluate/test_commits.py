@@ -15,12 +15,13 @@ import pytest
 
 from pipelines.data.corpora import build, commits
 from pipelines.data.corpora.build import BuildConfig
+from pipelines.data.corpora.commits import CorpusError
 from pipelines.data.corpora.tasks import Stage0Settings
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.shards import MANIFEST
-from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, CorpusError, agentic_compliance,
-                                        commits_metrics, diff_similarity, edited_file, file_diff, generate_answers,
-                                        system_inputs, write_parent_tree)
+from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic_compliance, commits_metrics,
+                                        diff_similarity, edited_file, file_diff, generate_answers, system_inputs,
+                                        write_parent_tree)
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model

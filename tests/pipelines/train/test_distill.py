@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipelines.train.distill import IGNORE, distillation_loss
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.train.distill import distillation_loss
 
 V, K = 16, 4
 

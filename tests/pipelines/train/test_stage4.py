@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.memory_modes import IGNORE, SYSTEM_FILE
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.packing import PackingSpec, pack_examples
 from pipelines.data.shards import load_split
 from pipelines.data.streams import CorpusStream
