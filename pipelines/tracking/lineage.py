@@ -11,6 +11,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,11 @@ def locked_versions(lock: Path) -> dict[str, str]:
 
 
 def installed_versions() -> dict[str, str]:
-    return {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """What the environment's site-packages holds. Only there: Ray puts its vendored packages (colorama, ...) on
+    sys.path once imported, and they are Ray's files, not installs."""
+    site_packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions(path=site_packages)
+            if d.metadata["Name"]}
 
 
 def lock_drift(lock: Path, installed: dict[str, str] | None = None) -> list[str]:

@@ -49,6 +49,7 @@ def test_the_locks_agree_on_everything_but_torch_and_its_cuda_libraries():
 
 
 def test_this_environment_is_the_cpu_lock():
+    import ray  # noqa: F401 - once imported, Ray puts its vendored packages on sys.path: they are not installs
     assert environment_lock() == LOCKS["cpu"]
     assert lock_drift(LOCKS["cpu"]) == [], "the venv differs from the lock: run make install"
     tags = lock_info()
