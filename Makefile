@@ -5,15 +5,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(VENV)/bin/uv
 # The lock `make install` installs: every package, direct and transitive, at an exact version with its hashes.
-# CPU (default) or CUDA: `make install LOCK=requirements/lock-cuda.txt` (docs/install.md).
-LOCK ?= requirements/lock-cpu.txt
-# Where the CPU torch wheel (torch==2.13.0+cpu) is found: this machine's disk, else PyTorch's CPU wheel page.
+# CPU (default) or CUDA: `make install LOCK=requirements-cuda.txt` (docs/install.md).
+LOCK ?= requirements.txt
+# Where the CPU torch wheel is found: this machine's disk, else PyTorch's CPU wheel page.
 TORCH_WHEELS ?= $(or $(wildcard /opt/wheels),https://download.pytorch.org/whl/cpu/torch/)
-UV_VERSION := 0.13.9
+# Each lock's torch: PyTorch's CPU build, or PyPI's Linux build of the same release with its CUDA libraries.
+TORCH_CPU := torch==2.13.0+cpu
+TORCH_CUDA := torch==2.13.0
+# The uv that bootstraps the install is the one the lock pins.
+UV_VERSION = $(shell sed -n 's/^uv==\([^ ]*\).*/\1/p' requirements.txt)
 STAMP := $(VENV)/.installed
-# `make lock` resolves pyproject.toml's ranges for this target, so one lock serves every Linux x86_64 machine.
-RESOLVE := pyproject.toml requirements/tools.in --extra test --generate-hashes --python-version 3.11 \
+# Resolves pyproject.toml's ranges for Linux x86_64 / Python 3.11 whatever machine runs it, so this CPU machine
+# writes the CUDA lock too.
+RESOLVE := pyproject.toml --extra test --extra install --generate-hashes --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+FAST_TESTS := -m "not slow and not ray" tests/models tests/pipelines/data
 LATEST := .venv-latest
 
 .PHONY: install lock test-latest demo generate lint test test-fast test-slow bench bench-gpu corpus
@@ -31,24 +37,27 @@ $(STAMP): $(LOCK) pyproject.toml Makefile
 # Regenerates both locks from pyproject.toml's ranges (the newest versions they allow, today). The CUDA lock takes
 # the CPU lock's versions for everything but torch and what only a CUDA torch needs.
 lock: install
-	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override requirements/torch-cpu.txt \
-		--upgrade --quiet -o requirements/lock-cpu.txt
-	grep -v '^torch==' requirements/lock-cpu.txt | grep -v '^ *--hash' > $(VENV)/cpu-pins.txt
-	$(UV) pip compile $(RESOLVE) --override requirements/torch-cuda.txt --constraint $(VENV)/cpu-pins.txt \
-		--upgrade --quiet -o requirements/lock-cuda.txt
+	echo "$(TORCH_CPU)" > $(VENV)/torch-cpu.txt
+	echo "$(TORCH_CUDA)" > $(VENV)/torch-cuda.txt
+	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override $(VENV)/torch-cpu.txt \
+		--upgrade --quiet -o requirements.txt
+	grep -v '^torch==' requirements.txt | grep -v '^ *--hash' > $(VENV)/cpu-pins.txt
+	$(UV) pip compile $(RESOLVE) --override $(VENV)/torch-cuda.txt --constraint $(VENV)/cpu-pins.txt \
+		--upgrade --quiet -o requirements-cuda.txt
 
 # The next releases, before they reach the lock: a throwaway venv with the newest versions pyproject.toml's ranges
-# allow (torch stays this machine's CPU wheel), which versions differ from the lock, then make test-fast there.
+# allow (torch stays this machine's CPU wheel), which versions differ from the lock, then make test-fast's tests.
 test-latest: install
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
-	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override requirements/torch-cpu.txt \
+	echo "$(TORCH_CPU)" > $(LATEST)/torch-cpu.txt
+	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override $(LATEST)/torch-cpu.txt \
 		--upgrade --quiet -o $(LATEST)/resolved.txt
 	$(UV) pip sync --quiet --python $(LATEST)/bin/python --require-hashes --find-links $(TORCH_WHEELS) \
 		$(LATEST)/resolved.txt
 	$(UV) pip install --quiet --python $(LATEST)/bin/python --no-deps --no-build-isolation -e .
 	$(UV) pip check --python $(LATEST)/bin/python
-	$(LATEST)/bin/python -m pipelines.tracking.lineage --against requirements/lock-cpu.txt
-	$(MAKE) test-fast VENV=$(LATEST) STAMP=$(LATEST)/resolved.txt
+	$(LATEST)/bin/python -m pipelines.tracking.lineage --against requirements.txt
+	$(LATEST)/bin/python -m pytest $(FAST_TESTS)
 
 demo: install
 	$(PY) jobs/stage0.py
@@ -63,7 +72,7 @@ test: lint
 	$(PY) -m pytest -m "not slow"
 
 test-fast: install   # models and data without Ray: a quick check while editing
-	$(PY) -m pytest -m "not slow and not ray" tests/models tests/pipelines/data
+	$(PY) -m pytest $(FAST_TESTS)
 
 test-slow: install
 	$(PY) -m pytest -m slow
@@ -73,7 +82,7 @@ bench: install
 	$(PY) benchmarks/train_throughput.py
 	$(PY) benchmarks/corpus_throughput.py
 
-bench-gpu: install   # on a CUDA machine, installed from the CUDA lock: make bench-gpu LOCK=requirements/lock-cuda.txt
+bench-gpu: install   # on a CUDA machine, installed from the CUDA lock: make bench-gpu LOCK=requirements-cuda.txt
 	$(PY) benchmarks/gpu_mfu.py
 
 corpus: install   # a stage-0 corpus of this repository's own code and docs

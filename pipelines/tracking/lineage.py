@@ -16,8 +16,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from packaging.utils import canonicalize_name
+
 REPOSITORY = Path(__file__).resolve().parents[2]
-LOCKS = {"cpu": REPOSITORY / "requirements" / "lock-cpu.txt", "cuda": REPOSITORY / "requirements" / "lock-cuda.txt"}
+LOCKS = {"cpu": REPOSITORY / "requirements.txt", "cuda": REPOSITORY / "requirements-cuda.txt"}
 LOCK_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", re.MULTILINE)
 NOT_LOCKED = {"awareness"}  # this repository's own editable install
 
@@ -39,20 +41,16 @@ def system_info() -> dict[str, str]:
     return info | lock_info()
 
 
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def locked_versions(lock: Path) -> dict[str, str]:
     """Package -> exact version, as a requirements lock (`make lock`'s output) pins them."""
-    return {_canonical(name): version for name, version in LOCK_PIN.findall(lock.read_text())}
+    return {canonicalize_name(name): version for name, version in LOCK_PIN.findall(lock.read_text())}
 
 
 def installed_versions() -> dict[str, str]:
     """What the environment's site-packages holds. Only there: Ray puts its vendored packages (colorama, ...) on
     sys.path once imported, and they are Ray's files, not installs."""
     site_packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    return {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions(path=site_packages)
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=site_packages)
             if d.metadata["Name"]}
 
 
@@ -115,13 +113,13 @@ def data_manifest_hash(train_path: str | None, synthetic: dict[str, Any]) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipelines.tracking.lineage --against requirements/lock-cpu.txt`: the packages whose installed
+    """`python -m pipelines.tracking.lineage --against requirements.txt`: the packages whose installed
     version differs from the lock, one a line (make test-latest prints them)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--against", type=Path, default=None, help="a lock file (default: this environment's)")
     lock = parser.parse_args(argv).against or environment_lock()
     if not lock.is_file():
-        print(f"error: {lock} is not a file: name a lock, e.g. requirements/lock-cpu.txt", file=sys.stderr)
+        print(f"error: {lock} is not a file: name a lock, e.g. requirements.txt", file=sys.stderr)
         return 2
     drift = lock_drift(lock)
     print(f"{len(drift)} package(s) differ from {lock.name}" + "".join(f"\n  {line}" for line in drift))

@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from pipelines.tracking.lineage import (LOCKS, environment_lock, installed_versions, lock_drift, lock_info,
                                         locked_versions)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-DIRECT = [Requirement(r) for r in PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]]
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+DIRECT = [Requirement(r) for r in PYPROJECT["project"]["dependencies"] + EXTRAS["test"] + EXTRAS["install"]]
 UV = Path(sys.prefix) / "bin" / "uv"
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @pytest.mark.parametrize("flavour", ["cpu", "cuda"])
@@ -32,7 +30,7 @@ def test_lock_pins_every_direct_dependency_inside_its_range_with_hashes(flavour)
     text = LOCKS[flavour].read_text()
     locked = locked_versions(LOCKS[flavour])
     for requirement in DIRECT:
-        version = locked.get(_canonical(requirement.name))
+        version = locked.get(canonicalize_name(requirement.name))
         assert version is not None, f"{requirement.name} is not in {LOCKS[flavour].name}: run make lock"
         assert requirement.specifier.contains(version, prereleases=True), (requirement, version)
     pins = re.findall(r"^\S+==\S+ \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", text, re.MULTILINE)
@@ -53,7 +51,7 @@ def test_this_environment_is_the_cpu_lock():
     assert environment_lock() == LOCKS["cpu"]
     assert lock_drift(LOCKS["cpu"]) == [], "the venv differs from the lock: run make install"
     tags = lock_info()
-    assert tags["sys.lock_match"] == "true" and tags["sys.lock"].startswith("lock-cpu.txt:")
+    assert tags["sys.lock_match"] == "true" and tags["sys.lock"].startswith("requirements.txt:")
 
 
 def test_lock_drift_names_each_difference(tmp_path):
@@ -82,7 +80,7 @@ def _make_dry_run(*args: str) -> str:
 
 
 def test_make_install_syncs_the_named_lock_with_hashes():
-    for lock in ("requirements/lock-cpu.txt", "requirements/lock-cuda.txt"):
+    for lock in ("requirements.txt", "requirements-cuda.txt"):
         commands = _make_dry_run("install", f"LOCK={lock}")
         sync = next(line for line in commands.splitlines() if " pip sync " in line)
         assert "--require-hashes" in sync and sync.endswith(lock)
@@ -91,12 +89,12 @@ def test_make_install_syncs_the_named_lock_with_hashes():
 
 def test_make_lock_and_test_latest_resolve_from_pyproject():
     lock = _make_dry_run("lock")
-    assert "--override requirements/torch-cpu.txt" in lock and "-o requirements/lock-cpu.txt" in lock
-    assert "--constraint .venv/cpu-pins.txt" in lock and "-o requirements/lock-cuda.txt" in lock
+    assert "--override .venv/torch-cpu.txt" in lock and "-o requirements.txt" in lock
+    assert "--constraint .venv/cpu-pins.txt" in lock and "-o requirements-cuda.txt" in lock
     latest = _make_dry_run("test-latest")
     assert "-o .venv-latest/resolved.txt" in latest and "--upgrade" in latest
-    assert "pipelines.tracking.lineage --against requirements/lock-cpu.txt" in latest
-    assert "test-fast VENV=.venv-latest" in latest
+    assert "pipelines.tracking.lineage --against requirements.txt" in latest
+    assert '.venv-latest/bin/python -m pytest -m "not slow and not ray" tests/models tests/pipelines/data' in latest
 
 
 @pytest.mark.skipif(not UV.exists() or shutil.which("make") is None, reason="uv is installed by make install")
