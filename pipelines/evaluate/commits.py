@@ -126,7 +126,8 @@ def generate_answers(model, mode: MemoryMode, row: dict[str, Any], tokenizer, se
     """The greedy answer and `samples` sampled ones, as text."""
     inputs = {k: v.to(model.device) for k, v in system_inputs(row, mode).items()}
     start = inputs["input_ids"].shape[1]
-    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS], "pad_token_id": SPECIAL_IDS[PAD]}
+    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS],
+              "pad_token_id": SPECIAL_IDS[PAD]}
     greedy = model.generate(**inputs, do_sample=False, **common)[0, start:].tolist()
     sampled = []
     if samples:
