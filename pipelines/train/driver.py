@@ -22,9 +22,9 @@ from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
 from pipelines.train.recipes import Prepared, Recipe
-from pipelines.train.stage import STAGE
-from pipelines.train.traffic import TRAFFIC
-from pipelines.train.ul2 import UL2
+from pipelines.train.recipes.stage import STAGE
+from pipelines.train.recipes.traffic import TRAFFIC
+from pipelines.train.recipes.ul2 import UL2
 
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry

@@ -29,7 +29,7 @@ def run_job(argv: list[str] | None, default: StageConfig | Ul2Config | TrafficCo
     # Ray Train and DeepSpeed: imported only for a valid config
     from pipelines.train.console import closing_sentence
     from pipelines.train.driver import run_stage, shutdown_ray
-    from pipelines.train.stage4 import run_stage4
+    from pipelines.train.recipes.stage4 import run_stage4
 
     run = run_stage4 if isinstance(config, StageConfig) and config.stage == 4 else run_stage  # stage 4: 2-3 runs
     try:

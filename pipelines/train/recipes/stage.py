@@ -186,7 +186,7 @@ def prepare_distillation(config: StageConfig) -> tuple[dict[str, Any], dict[str,
 
 def teacher_run_id(export: str) -> str | None:
     """The MLflow run that trained an export: its run directory's `mlflow_run_id` (export = RUN/checkpoint_N/export),
-    or a `teacher.json` beside a cached copy (pipelines.train.stage4)."""
+    or a `teacher.json` beside a cached copy (pipelines.train.recipes.stage4)."""
     export = Path(export).resolve()
     for file, read in ((export.parent.parent / "mlflow_run_id", lambda f: f.read_text().strip()),
                        (export.parent / "teacher.json", lambda f: json.loads(f.read_text()).get("mlflow_run_id"))):

@@ -1,5 +1,6 @@
 """What a job plugs into the one driver, worker loop and engine: its data, model, loss inputs, evaluation, export
-and summary. The stage jobs (pipelines.train.stage) and the UL2 job (pipelines.train.ul2) are the two recipes."""
+and summary. Three recipes: the stage jobs (`stage`; stage 4's sequence of runs in `stage4`), the UL2 encoder
+(`ul2`) and the traffic VLM (`traffic`)."""
 
 from __future__ import annotations
 
