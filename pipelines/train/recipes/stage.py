@@ -117,7 +117,6 @@ class StageRecipe:
             tracker.log_artifacts(export_dir, "export")
         log_evaluation_table(tracker, metrics)
         return {
-            "job": f"stage{config.stage}",
             "pair": config.model.pair,
             "memory": config.model.memory,
             "fusion": config.model.fusion,

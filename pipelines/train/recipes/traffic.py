@@ -131,7 +131,7 @@ class TrafficRecipe:
         if export_dir and Path(export_dir).is_dir():
             tracker.log_artifacts(export_dir, "export")
             model = log_traffic_pyfunc(tracker, export_dir, config.tracking.registered_model)
-        return {"job": "traffic_vlm", **{k: metrics.get(k) for k in SUMMARY_METRICS}, "loss_last": metrics.get("loss"),
+        return {**{k: metrics.get(k) for k in SUMMARY_METRICS}, "loss_last": metrics.get("loss"),
                 "accuracy_by_type": per_type,
                 "export": export_dir, **model}
 

@@ -92,7 +92,7 @@ class Ul2Recipe:
                 tracker: Tracker) -> dict[str, Any]:
         if export_dir and Path(export_dir).is_dir():
             tracker.log_artifacts(Path(export_dir) / "encoder", "encoder")
-        return {"job": "encoder_ul2", "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss"),
+        return {"loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss"),
                 "seq2seq": f"{export_dir}/seq2seq" if export_dir else None,
                 "encoder": f"{export_dir}/encoder" if export_dir else None}
 
