@@ -38,7 +38,7 @@ CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory
 
 
 class StageRecipe:
-    """Stages 0-2: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
+    """Stages 0-2 and 4: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
 
     def parse(self, data: dict[str, Any]) -> StageConfig:
         return StageConfig.from_dict(data)
