@@ -19,7 +19,7 @@ import sys
 
 from pipelines.cli import parse_config, peek
 from pipelines.tracking.tracker import summary_json
-from pipelines.train.plan import dry_run_report
+from pipelines.train.job import dry_run_report
 from pipelines.tune.sweep import SweepJob, run_sweep
 
 

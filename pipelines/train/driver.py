@@ -22,14 +22,11 @@ from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
 from pipelines.train.recipes import Prepared, Recipe
-from pipelines.train.stage import STAGE
-from pipelines.train.traffic import TRAFFIC
-from pipelines.train.ul2 import UL2
+from pipelines.train.recipes.jobs import job_for
 
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
 CHECKPOINTS_PENDING_FILE = "tracking_pending_checkpoints.json"  # the same, from the checkpoint recorder
-RECIPES: dict[type, Recipe] = {StageConfig: STAGE, Ul2Config: UL2, TrafficConfig: TRAFFIC}
 CONFIG_FILE = "job_config.json"  # the config a run directory was trained with; a resume must match it
 # What a resumed run may change: how long it runs, how often it logs, evaluates and checkpoints, how many failures it
 # survives, and what it prints. Anything else (model, data, optimizer, seed, workers, tracking) would make one run
@@ -50,7 +47,8 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
     A sweep passes its MLflow `parent_run_id` (the run nests under it), extra `tags`, and Ray Train `callbacks`
     (Tune's report callback)."""
     started = time.perf_counter()
-    recipe, config = RECIPES[type(config)], config.validate()  # a config error costs no cluster start
+    job, config = job_for(config), config.validate()  # a config error costs no cluster start
+    recipe = job.recipe()
     check_resumable(config)
     quiet(config.run.verbose)
     init_ray(config.run.verbose)
@@ -69,7 +67,7 @@ def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id:
         result = trainer.fit()
     tracker.adopt_pending(run_dir / PENDING_FILE)
     tracker.adopt_pending(run_dir / CHECKPOINTS_PENDING_FILE)
-    return summarise(recipe, config, result, tracker, seconds=time.perf_counter() - started)
+    return summarise(job.name(config), recipe, config, result, tracker, seconds=time.perf_counter() - started)
 
 
 def run_directory(config) -> Path:
@@ -171,12 +169,15 @@ def open_run(config, prepared: Prepared, tracking_uri: str, run_dir: Path, *, pa
     return tracker
 
 
-def summarise(recipe: Recipe, config, result, tracker: Tracker, *, seconds: float | None = None) -> dict[str, Any]:
-    """The recipe's fields (what it learned, its exports) and every job's: steps, timing, checkpoint, run, error."""
+def summarise(job: str, recipe: Recipe, config, result, tracker: Tracker, *,
+              seconds: float | None = None) -> dict[str, Any]:
+    """Every job's fields (its name; steps, timing, checkpoint, run, error) around the recipe's (what it learned,
+    its exports)."""
     metrics = result.metrics or {}
     checkpoint = result.checkpoint.path if result.checkpoint else None
     export_dir = f"{checkpoint}/{EXPORT_DIR}" if checkpoint else None
     summary = {
+        "job": job,
         **recipe.summary(config, metrics, export_dir, tracker),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "seconds_per_step": metrics.get("step_seconds_median"),

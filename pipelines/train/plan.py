@@ -11,15 +11,10 @@ Loading has its own peak (`load_peak`), and a run fits only if the larger of the
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import yaml
-
-from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair, get_pair
+from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
-from models.pairs import default_tiny_root
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
 GIB = 1024**3
@@ -126,58 +121,6 @@ def plan_for_stage(config) -> MemoryPlan:
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
         fusion=config.model.fusion,
     ))
-
-
-def dry_run_report(config) -> str:
-    """What a training job's --dry-run prints: its config with paths resolved as the driver will, and (stage
-    configs) the memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
-    config = resolved_paths(config)
-    lines = ["# resolved config", yaml.safe_dump(dataclasses.asdict(config), sort_keys=False).rstrip()]
-    if hasattr(config, "needle"):  # a stage config; the UL2 and traffic VLM models fit whole on any one device
-        plan = plan_for_stage(config)
-        device = "" if config.scaling.use_gpu else " (scaling.use_gpu is false: the same workers as GPUs)"
-        lines += [f"# memory plan{device}", plan.table()]
-    if hasattr(config.model, "vision_path"):  # the traffic VLM
-        lines += ["# model", traffic_model_lines(config)]
-    return "\n".join(lines)
-
-
-def traffic_model_lines(config) -> str:
-    """The traffic VLM's shape, built on the meta device (no memory, no weights read): vision tokens and parameters."""
-    import torch
-    from transformers import SiglipVisionConfig
-
-    from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
-
-    m = config.model
-    vision = (SiglipVisionConfig.from_pretrained(m.vision_path) if m.vision_path else
-              tiny_vision_config(image_size=m.image_size, patch_size=m.patch_size, hidden_size=m.vision_hidden_size,
-                                 layers=m.vision_layers, heads=m.vision_heads))
-    with torch.device("meta"):
-        model = build_traffic_vlm(yes_id=4, no_id=5, vision_config=vision, vocab_size=m.vocab_size,
-                                  hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, layers=m.layers,
-                                  heads=m.heads, kv_heads=m.kv_heads, max_positions=m.max_positions)
-    counts = {part: sum(p.numel() for p in getattr(model, part).parameters()) for part in ("vision", "decoder")}
-    tokens = (vision.image_size // vision.patch_size) ** 2
-    return (f"vision tokens: {tokens} ({vision.image_size}/{vision.patch_size} squared, width {vision.hidden_size}); "
-            f"parameters: vision {counts['vision'] / 1e6:.2f}M, decoder {counts['decoder'] / 1e6:.2f}M "
-            f"(vocab {m.vocab_size}, hidden {m.hidden_size}, {m.layers} layers, {m.heads} q / {m.kv_heads} kv heads)")
-
-
-def resolved_paths(config):
-    """Local paths made absolute; a random pair's checkpoint root named (written only when the job runs)."""
-    run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
-    config = dataclasses.replace(config, run=run)
-    if hasattr(config, "needle"):
-        model, data = config.model, config.data
-        if get_pair(model.pair).random_weights:
-            root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
-            model = dataclasses.replace(model, checkpoint_root=str(root))
-        data = dataclasses.replace(data, **{name: str(Path(getattr(data, name)).resolve())
-                                           for name in ("train_path", "val_path")
-                                           if getattr(data, name) and "://" not in getattr(data, name)})
-        config = dataclasses.replace(config, model=model, data=data)
-    return config
 
 
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:

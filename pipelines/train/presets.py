@@ -53,7 +53,7 @@ STAGE2 = StageConfig(
 )
 
 # Stage 4 (`python jobs/stage4.py`): distillation on CPU. The default corpus is one needle fact per memory with noisy
-# target digits (pipelines/train/stage4.py says why); an in_context teacher trains first (cached under the checkpoint
+# target digits (pipelines/train/recipes/stage4.py says why); an in_context teacher trains first (cached under the checkpoint
 # root), then the GCA student with the teacher's top-32 (alpha 0.5), then the same student with alpha 0. The pair and
 # settings are stage 0's, which learn a needle lookup from scratch on this machine.
 STAGE4 = StageConfig(

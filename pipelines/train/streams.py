@@ -1,13 +1,18 @@
-"""Where a stage's examples come from, chosen by its config: the data package's streams, sized by the train and data
-sections."""
+"""Where a job's examples come from: a stage's, chosen by its config from the data package's streams, sized by the
+train and data sections; the UL2 and traffic VLM jobs', their Ray Dataset's shard (DatasetStream)."""
 
 from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import ray.train
+import torch
 
 from pipelines.data.packing import PackingSpec
 from pipelines.data.shards import load_split
 from pipelines.data.streams import CorpusStream, NeedleStream
 from pipelines.data.teacher_logits import TeacherEntries
-from pipelines.train.config import StageConfig
+from pipelines.train.config import StageConfig, TrainConfig
 
 
 def packing_spec(config: StageConfig) -> PackingSpec:
@@ -28,3 +33,26 @@ def make_stream(config: StageConfig, rank: int, world: int, start_step: int,
         return CorpusStream(split, packing_spec(config), variants=config.data.variants, start_step=start_step,
                             teacher=teacher, **sizes)
     return NeedleStream(config.needle.spec(), config.needle.seed, **sizes)
+
+
+class DatasetStream:
+    """This worker's shard of the Ray Dataset "train", micro-batch by micro-batch, epoch after epoch, each batch of
+    rows made tensors by `collate`; shuffled locally (seed train.seed + epoch) when given a `shuffle_buffer`. Equal
+    shards and drop_last keep every worker on the same step count, as DeepSpeed's collectives need."""
+
+    def __init__(self, train: TrainConfig, world: int, collate: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
+                 shuffle_buffer: int | None = None):
+        self.per_rank = train.memories_per_step // (train.grad_accum * world)
+        self.batches = self._iterate(ray.train.get_dataset_shard("train"), collate, shuffle_buffer, train.seed)
+
+    def _iterate(self, shard, collate, shuffle_buffer: int | None, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+        epoch = 0
+        while True:
+            shuffle = ({"local_shuffle_buffer_size": shuffle_buffer, "local_shuffle_seed": seed + epoch}
+                       if shuffle_buffer else {})
+            for rows in shard.iter_batches(batch_size=self.per_rank, drop_last=True, batch_format="numpy", **shuffle):
+                yield collate(rows)
+            epoch += 1
+
+    def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
+        return next(self.batches), self.per_rank, 0  # rows of a Ray Dataset carry no index to checksum

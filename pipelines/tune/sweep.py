@@ -160,7 +160,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from pipelines.train.stage import prepare_paths
+    from pipelines.train.recipes.stage import prepare_paths
 
     problems = sweep.problems(base) + base.problems()
     if problems:

@@ -26,7 +26,7 @@ from pipelines.data.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, P
                                       cached_tokenizer)
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model
-from pipelines.train.stage import write_system
+from pipelines.train.recipes.stage import write_system
 from tests.pipelines.evaluate.test_commits import (BUGGY, FIXED, ROOT, build_commit_corpus, fixture_repository,
                                                    text_export)
 

@@ -28,7 +28,7 @@ from pipelines.evaluate.metrics import evidence_reading
 from pipelines.evaluate.suites import System
 from pipelines.train.config import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
-from pipelines.train.stage import write_system
+from pipelines.train.recipes.stage import write_system
 from tests.pipelines.data.corpora.test_code_qa import SHOP, SHOP_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -25,7 +25,7 @@ from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model
-from pipelines.train.stage import write_system
+from pipelines.train.recipes.stage import write_system
 from tests.pipelines.data.corpora.test_commits import commit, sh
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -18,7 +18,7 @@ from pipelines.evaluate.ruler import VARIANTS, as_text, make_probe
 from pipelines.evaluate.suites import efficiency_row, score_probe, system_prompts
 from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
-from pipelines.train.stage import write_system
+from pipelines.train.recipes.stage import write_system
 
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = NeedleSpec()

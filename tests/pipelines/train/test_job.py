@@ -94,12 +94,13 @@ def test_the_loop_config_unpickles_without_torch(tmp_path):
     and the name gives the workers the same recipe."""
     import pickle
 
-    from pipelines.train.driver import RECIPES, loop_config
+    from pipelines.train.driver import loop_config
     from pipelines.train.loop import recipe_from
     from pipelines.train.presets import STAGE0
     from pipelines.train.recipes import Prepared
+    from pipelines.train.recipes.jobs import JOBS
 
-    for recipe in RECIPES.values():
+    for recipe in (job.recipe() for job in JOBS.values()):
         data = pickle.dumps(loop_config(recipe, Prepared(STAGE0), "sqlite:///x.db", "run", tmp_path))
         assert type(recipe_from(pickle.loads(data)["recipe"])) is type(recipe)
         probe = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "

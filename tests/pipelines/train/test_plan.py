@@ -48,7 +48,7 @@ def test_plan_job_exit_code(capsys):
 
 
 def test_stage_job_refuses_a_plan_that_cannot_fit():
-    from pipelines.train.stage import check_memory_plan
+    from pipelines.train.recipes.stage import check_memory_plan
 
     config = StageConfig(model=ModelConfig(pair="scale", decoder="full", encoder="full"),
                          scaling=ScalingSettings(num_workers=1, use_gpu=True, gpu_memory_gib=24))

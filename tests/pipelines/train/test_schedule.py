@@ -10,8 +10,8 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from models import set_trainable
 from pipelines.train.config import TrainConfig, Ul2Config, Ul2ModelConfig
 from pipelines.train.engine import lr_scheduler
-from pipelines.train.stage import STAGE
-from pipelines.train.ul2 import UL2, prepare_checkpoint
+from pipelines.train.recipes.stage import STAGE
+from pipelines.train.recipes.ul2 import UL2, prepare_checkpoint
 
 T = TrainConfig(max_steps=40, lr=1e-3, min_lr_ratio=0.1, warmup_steps=5, frozen_decoder_steps=8)
 

@@ -25,7 +25,7 @@ from models.trainable import is_added_parameter
 from pipelines.train.config import StageConfig
 from pipelines.train.engine import deepspeed_config, quiet_known_warnings
 from pipelines.train.model import build_model
-from pipelines.train.stage import STAGE
+from pipelines.train.recipes.stage import STAGE
 
 WORLD = 2
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import deepspeed
 import numpy as np
-import ray.train
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,6 +25,7 @@ from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import TrafficConfig
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
+from pipelines.train.streams import DatasetStream
 
 GROUP = "traffic_vlm"  # everything trains in full, at the schedule's rate
 EVAL_BATCH = 64
@@ -82,7 +82,12 @@ class TrafficRecipe:
         return trainable_groups(model, lambda name: GROUP)
 
     def stream(self, config: TrafficConfig, worker: dict[str, Any], rank: int, world: int, start_step: int):
-        return SceneStream(config, world)
+        """This worker's shard of the training scenes, shuffled locally; packed rows ask their questions in an order
+        drawn row by row from train.seed."""
+        size, order = config.model.image_size, np.random.default_rng(config.train.seed)
+        rows_to_batch = ((lambda rows: collate_packed(rows, size, order)) if config.data.pack_questions else
+                         (lambda rows: collate(rows, size)))
+        return DatasetStream(config.train, world, rows_to_batch, shuffle_buffer=config.data.shuffle_buffer)
 
     def loss(self, engine, config: TrafficConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)  # YesNoObjective's cross-entropy over the [YES]/[NO] logits
@@ -131,7 +136,7 @@ class TrafficRecipe:
         if export_dir and Path(export_dir).is_dir():
             tracker.log_artifacts(export_dir, "export")
             model = log_traffic_pyfunc(tracker, export_dir, config.tracking.registered_model)
-        return {"job": "traffic_vlm", **{k: metrics.get(k) for k in SUMMARY_METRICS}, "loss_last": metrics.get("loss"),
+        return {**{k: metrics.get(k) for k in SUMMARY_METRICS}, "loss_last": metrics.get("loss"),
                 "accuracy_by_type": per_type,
                 "export": export_dir, **model}
 
@@ -207,29 +212,6 @@ def collate_packed(rows: dict[str, Any], image_size: int, rng: np.random.Generat
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
     return build_tokenizer()
-
-
-class SceneStream:
-    """This worker's shard of the training scenes, micro-batch by micro-batch, epoch after epoch, shuffled locally
-    (equal shards and drop_last keep every worker on the same step count, as DeepSpeed's collectives need)."""
-
-    def __init__(self, config: TrafficConfig, world: int):
-        t = config.train
-        self.per_rank, self.config = t.memories_per_step // (t.grad_accum * world), config
-        self.batches = self._iterate(ray.train.get_dataset_shard("train"))
-
-    def _iterate(self, shard) -> Iterator[dict[str, torch.Tensor]]:
-        epoch, size = 0, self.config.model.image_size
-        order = np.random.default_rng(self.config.train.seed)  # the packed questions' order, row by row
-        while True:
-            for rows in shard.iter_batches(batch_size=self.per_rank, drop_last=True, batch_format="numpy",
-                                           local_shuffle_buffer_size=self.config.data.shuffle_buffer,
-                                           local_shuffle_seed=self.config.train.seed + epoch):
-                yield collate_packed(rows, size, order) if self.config.data.pack_questions else collate(rows, size)
-            epoch += 1
-
-    def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
-        return next(self.batches), self.per_rank, 0  # scenes are not indexed by step: no checksum
 
 
 @functools.lru_cache(maxsize=2)

@@ -1,5 +1,7 @@
 """What a job plugs into the one driver, worker loop and engine: its data, model, loss inputs, evaluation, export
-and summary. The stage jobs (pipelines.train.stage) and the UL2 job (pipelines.train.ul2) are the two recipes."""
+and summary (a Recipe), and what its entry point needs before any of that is imported: its name, pre-flight check,
+dry-run lines and how it runs (a Job, which names its Recipe). Three of each: the stage jobs (`stage`; stage 4's
+sequence of runs in `stage4`), the UL2 encoder (`ul2`) and the traffic VLM (`traffic`); their Jobs in `jobs`."""
 
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class Recipe(Protocol):
     def finish(self, engine, config: Any, state: TrainState, tracker: Tracker, rank: int, world: int) -> None: ...
 
     def summary(self, config: Any, metrics: dict[str, Any], export_dir: str | None,
-                tracker: Tracker) -> dict[str, Any]: ...
+                tracker: Tracker) -> dict[str, Any]:
+        """The job's own fields of its summary (the driver adds its name first, and every job's fields)."""
 
 
 def trainable_groups(model: torch.nn.Module, group_of) -> dict[str, list[torch.nn.Parameter]]:
@@ -94,3 +97,24 @@ def trainable_groups(model: torch.nn.Module, group_of) -> dict[str, list[torch.n
         if param.requires_grad:
             groups.setdefault(group_of(name), []).append(param)
     return groups
+
+
+class Job(Protocol):
+    """One job's entry side (pipelines.train.job), kept apart from its Recipe so that --help, --dry-run and a bad
+    shard answer without importing Ray Train or DeepSpeed."""
+
+    config: type  # the typed config it runs
+
+    def name(self, config: Any) -> str: ...  # the summary's "job", and the prefix of its refusals
+
+    def check(self, config: Any) -> dict[str, Any]:
+        """Pre-flight checks before any cluster time (raises pipelines.data.shards.ShardError); what was checked,
+        for the summary, or {} when nothing was."""
+
+    def resolved(self, config: Any) -> Any: ...  # its local paths made absolute, as the driver will
+
+    def dry_run(self, config: Any) -> list[str]: ...  # --dry-run's lines after the resolved config
+
+    def recipe(self) -> Recipe: ...  # its training parts (imports torch, Ray Train and DeepSpeed)
+
+    def run(self, config: Any) -> dict[str, Any]: ...  # its summary; stage 4's is several runs

@@ -7,10 +7,9 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import deepspeed
-import ray.train
 import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
@@ -24,6 +23,7 @@ from pipelines.data.ul2 import collate, ul2_dataset
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import Ul2Config
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
+from pipelines.train.streams import DatasetStream
 
 TINY_CHECKPOINT = "tiny-qwen3-ul2"
 GROUP = "seq2seq"  # every parameter trains in full, at the schedule's rate (no decoder warm-up phase here)
@@ -60,7 +60,7 @@ class Ul2Recipe:
         return trainable_groups(model, lambda name: GROUP)
 
     def stream(self, config: Ul2Config, worker: dict[str, Any], rank: int, world: int, start_step: int):
-        return Ul2Stream(config, worker["pad"], world)
+        return DatasetStream(config.train, world, lambda rows: collate(rows, worker["pad"]))
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum()) + int((batch["labels"] != IGNORE).sum())
@@ -93,30 +93,12 @@ class Ul2Recipe:
                 tracker: Tracker) -> dict[str, Any]:
         if export_dir and Path(export_dir).is_dir():
             tracker.log_artifacts(Path(export_dir) / "encoder", "encoder")
-        return {"job": "encoder_ul2", "loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss"),
+        return {"loss_first": metrics.get("loss_first"), "loss_last": metrics.get("loss"),
                 "seq2seq": f"{export_dir}/seq2seq" if export_dir else None,
                 "encoder": f"{export_dir}/encoder" if export_dir else None}
 
 
 UL2 = Ul2Recipe()
-
-
-class Ul2Stream:
-    """This worker's shard of the dataset, micro-batch by micro-batch, epoch after epoch (equal shards and
-    drop_last keep every worker on the same step count, as DeepSpeed's collectives need)."""
-
-    def __init__(self, config: Ul2Config, pad: int, world: int):
-        t = config.train
-        self.per_rank, self.pad = t.memories_per_step // (t.grad_accum * world), pad
-        self.batches = self._iterate(ray.train.get_dataset_shard("train"))
-
-    def _iterate(self, shard) -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            for batch in shard.iter_batches(batch_size=self.per_rank, drop_last=True, batch_format="numpy"):
-                yield collate(batch, self.pad)
-
-    def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
-        return next(self.batches), self.per_rank, 0  # denoised examples carry no index to checksum
 
 
 def prepare_checkpoint(config: Ul2Config) -> tuple[str, str]:

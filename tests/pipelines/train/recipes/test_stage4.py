@@ -24,11 +24,11 @@ from pipelines.data.teacher_logits import TeacherEntries, TeacherLogitsConfig, r
 from pipelines.train.config import (DistillConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
                                     TrackingSettings, TrainConfig)
 from pipelines.train.recipes import model_loss
-from pipelines.train.stage import STAGE, prepare_distillation
+from pipelines.train.recipes.stage import STAGE, prepare_distillation
 from tests.pipelines.data.test_shards import write_split
 from tests.pipelines.data.test_teacher_logits import corpus_rows, run_in_process
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 K = 8
 PACKING = PackingSpec(max_tokens=24, max_chunks=4, chunk_len=8)
 
@@ -186,7 +186,7 @@ def few_steps(tmp_path: Path, checkpoint_root: Path) -> StageConfig:
 def test_a_few_stage4_steps_summarise_the_comparison(tmp_path, checkpoint_root, local_ray):
     from mlflow.tracking import MlflowClient
 
-    from pipelines.train.stage4 import run_stage4
+    from pipelines.train.recipes.stage4 import run_stage4
 
     summary = run_stage4(few_steps(tmp_path, checkpoint_root))
     assert summary["error"] is None and summary["steps"] == 3 and summary["job"] == "stage4"

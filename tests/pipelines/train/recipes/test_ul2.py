@@ -16,7 +16,7 @@ from pipelines.data.tokenizer import load_tokenizer
 from pipelines.data.ul2 import Ul2DataConfig, source_files
 from pipelines.train.config import Ul2Config
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_config_errors_are_collected_and_name_the_fix(tmp_path, capsys):

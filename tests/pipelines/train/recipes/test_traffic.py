@@ -22,9 +22,9 @@ from pipelines.evaluate import plots
 from pipelines.train.config import TrafficConfig
 from pipelines.train.presets import TRAFFIC_VLM
 from pipelines.data.traffic_tokenizer import build_tokenizer
-from pipelines.train.traffic import collate, collate_packed, count_outcomes, metrics_from_counts
+from pipelines.train.recipes.traffic import collate, collate_packed, count_outcomes, metrics_from_counts
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_config_errors_are_collected_and_name_the_fix(tmp_path, capsys):

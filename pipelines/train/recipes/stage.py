@@ -39,7 +39,7 @@ CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory
 
 
 class StageRecipe:
-    """Stages 0-2: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
+    """Stages 0-2 and 4: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
 
     def parse(self, data: dict[str, Any]) -> StageConfig:
         return StageConfig.from_dict(data)
@@ -118,7 +118,6 @@ class StageRecipe:
             tracker.log_artifacts(export_dir, "export")
         log_evaluation_table(tracker, metrics)
         return {
-            "job": f"stage{config.stage}",
             "pair": config.model.pair,
             "memory": config.model.memory,
             "fusion": config.model.fusion,
@@ -187,7 +186,7 @@ def prepare_distillation(config: StageConfig) -> tuple[dict[str, Any], dict[str,
 
 def teacher_run_id(export: str) -> str | None:
     """The MLflow run that trained an export: its run directory's `mlflow_run_id` (export = RUN/checkpoint_N/export),
-    or a `teacher.json` beside a cached copy (pipelines.train.stage4)."""
+    or a `teacher.json` beside a cached copy (pipelines.train.recipes.stage4)."""
     export = Path(export).resolve()
     for file, read in ((export.parent.parent / "mlflow_run_id", lambda f: f.read_text().strip()),
                        (export.parent / "teacher.json", lambda f: json.loads(f.read_text()).get("mlflow_run_id"))):
