@@ -139,19 +139,19 @@ def mark_zero3_leaf_modules(model: AwarenessModel) -> None:
 
 
 def save_checkpoint(engine, state, metrics: dict[str, float], *, export: Callable[[Path], None] | None = None,
-                    hook: Callable[[str, int], None] | None = None) -> None:
+                    before_report: Callable[[], None] | None = None) -> None:
     """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
     only once every worker has reported, so one that a dying worker left incomplete is never resumed from.
     `export(directory)` adds what users load (at every checkpoint unless run.export_every_checkpoint is false);
-    `hook("save", step)` runs between the shards and the report (where the fault-tolerance tests fail a worker)."""
+    `before_report()` runs once the checkpoint is whole on this worker and before it is reported."""
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
         if dist.get_rank() == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
         if export is not None:
             export(Path(tmp) / EXPORT_DIR)
-        if hook is not None:
-            hook("save", state.step)
+        if before_report is not None:
+            before_report()
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 

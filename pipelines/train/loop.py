@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import ray.train
 import torch
@@ -17,9 +16,8 @@ import torch.distributed as dist
 from pipelines.tracking.tracker import Tracker, for_other_nodes
 from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
                                     setup_deepspeed)
+from pipelines.train.hooks import installed_hook
 from pipelines.train.recipes import Recipe, TrainState
-
-HOOK_ENV = "AWARENESS_TRAIN_HOOK"  # "module:function" called as hook(event, step); the fault-tolerance tests' entry
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -34,7 +32,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     state = resumed_state(engine, world)
     stream = recipe.stream(config, worker, rank, world, state.step)
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
-    hook, t, step_seconds = installed_hook(), config.train, []
+    hook, t, step_seconds = installed_hook(), config.train, []  # hook: pipelines.train.hooks, "train" and "save"
     while state.step < t.max_steps:
         metrics = train_step(engine, recipe, config, state, stream)
         step_seconds.append(metrics["step_seconds"])
@@ -54,7 +52,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             # of them can be registered; run.export_every_checkpoint false keeps it to the final one.
             exported = final or config.run.export_every_checkpoint
             export = functools.partial(recipe.export, engine, config, worker) if exported else None
-            save_checkpoint(engine, state, metrics, export=export, hook=hook)
+            save_checkpoint(engine, state, metrics, export=export,
+                            before_report=functools.partial(hook, "save", state.step))
         elif logging_step:
             ray.train.report(metrics)
     recipe.finish(engine, config, state, tracker, rank, world)
@@ -117,12 +116,3 @@ def resumed_state(engine, world: int) -> TrainState:
                          f"--scaling.num_workers {state.world}, or start a new run (another --run.name)")
     state.world = world
     return state
-
-
-def installed_hook() -> Callable[[str, int], None]:
-    """The callable $AWARENESS_TRAIN_HOOK names (tests set it to inject faults), else one that does nothing."""
-    spec = os.environ.get(HOOK_ENV)
-    if not spec:
-        return lambda event, step: None
-    module, name = spec.split(":")
-    return getattr(importlib.import_module(module), name)

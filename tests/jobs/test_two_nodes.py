@@ -15,6 +15,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from pipelines.train.hooks import HOOK_ENV
 from tests.jobs.ray_nodes import RAY, ray_cluster
 from tests.pipelines.train.faults import AWAIT_KILL, KILL_DIR_ENV
 from tests.pipelines.train.test_stage_commits import build_commit_corpus
@@ -70,7 +71,7 @@ def test_stage2_on_two_nodes_survives_a_killed_worker(corpus, two_nodes, tmp_pat
     kills.mkdir()
     (kills / "plan.json").write_text(json.dumps({"event": "train", "step": 3}))
     killed_run = submit(address, env, "stage2", *common, "--run.name", "killed",
-                        env_vars={"AWARENESS_TRAIN_HOOK": AWAIT_KILL, KILL_DIR_ENV: str(kills)})
+                        env_vars={HOOK_ENV: AWAIT_KILL, KILL_DIR_ENV: str(kills)})
     victim = kills / "victim.json"
     deadline = time.time() + 600
     while not victim.exists():

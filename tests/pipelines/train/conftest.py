@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.train.loop import HOOK_ENV
+from pipelines.train.hooks import HOOK_ENV
 from tests.pipelines.train import faults
 
 

@@ -1,4 +1,4 @@
-"""The fault-tolerance tests' worker hooks, installed through $AWARENESS_TRAIN_HOOK (pipelines.train.loop).
+"""The fault-tolerance tests' worker hooks, installed through $AWARENESS_TRAIN_HOOK (pipelines.train.hooks).
 `inject`: the last worker of a run raises once at the event and step `plan` wrote for that run name. `await_kill`:
 the last worker stops at a step and waits for the test to SIGKILL its process. Marker files make each happen once
 per run, across the restarts Ray Train performs."""
