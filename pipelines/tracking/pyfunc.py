@@ -23,6 +23,17 @@ from typing import Any
 
 import mlflow.pyfunc
 import torch
+from mlflow.models import ModelSignature
+from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers import models as tokenizer_models
+
+from models import AwarenessModel
+from models.pairs import RANDOM_WEIGHTS_MARKER
+from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
+from pipelines.data.memory_store import MANIFEST, MemoryStore, encoder_identity
+from pipelines.data.synthetic_needles import FILLER, KEYS, VALUES
+from pipelines.data.tokenizer import VOCAB_SIZE, text_tokenizer, tokenizers_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 NEEDLE_SPECIALS = {"<pad>": 0, "<bos>": 1, "=": 2, ";": 3, "<eos>": 4, "<unk>": 5}
@@ -30,14 +41,10 @@ NEEDLE_SPECIALS = {"<pad>": 0, "<bos>": 1, "=": 2, ";": 3, "<eos>": 4, "<unk>": 
 
 def needle_tokenizer():
     """pipelines.data.synthetic_needles's ids as words: `<bos>` `k117` `=` digits `;` `<eos>`, filler `w300`..; `<bos>` prepended."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    from pipelines.data.synthetic_needles import FILLER, KEYS, VALUES
-
     vocab = dict(NEEDLE_SPECIALS)
     vocab |= {str(v - VALUES.start): v for v in VALUES}  # values read as numbers 0..89
     vocab |= {f"k{k}": k for k in KEYS} | {f"w{w}": w for w in FILLER}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     tokenizer.add_special_tokens(["<pad>", "<bos>", "<eos>", "<unk>"])
@@ -47,9 +54,6 @@ def needle_tokenizer():
 def ensure_tokenizer(decoder_dir: str | Path) -> Path:
     """The decoder checkpoint's tokenizer.json; for a random-weight checkpoint, one written there by its vocabulary
     size: the Qwen3 tokenizer when the vocabulary holds Qwen3's ids (and ours), else the needle tokenizer."""
-    from models.pairs import RANDOM_WEIGHTS_MARKER
-    from pipelines.data.tokenizer import VOCAB_SIZE, tokenizers_tokenizer
-
     decoder_dir = Path(decoder_dir)
     path = decoder_dir / TOKENIZER_FILE
     if not path.is_file():
@@ -72,12 +76,6 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     a baseline, placed in its prompt (in_context: every chunk; rag: the top-k by BM25) or withheld (none)."""
 
     def load_context(self, context) -> None:
-        from tokenizers import Tokenizer
-
-        from models import AwarenessModel
-        from pipelines.data.memory_modes import read_system, system_mode
-        from pipelines.data.tokenizer import text_tokenizer
-
         self.export = context.artifacts["export"]
         self.mode = system_mode(read_system(self.export))
         self.model = AwarenessModel.from_pretrained(self.export).eval()
@@ -106,8 +104,6 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def encode(self, question: str, memory: list[str]) -> dict[str, torch.Tensor]:
         """Prompt ids (1, T); memory ids and mask (1, chunks, longest chunk), right-padded. A prompt-memory baseline:
         its memory tokens before the prompt, as training placed them (pipelines.data.memory_modes)."""
-        from pipelines.data.memory_modes import prompt_memory
-
         question_ids = self.tokenizer.encode(question).ids
         prompt = torch.tensor([question_ids])
         chunks = [self.text_tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
@@ -125,8 +121,6 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def stored_memory(self, directory: str) -> dict[str, torch.Tensor]:
         """A store's states as memory_states/memory_states_mask, checked against this model's encoder; the last store
         read is kept (until its manifest changes), so a run of questions over one repository reads it once."""
-        from pipelines.data.memory_store import MANIFEST, MemoryStore, encoder_identity
-
         if self.identity is None:
             self.identity = encoder_identity(self.export, dtype=self.model.memory_encoder.encoder.dtype)
         manifest = Path(directory) / MANIFEST
@@ -177,9 +171,6 @@ def _rows(model_input) -> list[tuple[str, list[str], str | None]]:
 
 
 def signature():
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
-
     return ModelSignature(
         inputs=Schema([ColSpec(DataType.string, "question"), ColSpec(Array(DataType.string), "memory", required=False),
                        ColSpec(DataType.string, "memory_store", required=False)]),

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import json
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import mlflow
+import pyarrow.fs
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from models import AwarenessConfig
+from pipelines.data.tokenizer import EOS
+from pipelines.tracking.checkpoints import RECORDS, exists, open_uri, record_name
+from pipelines.tracking.pyfunc import ensure_tokenizer, signature
 from pipelines.tracking.tracker import resolve_tracking_uri
 
 DEFAULT_NAME = "awareness"
@@ -24,11 +34,6 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
     """Logs the run's `export/` artifact (or, with `step`, the export inside that step's checkpoint, found through
     the run's checkpoint record) as a pyfunc model into that run and registers it. Returns the ModelVersion. The
     model references the base checkpoints the export names; they must exist where it is loaded."""
-    from mlflow.tracking import MlflowClient
-
-    from models import AwarenessConfig
-    from pipelines.tracking.pyfunc import ensure_tokenizer, signature
-
     uri = resolve_tracking_uri(tracking_uri)
     client = MlflowClient(uri)
     run = client.get_run(run_id)
@@ -55,8 +60,6 @@ def log_pyfunc(client, run_id: str, entry: Path, artifacts: dict[str, str], sign
                requirements: list[str], artifact: str = MODEL_ARTIFACT) -> str:
     """A pyfunc model from code (`entry` calls mlflow.models.set_model; nothing pickled) with its artifacts, our
     code (CODE_PATHS) and stated requirements, logged into the run at `artifact`; returns its runs:/ URI."""
-    import mlflow
-
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / MODEL_ARTIFACT
         mlflow.pyfunc.save_model(str(model_dir), python_model=str(entry), artifacts=artifacts, signature=signature,
@@ -78,8 +81,6 @@ def register_version(client, name: str, run, artifact: str, tags: dict[str, str]
 def promote(version: str | int, *, tracking_uri: str | None = None, name: str = DEFAULT_NAME,
             alias: str = "production"):
     """Points `alias` (production) at `version`; the version it pointed at before keeps its other aliases."""
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(resolve_tracking_uri(tracking_uri))
     found = client.get_model_version(name, str(version))  # raises with MLflow's message when it does not exist
     client.set_registered_model_alias(name, alias, found.version)
@@ -99,10 +100,6 @@ def lineage_tags(run, config, sweep_run_id: str | None) -> dict[str, str]:
 def checkpoint_record(client, run_id: str, step: int, directory: str) -> dict[str, Any]:
     """The run's record of its checkpoint at `step` (pipelines.tracking.checkpoints), checked to still hold an
     export; the errors say which steps there are and why one cannot be registered."""
-    from mlflow.exceptions import MlflowException
-
-    from pipelines.tracking.checkpoints import RECORDS, exists, record_name
-
     try:
         path = client.download_artifacts(run_id, record_name(step), directory)
     except (MlflowException, OSError):
@@ -121,10 +118,6 @@ def checkpoint_record(client, run_id: str, step: int, directory: str) -> dict[st
 
 def _copy_export(record: dict[str, Any], destination: Path) -> Path:
     """A checkpoint's export/ from the storage path (local, NFS, or a bucket through pyarrow) to a local directory."""
-    import pyarrow.fs
-
-    from pipelines.tracking.checkpoints import open_uri
-
     fs, path = open_uri(record["export"])
     destination.mkdir(parents=True, exist_ok=True)
     pyarrow.fs.copy_files(path, str(destination), source_filesystem=fs,
@@ -151,16 +144,12 @@ def _answer_length(params: dict[str, str]) -> int:
 def _answer_end(params: dict[str, str]) -> dict[str, Any]:
     """How answers end and read: corpus rows end every target with <|im_end|> and may answer in agentic tokens
     (<plan>, <read>, <edit>), kept in the text; needles end with <eos>; a real pair's own checkpoint decides."""
-    from pipelines.data.tokenizer import EOS
-
     if params.get("data.train_path", "None") not in ("None", ""):
         return {"eos_token": EOS, "skip_special_tokens": False}
     return {"eos_token": "<eos>" if params.get("model.pair", "").startswith(("tiny", "small")) else None}
 
 
 def _ensure_registered_model(client, name: str, description: str) -> None:
-    from mlflow.exceptions import MlflowException
-
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -175,8 +164,6 @@ def _requirements() -> list[str]:
 
 def pinned_requirements(*packages: str) -> list[str]:
     """Each package pinned to the version installed here (torch without its local build tag, e.g. +cpu)."""
-    from importlib.metadata import version
-
     return [f"{p}=={version(p).split('+')[0]}" for p in packages]
 
 
