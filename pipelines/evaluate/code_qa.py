@@ -12,7 +12,8 @@ jobs/build_corpus.py --stage 0), answered by greedy generation as each system re
 A system sees a row as training showed it to that system (`streams.collate_memory_mode`): gca reads the chunks
 through the encoder, in_context/rag get them (or their top-k) before the prompt, none gets the prompt alone. A
 registered version answers through its pyfunc, text in (the prompt and the chunk texts) and text out.
-pipelines.evaluate.job runs `score_rows` inside Ray Data actors; nothing here starts Ray, so a test calls it directly.
+`CodeQaEvaluation` runs `score_rows` inside Ray Data actors (`CodeQaScorer`); `score_rows` takes no Ray, so a
+test calls it directly.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.shards import MANIFEST, RankReader, ShardError, check_split
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
+from pipelines.evaluate.common import Source, SuiteResult, System, Workers, batch_columns, load_system
 from pipelines.evaluate.metrics import evidence_reading, rate_interval
 
 TASKS = ("code_qa", "doc_qa", "needle")  # the stage-0 row tasks (pipelines.data.corpora)
@@ -169,8 +172,8 @@ def attention_scores(model, inputs: dict[str, torch.Tensor], row: dict[str, Any]
     return {"evidence_mass": mass, "top_chunk": float(top)}
 
 
-def score_rows(system, rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
-    """Each row answered by the system (suites.System) and scored; a registered version's pyfunc answers them all
+def score_rows(system: System, rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Each row answered by the system and scored; a registered version's pyfunc answers them all
     at once from the prompt and the chunk texts (it shows no attention)."""
     if system.served is not None:
         texts = system.served.predict([{"question": row["prompt"], "memory": list(row["memory"])} for row in rows],
@@ -184,6 +187,30 @@ def score_rows(system, rows: list[dict[str, Any]], max_new_tokens: int) -> list[
             result |= attention_scores(system.model, inputs, row)
         scored.append(result)
     return scored
+
+
+class CodeQaScorer:
+    """A Ray Data actor: loads one system, answers and scores batches of held-out corpus rows."""
+
+    def __init__(self, name: str, export: str, system: dict[str, Any], max_new_tokens: int, use_gpu: bool,
+                 served: str | None = None, tracking_uri: str | None = None):
+        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, batch) -> dict[str, list]:
+        rows = score_rows(self.system, batch.to_pylist(), self.max_new_tokens)  # batch: a pyarrow Table
+        return batch_columns(rows)
+
+
+def run_code_qa(settings: CodeQaSuite, source: Source, rows: list[dict[str, Any]],
+                workers: Workers) -> list[dict[str, Any]]:
+    scored = map_with_actors(
+        items_dataset(rows, per_block=4), CodeQaScorer, actors=workers.actors, batch_size=4, batch_format="pyarrow",
+        cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "max_new_tokens": settings.max_new_tokens, "use_gpu": workers.use_gpu,
+                            "served": source.served, "tracking_uri": workers.tracking_uri})
+    return scored.take_all()
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -220,3 +247,24 @@ def summary_line(name: str, metrics: dict[str, Any], counts: dict[str, int]) -> 
         parts.append(f"evidence mass {metrics['code_qa/attention/evidence_mass']:.2f}  "
                      f"top chunk {metrics['code_qa/attention/top_chunk']:.2f}")
     return "  ".join(parts)
+
+
+class CodeQaEvaluation:
+    """The suite for every system: the held-out rows read once (before any model is fetched, so a wrong corpus fails
+    first), answered on `workers.actors` actors; every answer is written to OUT/code_qa_NAME.jsonl."""
+
+    name: ClassVar[str] = "code_qa"
+
+    def __init__(self, settings: CodeQaSuite, workers: Workers):
+        self.settings, self.workers = settings, workers
+        self.rows = held_out_rows(settings)
+
+    def run(self, source: Source) -> SuiteResult:
+        rows = run_code_qa(self.settings, source, self.rows, self.workers)
+        metrics, counts = code_qa_metrics(rows)
+        with open(self.workers.out / f"code_qa_{source.name}.jsonl", "w") as answers:  # every answer, to read it
+            answers.writelines(json.dumps(row) + "\n" for row in rows)
+        return SuiteResult(metrics, counts, {}, summary_line(source.name, metrics, counts))
+
+    def close(self) -> None:
+        pass

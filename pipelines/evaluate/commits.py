@@ -30,10 +30,11 @@ import tempfile
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from models import AwarenessModel
 from pipelines.data.agentic import (READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file,
                                     system_inputs)
 from pipelines.data.batch_inference import items_dataset, map_with_actors
@@ -43,6 +44,7 @@ from pipelines.data.memory_modes import MemoryMode, system_mode
 from pipelines.data.sandbox import run_sandboxed, run_tests
 from pipelines.data.shards import MANIFEST, ShardError, Split, check_split, head_rows, load_split
 from pipelines.data.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
+from pipelines.evaluate.common import Source, SuiteResult, Workers
 from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
 
 COLUMNS = ["task", "variant", "target", "answer", "memory", "evidence", "origin", "input_ids", "labels",
@@ -143,8 +145,6 @@ class CommitGenerator:
 
     def __init__(self, export: str, system: dict[str, Any], settings: dict[str, Any], tokenizer: str | None,
                  use_gpu: bool):
-        from models import AwarenessModel
-
         self.model = AwarenessModel.from_pretrained(export).to("cuda" if use_gpu else "cpu").eval()
         self.mode, self.settings = system_mode(system), CommitsSuite(**settings)
         self.tokenizer = cached_tokenizer(tokenizer)
@@ -203,8 +203,10 @@ class Commit:
 class CommitsEvaluation:
     """The suite for every system: rows read once, parent trees rebuilt and reference tests run once per commit."""
 
-    def __init__(self, settings: CommitsSuite):
-        self.settings = settings
+    name: ClassVar[str] = "commits"
+
+    def __init__(self, settings: CommitsSuite, workers: Workers):
+        self.settings, self.workers = settings, workers
         self.rows, self.tokenizer = load_rows(settings)
         self.workdir = Path(tempfile.mkdtemp(prefix="awareness-commits-"))
         self.close = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # the parent trees, also on an error
@@ -247,16 +249,22 @@ class CommitsEvaluation:
             record["passed"] = sum(self.tested(commit, path, edited_file(s)) for s in samples)
         return record
 
-    def run(self, source, *, actors: int, cpus_per_actor: float, use_gpu: bool) -> list[dict[str, Any]]:
+    def run(self, source: Source) -> SuiteResult:
+        """The system's records (results.json's `commits` section) and their metrics."""
+        records = self.records(source)
+        metrics, counts = commits_metrics(records)
+        return SuiteResult(metrics, counts, {"commits": records}, f"{source.name}: {summary_line(metrics, counts)}")
+
+    def records(self, source: Source) -> list[dict[str, Any]]:
         """Generate for every row on Ray Data actors, score on the driver (tests in the sandbox)."""
         items = [{"index": i, "samples": self.settings.samples if self.commit(row).reference_passes else 0,
                   "row": json.dumps({k: row[k] for k in ("input_ids", "labels", "memory_input_ids")})}
                  for i, row in enumerate(self.rows)]
         generated = map_with_actors(
-            items_dataset(items), CommitGenerator, actors=actors, batch_size=1, cpus_per_actor=cpus_per_actor,
-            use_gpu=use_gpu,
+            items_dataset(items), CommitGenerator, actors=self.workers.actors, batch_size=1,
+            cpus_per_actor=self.workers.cpus_per_actor, use_gpu=self.workers.use_gpu,
             constructor_kwargs={"export": source.export, "system": source.system, "settings": asdict(self.settings),
-                                "tokenizer": self.tokenizer, "use_gpu": use_gpu}).take_all()
+                                "tokenizer": self.tokenizer, "use_gpu": self.workers.use_gpu}).take_all()
         by_index = {int(g["index"]): g for g in generated}
         return [self.score(row, by_index[i]["greedy"], json.loads(by_index[i]["samples"]))
                 for i, row in enumerate(self.rows)]

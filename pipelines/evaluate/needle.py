@@ -1,127 +1,306 @@
-"""Needle evaluation: exact-match accuracy with the memory and with it withheld, by depth and memory size.
+"""The needle suite: RULER-style needle probes (Hsieh et al. 2024) in the needle vocabulary stage 0 trains on, asked
+of each system on Ray Data actors and scored.
 
-The distributed functions score this worker's share of the held-out memories and sum the counts over all workers.
+Probes are generated offline and deterministically per (variant, memory size, seed, index), so every system is asked
+exactly the same questions. Variants: `single` (the training task at a new memory size), `multi_key` (more key ->
+value needles, one asked per question: the others are distractors that look like the answer), `multi_value` (the
+asked key holds two values; both must be answered), `multi_query` (one question names two keys; both values must be
+answered), and `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`). Memory size counts chunks; facts
+are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler), so `single` at 1x is
+the training distribution and the memory's size does not depend on its contents. Scoring is RULER's string match: a
+question's references must appear in the generated answer.
+
+`score_probe` is what one worker does with one loaded system; it takes no Ray, so a test calls it directly.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from models import AwarenessModel
-from pipelines.data.corpora.rows import IGNORE
-from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
-from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
+from pipelines.data.batch_inference import items_dataset, map_with_actors
+from pipelines.data.memory_modes import MemoryMode, prompt_memory
+from pipelines.data.synthetic_needles import BOS, EOS, EQ, FILLER, KEYS, PAD, SEP, VALUES, NeedleSpec
+from pipelines.evaluate.common import (Source, SuiteResult, System, Workers, batch_columns, load_system,
+                                       needle_spec)
+from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
+
+VARIANTS = ("single", "multi_key", "multi_value", "multi_query", "variable_tracking")
 
 
 @dataclass
-class NeedleScores:
-    correct: int
-    total: int
-    loss_sum: float  # summed answer-token cross-entropy
-    tokens: int
-    depth_correct: list[int]  # per depth bin
-    depth_total: list[int]
+class NeedleSuite:
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))  # RULER-style tasks (VARIANTS above)
+    multipliers: list[int] = field(default_factory=lambda: [1, 4, 16])  # memory sizes, in training memory sizes
+    memories: int = 16  # probe memories per (variant, size); each asks needle.questions questions
+    hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths
+    seed: int = 20261123  # probes come from their own seed, never from training's or validation's
+    depth_bins: int = 4
 
-    @property
-    def accuracy(self) -> float:
-        return self.correct / max(self.total, 1)
+    def problems(self) -> list[str]:
+        p = []
+        bad = set(self.variants) - set(VARIANTS)
+        if bad:
+            p.append(f"needle.variants {sorted(bad)} unknown; choose from {VARIANTS}")
+        if any(m < 1 for m in self.multipliers) or self.memories < 1:
+            p.append("needle.multipliers and needle.memories must be positive")
+        if any(h < 2 for h in self.hops):
+            p.append("needle.hops must be >= 2 (a chain of one is the single task)")
+        return p
 
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.tokens, 1)
 
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.correct, self.total, self.loss_sum, self.tokens, *self.depth_correct,
-                             *self.depth_total], dtype=torch.float64)
+# ---------------------------------------------------------------------------------------------- probes
+@dataclass
+class Probe:
+    """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, where
+    (as a fraction of the memory) the fact holding the answer starts, and the chunks its evidence lies in (every fact
+    the answer needs: both values, both keys, every hop)."""
 
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor, bins: int) -> "NeedleScores":
-        v = t.tolist()
-        return cls(int(v[0]), int(v[1]), v[2], int(v[3]), [int(x) for x in v[4 : 4 + bins]],
-                   [int(x) for x in v[4 + bins :]])
+    memory: np.ndarray
+    questions: list[list[int]]
+    references: list[list[list[int]]]
+    depth: list[float]
+    evidence: list[list[int]]
+
+
+def memory_chunks(spec: NeedleSpec, multiplier: int) -> int:
+    """A memory `multiplier` times the training memory's size, in chunks."""
+    return spec.chunks * multiplier
+
+
+def make_probe(variant: str, spec: NeedleSpec, multiplier: int, seed: int, index: int, hops: int = 2) -> Probe:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown needle variant {variant!r}; choose from {VARIANTS}")
+    rng = np.random.default_rng([seed, VARIANTS.index(variant), multiplier, hops, index])
+    chunks = memory_chunks(spec, multiplier)
+    slots = chunks * spec.facts_per_chunk
+    questions = spec.questions
+    digits = lambda n: [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist()
+                        for _ in range(n)]  # noqa: E731
+    if variant == "variable_tracking":
+        questions = min(questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
+        keys = rng.choice(np.array(KEYS), size=questions * hops, replace=False).tolist()
+        chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
+        values = digits(questions)
+        facts = [[a, EQ, b, SEP] for chain in chains for a, b in zip(chain, chain[1:])]
+        facts += [[chain[-1], EQ, *v, SEP] for chain, v in zip(chains, values, strict=True)]
+        asked = [[BOS, chain[0]] for chain in chains]
+        refs = [[v] for v in values]
+        answer_fact = [len(facts) - questions + q for q in range(questions)]
+        hops_before = hops - 1
+        needed = [[q * hops_before + h for h in range(hops_before)] + [answer_fact[q]] for q in range(questions)]
+    else:
+        n_facts = min(spec.facts * (multiplier if variant == "multi_key" else 1), len(KEYS), slots // 2)
+        keys = rng.choice(np.array(KEYS), size=n_facts, replace=False).tolist()
+        values = digits(n_facts)
+        facts = [[k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
+        order = rng.choice(n_facts, size=min(questions * (2 if variant == "multi_query" else 1), n_facts), replace=False)
+        if variant == "multi_query":
+            pairs = order.reshape(-1, 2).tolist()
+            asked = [[BOS, keys[a], keys[b]] for a, b in pairs]
+            refs = [[values[a], values[b]] for a, b in pairs]
+            answer_fact = [a for a, _ in pairs]
+            needed = [list(pair) for pair in pairs]
+        else:
+            asked = [[BOS, keys[f]] for f in order.tolist()]
+            refs = [[values[f]] for f in order.tolist()]
+            answer_fact = order.tolist()
+            needed = [[f] for f in answer_fact]
+            if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
+                second = digits(len(order))
+                needed = [[f, len(facts) + q] for q, f in enumerate(answer_fact)]
+                facts += [[keys[f], EQ, *v, SEP] for f, v in zip(order.tolist(), second, strict=True)]
+                refs = [[values[f], s] for f, s in zip(order.tolist(), second, strict=True)]
+    memory, starts = place(facts, spec, chunks, rng)
+    return Probe(memory=memory, questions=asked, references=refs,
+                 depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact],
+                 evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed])
+
+
+def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """As stage 0 builds a memory (synthetic_needles.make_example): the facts shuffled and packed slot after slot
+    into randomly chosen chunks among `chunks`, filler everywhere else; each fact's start position."""
+    fact_chunks = -(-len(facts) // spec.facts_per_chunk)
+    if fact_chunks > chunks:
+        raise ValueError(f"{len(facts)} facts do not fit in {chunks} chunks of {spec.facts_per_chunk} slots")
+    memory = rng.choice(np.array(FILLER), size=(chunks, spec.chunk_len))
+    chunk_of_slot = np.sort(rng.choice(chunks, size=fact_chunks, replace=False))
+    starts = [0] * len(facts)
+    for n, fact in enumerate(rng.permutation(len(facts)).tolist()):
+        chunk = int(chunk_of_slot[n // spec.facts_per_chunk])
+        offset = (n % spec.facts_per_chunk) * spec.fact_len
+        memory[chunk, offset : offset + len(facts[fact])] = facts[fact]
+        starts[fact] = chunk * spec.chunk_len + offset
+    return memory, starts
+
+
+def as_text(tokens: list[int]) -> str:
+    """Token ids as space-separated words with a space at both ends, so a reference matches whole tokens only."""
+    return " " + " ".join(str(t) for t in tokens) + " "
+
+
+# ---------------------------------------------------------------------------------------------- answers
+def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
+    """One row per question, as the system sees it: the question alone (gca, none), after the whole memory
+    (in_context) or after its top-k chunks (rag); gca rows carry the memory for the encoder."""
+    chunks = probe.memory.tolist()
+    rows = [prompt_memory(chunks, question, mode) + question for question in probe.questions]
+    inputs = {"input_ids": torch.tensor(rows)}  # a probe's rows have equal lengths (its questions do)
+    if mode.kind == "gca":
+        inputs["memory_input_ids"] = torch.from_numpy(probe.memory)[None].expand(len(rows), -1, -1)
+    return inputs
+
+
+def served_answers(system: System, probe: Probe) -> list[list[int]]:
+    """The registered pyfunc's answers to the probe as text (the needle vocabulary's words: `k117`, digits, `w300`),
+    read back into ids through the same tokenizer."""
+    from pipelines.tracking.pyfunc import needle_tokenizer  # lazy: it imports mlflow, needed by served versions only
+
+    tokenizer = needle_tokenizer()
+    words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    memory = [words(chunk) for chunk in probe.memory.tolist()]
+    rows = [{"question": words(question[1:]), "memory": memory} for question in probe.questions]  # BOS: the tokenizer's
+    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
+    answers = system.served.predict(rows, params={"max_new_tokens": new})
+    return [tokenizer.encode(answer, add_special_tokens=False).ids for answer in answers]
 
 
 @torch.no_grad()
-def score_needles(
-    model: AwarenessModel,
-    spec: NeedleSpec,
-    seed: int,
-    indices: list[int],
-    *,
-    mode: MemoryMode = GCA,
-    batch_memories: int = 16,
-    depth_bins: int = 4,
-) -> NeedleScores:
-    """Exact match of all value digits, for the system that reads its memory as `mode` says (NO_MEMORY: withheld).
-    Teacher-forced argmax at each answer position equals greedy decoding for exact match: greedy emits the right
-    digits exactly when each is the argmax given the right ones before it."""
-    was_training = model.training
-    model.eval()
-    device = model.device
-    scores = NeedleScores(0, 0, 0.0, 0, [0] * depth_bins, [0] * depth_bins)
-    for start in range(0, len(indices), batch_memories):
-        batch = needle_batch(spec, seed, indices[start : start + batch_memories], mode)
-        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        memory = batch["memory_input_ids"].to(device) if "memory_input_ids" in batch else None
-        logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (rows, T, V)
-        rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
-        predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each digit predict it: (Q, D)
-        exact = (predicted == ids[rows, positions]).all(-1).cpu()
-        scores.correct += int(exact.sum())
-        scores.total += exact.numel()
-        shifted_labels = labels[:, 1:]
-        valid = shifted_labels != IGNORE
-        token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1][valid], shifted_labels[valid], reduction="sum"
-        )
-        scores.loss_sum += float(token_loss)
-        scores.tokens += int(valid.sum())
-        bins = (batch["depth"] * depth_bins).long().clamp(max=depth_bins - 1)
-        for b, ok in zip(bins.tolist(), exact.tolist(), strict=True):
-            scores.depth_total[b] += 1
-            scores.depth_correct[b] += int(ok)
-    model.train(was_training)
-    return scores
+def answer_probe(system: System, probe: Probe) -> list[list[int]]:
+    """Greedy answers, each cut at EOS: long enough for every reference of the question plus EOS."""
+    if system.served is not None:
+        return served_answers(system, probe)
+    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
+    out = system.model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+    answers = []
+    for row in out[:, inputs["input_ids"].shape[1] :].tolist():
+        answers.append(row[: row.index(EOS)] if EOS in row else row)
+    return answers
 
 
-HEATMAP_DISTRACTORS = (0, 2, 6, 14)  # memory sizes for the final needle heatmap, in filler chunks added
+def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
+                depth_bins: int = 4) -> list[dict[str, Any]]:
+    """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
+    found), the depth bin of the fact holding the answer, and for gca where its attention went."""
+    probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops)
+    answers = answer_probe(system, probe)
+    read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
+    reading = memory_attention(system, probe) if read_attention else [{}] * len(answers)
+    rows = []
+    for answer, refs, depth, read in zip(answers, probe.references, probe.depth, reading, strict=True):
+        score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
+        rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
+                     "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
+                     "score": score, "exact": score == 1.0, "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
+                     "evidence_mass": read.get("evidence_mass", float("nan")),
+                     "top_chunk": read.get("top_chunk", float("nan"))})
+    return rows
 
 
-def _summed(scores: NeedleScores) -> NeedleScores:
-    total = scores.as_tensor()
-    dist.all_reduce(total)
-    return NeedleScores.from_tensor(total, bins=len(scores.depth_total))
+@torch.no_grad()
+def memory_attention(system: System, probe: Probe) -> list[dict[str, float]]:
+    """Memory-attention accuracy: at the question's last token (which predicts the first answer token), the share of
+    GCA attention mass on the evidence chunks and whether the chunk read most is one of them, in the GCA layer that
+    puts the most mass on the evidence (metrics.evidence_reading)."""
+    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+    maps = system.model.memory_attention(**inputs)  # per layer (questions, heads, M)
+    length = probe.memory.shape[1]
+    chunks = [(c * length, (c + 1) * length) for c in range(probe.memory.shape[0])]
+    out = []
+    for q, evidence in enumerate(probe.evidence):
+        mass, top = evidence_reading([m[q] for m in maps], chunks, evidence)
+        out.append({"evidence_mass": mass, "top_chunk": float(top)})
+    return out
 
 
-def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
-                     world: int, mode: MemoryMode = GCA) -> dict[str, float]:
-    """Held-out needles (memories `seed`, 0..val_memories-1), with the memory (read as `mode` says) and with it
-    withheld."""
-    indices = list(range(rank, val_memories, world))
-    metrics = {}
-    for label, system in (("needle", mode), ("no_memory", NO_MEMORY)):
-        scores = _summed(score_needles(model, spec, seed, indices, mode=system))
-        metrics[f"{label}_accuracy"] = scores.accuracy
-        metrics[f"{label}_val_loss"] = scores.loss
-        if system is mode:
-            for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
-                metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
-    return metrics
+# ---------------------------------------------------------------------------------------------- the suite
+class NeedleScorer:
+    """A Ray Data actor: loads one system, scores batches of probe items."""
+
+    def __init__(self, name: str, export: str, system: dict[str, Any], depth_bins: int, seed: int, use_gpu: bool,
+                 served: str | None = None, tracking_uri: str | None = None):
+        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
+        self.depth_bins, self.seed = depth_bins, seed
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        rows: list[dict[str, Any]] = []
+        for variant, multiplier, hops, index in zip(batch["variant"], batch["multiplier"], batch["hops"],
+                                                    batch["index"], strict=True):
+            rows += score_probe(self.system, str(variant), int(multiplier), self.seed, int(index), hops=int(hops),
+                                depth_bins=self.depth_bins)
+        return batch_columns(rows)
 
 
-def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
-                   world: int, mode: MemoryMode = GCA) -> dict[str, Any]:
-    """Needle accuracy by depth and memory size, on held-out memories (the needle-in-a-haystack picture)."""
-    indices = list(range(rank, val_memories, world))
-    columns = []
-    for distractors in HEATMAP_DISTRACTORS:
-        scores = _summed(score_needles(model, dataclasses.replace(spec, distractors=distractors), seed, indices,
-                                      mode=mode))
-        columns.append([c / max(n, 1) for c, n in zip(scores.depth_correct, scores.depth_total, strict=True)])
-    sizes = [dataclasses.replace(spec, distractors=d).chunks * spec.chunk_len for d in HEATMAP_DISTRACTORS]
-    return {"memory_tokens": sizes, "accuracy_by_depth": [list(row) for row in zip(*columns)]}
+def needle_items(settings: NeedleSuite) -> list[dict[str, Any]]:
+    items = []
+    for variant in settings.variants:
+        for multiplier in settings.multipliers:
+            for hops in (settings.hops if variant == "variable_tracking" else [2]):
+                items += [{"variant": variant, "multiplier": multiplier, "hops": hops, "index": i}
+                          for i in range(settings.memories)]
+    return items
+
+
+def run_needles(settings: NeedleSuite, source: Source, workers: Workers) -> list[dict[str, Any]]:
+    scored = map_with_actors(
+        items_dataset(needle_items(settings), per_block=4), NeedleScorer, actors=workers.actors, batch_size=4,
+        cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "depth_bins": settings.depth_bins, "seed": settings.seed,
+                            "use_gpu": workers.use_gpu, "served": source.served, "tracking_uri": workers.tracking_uri})
+    return scored.take_all()
+
+
+def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int) -> tuple[dict, dict, dict]:
+    """metrics (rates with their 95% Wilson intervals), counts, and the single-needle heatmap (depth x size)."""
+    metrics: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["variant"], int(row["multiplier"])), []).append(row)
+    for (variant, multiplier), group in sorted(groups.items()):
+        name = f"needle/{variant}/{multiplier}x"
+        exact = sum(bool(r["exact"]) for r in group)
+        metrics[name] = exact / len(group)
+        metrics[f"{name}/ci95"] = list(rate_interval(exact, len(group)))
+        metrics[f"{name}/string_match"] = sum(float(r["score"]) for r in group) / len(group)
+        counts[name] = len(group)
+        read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
+        if read:
+            metrics[f"attention/{variant}/{multiplier}x/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
+            top = sum(int(r["top_chunk"]) for r in read)
+            metrics[f"attention/{variant}/{multiplier}x/top_chunk"] = top / len(read)
+            metrics[f"attention/{variant}/{multiplier}x/top_chunk/ci95"] = list(rate_interval(top, len(read)))
+    sizes = sorted({int(r["multiplier"]) for r in rows if r["variant"] == "single"})
+    heatmap = {"memory_tokens": [memory_chunks(spec, m) * spec.chunk_len for m in sizes], "accuracy_by_depth": []}
+    for b in range(depth_bins):
+        line = []
+        for m in sizes:
+            cell = [r for r in groups.get(("single", m), []) if int(r["depth_bin"]) == b]
+            line.append(sum(bool(r["exact"]) for r in cell) / len(cell) if cell else float("nan"))
+        heatmap["accuracy_by_depth"].append(line)
+    return metrics, counts, heatmap
+
+
+class NeedleEvaluation:
+    """The suite for every system: its probes on `workers.actors` actors, then its rates, counts and heatmap."""
+
+    name: ClassVar[str] = "needle"
+
+    def __init__(self, settings: NeedleSuite, workers: Workers):
+        self.settings, self.workers = settings, workers
+
+    def run(self, source: Source) -> SuiteResult:
+        rows = run_needles(self.settings, source, self.workers)
+        metrics, counts, heatmap = needle_metrics(rows, needle_spec(source.system), self.settings.depth_bins)
+        single = {k: v for k, v in metrics.items() if k.startswith("needle/single/") and k.endswith("x")}
+        line = f"{source.name}: needle " + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in single.items())
+        return SuiteResult(metrics, counts, {"heatmaps": heatmap}, line)
+
+    def close(self) -> None:
+        pass

@@ -23,8 +23,7 @@ from pipelines.data.shards import MANIFEST, check_splits
 from pipelines.data.teacher_logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
-from pipelines.evaluate.corpus import evaluate_corpus
-from pipelines.evaluate.needle import evaluate_needles, needle_heatmap
+from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import StageConfig

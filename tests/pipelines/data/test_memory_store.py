@@ -170,18 +170,19 @@ def test_the_efficiency_suite_reads_gca_memory_from_a_store(export, monkeypatch)
     """gca's time to first token is timed over a store written to disk and read back, checked against its encoder."""
     from pipelines.data.memory_modes import MemoryMode
     from pipelines.data.synthetic_needles import NeedleSpec
-    from pipelines.evaluate import suites
+    from pipelines.evaluate.common import System
+    from pipelines.evaluate.efficiency import efficiency_row
 
     model = AwarenessModel.from_pretrained(export).eval()
     reads = []
     original = memory_store.read
     monkeypatch.setattr(memory_store, "read", lambda *a, **k: reads.append(a) or original(*a, **k))
-    row = suites.efficiency_row(suites.System("gca", model, MemoryMode(), NeedleSpec(), export=str(export)), 256,
+    row = efficiency_row(System("gca", model, MemoryMode(), NeedleSpec(), export=str(export)), 256,
                                 decode_tokens=2, repeats=2)
     assert row["ttft_s"] > 0 and row["encode_s"] > 0
     assert len(reads) == 1 + 2 + 1  # the warm-up and each timed first token read the store; generate reads it once
     with pytest.raises(ValueError, match="export"):
-        suites.efficiency_row(suites.System("gca", model, MemoryMode(), NeedleSpec()), 256, decode_tokens=2)
+        efficiency_row(System("gca", model, MemoryMode(), NeedleSpec()), 256, decode_tokens=2)
 
 
 def test_the_job_refuses_a_model_that_is_no_export_nor_encoder_before_starting_ray(repo, tmp_path, capsys):

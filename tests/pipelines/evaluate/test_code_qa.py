@@ -23,9 +23,9 @@ from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_indices, held_out_rows, prompt_inputs,
                                         read_compliance, score_answer, score_rows)
-from pipelines.evaluate.job import EvaluateConfig, load_system
+from pipelines.evaluate.common import System, load_system
+from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
-from pipelines.evaluate.suites import System
 from pipelines.train.config import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system

@@ -22,6 +22,7 @@ from pipelines.data.shards import MANIFEST
 from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic_compliance, commits_metrics,
                                         diff_similarity, edited_file, file_diff, generate_answers, system_inputs,
                                         write_parent_tree)
+from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model
@@ -33,6 +34,7 @@ BUGGY = "def add(a, b):\n    return a + b\n\n\ndef clamp(x, low, high):\n    ret
 FIXED = BUGGY.replace("max(low, x)", "max(low, min(x, high))")
 TESTS = ("from calc import add, clamp\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
          "def test_clamp():\n    assert clamp(5, 0, 3) == 3\n    assert clamp(-1, 0, 3) == 0\n")
+WORKERS = Workers(actors=1, cpus_per_actor=1.0, use_gpu=False, tracking_uri="", out=Path("."))  # only scoring here
 
 
 def fixture_repository(repo: Path) -> dict[str, str]:
@@ -70,7 +72,7 @@ def corpus(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 @pytest.fixture(scope="module")
 def evaluation(corpus):
     settings = CommitsSuite(corpus=str(corpus[0]), samples=5, timeout_s=60)
-    evaluation = CommitsEvaluation(settings)
+    evaluation = CommitsEvaluation(settings, WORKERS)
     yield evaluation
     evaluation.close()
 
@@ -175,17 +177,17 @@ def test_config_and_corpus_errors_name_the_fix(tmp_path, corpus):
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(built), str(copy)], check=True)
     with pytest.raises(CorpusError, match="holds no rows"):
-        CommitsEvaluation(CommitsSuite(corpus=str(copy), split="train"))
+        CommitsEvaluation(CommitsSuite(corpus=str(copy), split="train"), WORKERS)
     manifest = json.loads((copy / MANIFEST).read_text())
     (copy / MANIFEST).write_text(json.dumps({**manifest, "stage": 0}))
     with pytest.raises(CorpusError, match="stage-0 corpus, not commits"):
-        CommitsEvaluation(CommitsSuite(corpus=str(copy)))
+        CommitsEvaluation(CommitsSuite(corpus=str(copy)), WORKERS)
     (copy / MANIFEST).write_text(json.dumps(manifest))
     shard = next((copy / "val").glob("*.parquet"))
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(CorpusError, match="(?s)sha256 differs.*rebuild the corpus: python jobs/build_corpus.py "
                                           "--stage 2"):
-        CommitsEvaluation(CommitsSuite(corpus=str(copy)))
+        CommitsEvaluation(CommitsSuite(corpus=str(copy)), WORKERS)
 
 
 def text_export(tmp_path: Path, checkpoint_root: Path, memory: str) -> Path:

@@ -210,9 +210,8 @@ def test_evaluate_scores_the_registered_version_through_its_pyfunc(registered, m
     """jobs/evaluate.py --model models:/NAME@ALIAS asks the pyfunc users are served (text in, text out): its
     answers to the needle probes are the model's own greedy answers."""
     from pipelines.data.memory_modes import MemoryMode
-    from pipelines.evaluate.job import load_system, resolve_model
-    from pipelines.evaluate.ruler import make_probe
-    from pipelines.evaluate.suites import System, answer_probe, score_probe
+    from pipelines.evaluate.common import System, load_system, resolve_model
+    from pipelines.evaluate.needle import answer_probe, make_probe, score_probe
 
     model, _, _ = registered
     tracking_env = os.environ.get("MLFLOW_TRACKING_URI")

@@ -16,7 +16,7 @@ import pytest
 from models import AwarenessModel
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import validation_rows
-from pipelines.evaluate.corpus import evaluate_corpus
+from pipelines.evaluate.in_training import evaluate_corpus
 
 from tests.pipelines.data.corpora.test_commits import body, commit, sh
 

@@ -1,38 +1,20 @@
-"""The evaluation suite: RULER-style probes, each system's view of them, the results' arithmetic, and jobs/evaluate.py
-end to end (Ray Data actors, results.json, plots, MLflow) on exports of the tiny pair."""
+"""The needle suite: RULER-style probes, each system's view of them, its answers and where gca's attention went, and
+the results' arithmetic."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
-from pipelines.evaluate.job import EvaluateConfig, needle_metrics
-from pipelines.evaluate.ruler import VARIANTS, as_text, make_probe
-from pipelines.evaluate.suites import efficiency_row, score_probe, system_prompts
-from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
-from pipelines.train.model import build_model
-from pipelines.train.recipes.stage import write_system
+from pipelines.evaluate.common import load_system
+from pipelines.evaluate.efficiency import efficiency_row
+from pipelines.evaluate.needle import (VARIANTS, answer_probe, as_text, make_probe, memory_attention, needle_metrics,
+                                       score_probe, system_prompts)
+from tests.pipelines.evaluate.test_job import export_of
 
-ROOT = Path(__file__).resolve().parents[3]
 SPEC = NeedleSpec()
-
-
-def export_of(tmp_path: Path, checkpoint_root: Path, memory: str = "gca") -> Path:
-    """A (random) stage-0 export as the stage job writes it: the added weights and its system.json."""
-    config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), memory=memory,
-                                           gca_layers="upper_half", gca_gate_init=0.3, decoder="full"),
-                         needle=NeedleConfig())
-    directory = tmp_path / f"export-{memory}"
-    build_model(config.model).save_pretrained(directory)
-    write_system(directory, config)
-    return directory
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -102,7 +84,6 @@ def test_needle_metrics_count_rates_intervals_and_the_heatmap():
 
 @pytest.mark.parametrize("memory", ["gca", "in_context", "rag", "none"])
 def test_a_system_scores_probes_and_is_timed(tmp_path, checkpoint_root, memory):
-    from pipelines.evaluate.job import load_system
 
     export = export_of(tmp_path, checkpoint_root, memory)
     system = load_system(memory, str(export), read_system(export))
@@ -117,9 +98,6 @@ def test_a_system_scores_probes_and_is_timed(tmp_path, checkpoint_root, memory):
 
 def test_answers_are_the_models_greedy_continuation(tmp_path, checkpoint_root):
     """A probe's answer is transformers' greedy decoding, cut at EOS, and its score is RULER's string match."""
-    from pipelines.evaluate.job import load_system
-    from pipelines.evaluate.suites import answer_probe
-
     export = export_of(tmp_path, checkpoint_root, "gca")
     system = load_system("gca", str(export), read_system(export))
     probe = make_probe("single", SPEC, 1, seed=0, index=0)
@@ -132,74 +110,9 @@ def test_answers_are_the_models_greedy_continuation(tmp_path, checkpoint_root):
     assert [r["score"] for r in rows] == want
 
 
-def test_config_errors_name_the_field():
-    assert "suite 'bogus' is not one of" in " ".join(EvaluateConfig(model=["x"], suite=["needle,bogus"]).problems())
-    assert "model: name at least one system" in EvaluateConfig().problems()[0]
-    code_qa = " ".join(EvaluateConfig(model=["x"], suite=["code_qa"]).problems())
-    assert "code_qa.corpus" in code_qa, code_qa  # a suite that needs a corpus says which flag names it
-
-
-@pytest.mark.ray
-def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root):
-    """The issue's command on a stage-0 export and a baseline's, through Ray Data actors; the training run gets the
-    metrics too when the model is named by run id."""
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    gca = export_of(tmp_path, checkpoint_root, "gca")
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("stage0")
-    run = client.create_run(experiment)
-    client.log_artifacts(run.info.run_id, str(export_of(tmp_path, checkpoint_root, "rag")), "export")
-    client.set_terminated(run.info.run_id)
-    out = tmp_path / "eval"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "evaluate.py"), "--model", str(gca), run.info.run_id,
-         "--suite", "needle,efficiency", "--out", str(out), "--needle.memories", "2", "--needle.multipliers", "1", "4",
-         "--needle.variants", "single", "variable_tracking", "--needle.hops", "2", "--efficiency.memory_tokens", "96",
-         "480", "--efficiency.repeats", "1", "--efficiency.encoder_chunks", "16", "--tracking_uri", uri],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    results = json.loads((out / "results.json").read_text())
-    assert set(results["systems"]) == {"gca", "rag"} == set(summary["systems"])
-    for name, entry in results["systems"].items():
-        metrics = entry["metrics"]
-        for size in ("1x", "4x"):
-            assert 0 <= metrics[f"needle/single/{size}"] <= 1
-            assert entry["counts"][f"needle/single/{size}"] == 2 * SPEC.questions
-            assert 0 <= metrics[f"needle/variable_tracking_2/{size}"] <= 1
-        assert len(metrics["needle/single/1x/ci95"]) == 2
-        assert metrics["efficiency/ttft_s/96"] > 0 and metrics["efficiency/ttft_s/480"] > 0
-    assert results["systems"]["gca"]["metrics"]["efficiency/encoder_chunks_per_s"] > 0
-    assert results["heatmaps"]["gca"]["memory_tokens"] == [96, 384]
-    for picture in ("needle_heatmap_gca.png", "needle_heatmap_rag.png", "needle_accuracy_by_size.png",
-                    "ttft_by_memory_size.png"):
-        assert (out / picture).stat().st_size > 1000, picture
-    logged = client.get_run(summary["mlflow_run_id"])
-    assert logged.data.metrics["gca/needle/single/1x"] == results["systems"]["gca"]["metrics"]["needle/single/1x"]
-    assert {a.path for a in client.list_artifacts(logged.info.run_id)} >= {"results.json", "needle_accuracy_by_size.png"}
-    trained = client.get_run(run.info.run_id)  # the evaluated training run carries its own results
-    assert trained.data.metrics["eval/needle/single/4x"] == results["systems"]["rag"]["metrics"]["needle/single/4x"]
-    assert trained.data.tags["eval.run_id"] == logged.info.run_id
-    assert not [line for line in result.stdout.splitlines() if "Running Dataset" in line or "%|" in line]
-
-
-def test_evaluate_refuses_a_missing_model_with_exit_2(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "evaluate.py"), "--model", str(tmp_path / "nope"),
-                             "--track", "false", "--out", str(tmp_path / "o")],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "not an export directory, a run id" in result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["error"]
-
-
 def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_path, checkpoint_root):
     """The probed attention is the one the GCA block used (its weighted values are the block's output before o_proj),
     and the evidence chunks are where each question's facts are."""
-    from pipelines.evaluate.job import load_system
-    from pipelines.evaluate.suites import memory_attention
-
     export = export_of(tmp_path, checkpoint_root, "gca")
     system = load_system("gca", str(export), read_system(export))
     probe = make_probe("multi_value", SPEC, 4, seed=2, index=0)

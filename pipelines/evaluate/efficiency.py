@@ -1,6 +1,9 @@
-"""What one evaluation worker does with one loaded model: answer RULER-style needle probes as its system (gca,
-in_context, rag or none) and score them, and time it against memory size. jobs/evaluate.py runs these inside Ray
-Data actors (pipelines.evaluate.job); they take no Ray themselves, so a test can call them directly.
+"""The efficiency suite: time to first token, per-token decode, peak memory and (gca) encoder throughput against
+memory size, for each system as it reads its memory (gca from a memory store, in_context the whole memory in its
+prompt, rag its retrieved chunks, none nothing).
+
+One actor per system measures every memory size in one batch, so timings never share a device with another
+measurement. `efficiency_row` and its helpers take no Ray, so a test calls them directly.
 """
 
 from __future__ import annotations
@@ -8,111 +11,29 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import psutil
 import torch
 
-from models import AwarenessModel
 from pipelines.data import memory_store
-from pipelines.data.memory_modes import MemoryMode, prompt_memory, top_chunks
-from pipelines.data.synthetic_needles import EOS, FILLER, PAD, NeedleSpec
-from pipelines.evaluate.metrics import evidence_reading, string_match_all
-from pipelines.evaluate.ruler import Probe, as_text, make_probe
+from pipelines.data.batch_inference import items_dataset, map_with_actors
+from pipelines.data.memory_modes import prompt_memory, top_chunks
+from pipelines.data.synthetic_needles import FILLER, PAD
+from pipelines.evaluate.common import Source, SuiteResult, System, Workers, load_system
 
 
-@dataclass(frozen=True)
-class System:
-    """A loaded model and how it reads its memory; `name` labels it in results.json. `served`: the registered
-    version's pyfunc (mlflow.pyfunc.load_model), which then answers instead, text in and text out, as users get it.
-    `export`: the directory the model was loaded from (its encoder's identity, for the memory store gca reads)."""
-
-    name: str
-    model: AwarenessModel | None
-    mode: MemoryMode
-    spec: NeedleSpec
-    served: Any = None
-    export: str | None = None
+@dataclass
+class EfficiencySuite:
+    memory_tokens: list[int] = field(default_factory=lambda: [1024, 4096, 16384])  # 65536 too on a GPU
+    decode_tokens: int = 16  # tokens generated to time decoding
+    repeats: int = 3  # timed calls per point (median), after one warm-up
+    encoder_chunks: int = 256  # chunks encoded to time the encoder
 
 
-# ---------------------------------------------------------------------------------------------- needles
-def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
-    """One row per question, as the system sees it: the question alone (gca, none), after the whole memory
-    (in_context) or after its top-k chunks (rag); gca rows carry the memory for the encoder."""
-    chunks = probe.memory.tolist()
-    rows = [prompt_memory(chunks, question, mode) + question for question in probe.questions]
-    inputs = {"input_ids": torch.tensor(rows)}  # a probe's rows have equal lengths (its questions do)
-    if mode.kind == "gca":
-        inputs["memory_input_ids"] = torch.from_numpy(probe.memory)[None].expand(len(rows), -1, -1)
-    return inputs
-
-
-def served_answers(system: System, probe: Probe) -> list[list[int]]:
-    """The registered pyfunc's answers to the probe as text (the needle vocabulary's words: `k117`, digits, `w300`),
-    read back into ids through the same tokenizer."""
-    from pipelines.tracking.pyfunc import needle_tokenizer
-
-    tokenizer = needle_tokenizer()
-    words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-    memory = [words(chunk) for chunk in probe.memory.tolist()]
-    rows = [{"question": words(question[1:]), "memory": memory} for question in probe.questions]  # BOS: the tokenizer's
-    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
-    answers = system.served.predict(rows, params={"max_new_tokens": new})
-    return [tokenizer.encode(answer, add_special_tokens=False).ids for answer in answers]
-
-
-@torch.no_grad()
-def answer_probe(system: System, probe: Probe) -> list[list[int]]:
-    """Greedy answers, each cut at EOS: long enough for every reference of the question plus EOS."""
-    if system.served is not None:
-        return served_answers(system, probe)
-    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
-    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
-    out = system.model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
-    answers = []
-    for row in out[:, inputs["input_ids"].shape[1] :].tolist():
-        answers.append(row[: row.index(EOS)] if EOS in row else row)
-    return answers
-
-
-def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
-                depth_bins: int = 4) -> list[dict[str, Any]]:
-    """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
-    found), the depth bin of the fact holding the answer, and for gca where its attention went."""
-    probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops)
-    answers = answer_probe(system, probe)
-    read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
-    reading = memory_attention(system, probe) if read_attention else [{}] * len(answers)
-    rows = []
-    for answer, refs, depth, read in zip(answers, probe.references, probe.depth, reading, strict=True):
-        score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
-        rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
-                     "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
-                     "score": score, "exact": score == 1.0, "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
-                     "evidence_mass": read.get("evidence_mass", float("nan")),
-                     "top_chunk": read.get("top_chunk", float("nan"))})
-    return rows
-
-
-@torch.no_grad()
-def memory_attention(system: System, probe: Probe) -> list[dict[str, float]]:
-    """Memory-attention accuracy: at the question's last token (which predicts the first answer token), the share of
-    GCA attention mass on the evidence chunks and whether the chunk read most is one of them, in the GCA layer that
-    puts the most mass on the evidence (metrics.evidence_reading)."""
-    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
-    maps = system.model.memory_attention(**inputs)  # per layer (questions, heads, M)
-    length = probe.memory.shape[1]
-    chunks = [(c * length, (c + 1) * length) for c in range(probe.memory.shape[0])]
-    out = []
-    for q, evidence in enumerate(probe.evidence):
-        mass, top = evidence_reading([m[q] for m in maps], chunks, evidence)
-        out.append({"evidence_mass": mass, "top_chunk": float(top)})
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- efficiency
+# ---------------------------------------------------------------------------------------------- measurements
 class PeakRss:
     """Peak resident memory of this process while the block runs, sampled every millisecond (CPU runs; on a GPU the
     caller reads torch.cuda.max_memory_allocated instead)."""
@@ -210,7 +131,7 @@ def write_filler_store(system: System, memory: np.ndarray, directory: str) -> tu
     is checked against."""
     if system.export is None:
         raise ValueError(f"{system.name}: gca's efficiency reads a memory store, which names the export's encoder; "
-                         f"load the system from its export (pipelines.evaluate.job.load_system)")
+                         f"load the system from its export (pipelines.evaluate.common.load_system)")
     ids = torch.from_numpy(memory)[None].to(system.model.device)  # (1, C, L)
     seconds, (states, _) = _timed(lambda: system.model.encode_memory(ids), 1)  # (1, C*L, H_enc)
     identity = memory_store.encoder_identity(system.export, dtype=system.model.memory_encoder.encoder.dtype)
@@ -238,3 +159,64 @@ def rag_retrieval_s(system: System, memory_tokens: int) -> float:
     chunks = filler_memory(memory_tokens, system.spec.chunk_len).tolist()
     seconds, _ = _timed(lambda: top_chunks(chunks, [1, 100], system.mode.rag_k), 1)
     return seconds
+
+
+# ---------------------------------------------------------------------------------------------- the suite
+class EfficiencyMeter:
+    """A Ray Data actor: loads one system, measures it at every memory size of its batch."""
+
+    def __init__(self, name: str, export: str, system: dict[str, Any], settings: dict[str, Any], use_gpu: bool):
+        self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu")
+        self.settings = settings
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        s = self.settings
+        rows = []
+        for tokens in batch["memory_tokens"]:
+            row = efficiency_row(self.system, int(tokens), decode_tokens=s["decode_tokens"], repeats=s["repeats"])
+            row["retrieval_s"] = rag_retrieval_s(self.system, int(tokens)) if self.system.mode.kind == "rag" else 0.0
+            row["encoder_chunks_per_s"] = (encoder_throughput(self.system, s["encoder_chunks"])
+                                           if self.system.mode.kind == "gca" else 0.0)
+            row["encode_s"] = row.get("encode_s", 0.0)
+            rows.append(row)
+        return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+def run_efficiency(settings: EfficiencySuite, source: Source, workers: Workers) -> list[dict[str, Any]]:
+    """One actor measures every memory size in one batch, so no two timings share a device."""
+    measured = map_with_actors(
+        items_dataset([{"memory_tokens": n} for n in settings.memory_tokens], per_block=None),
+        EfficiencyMeter, actors=1, batch_size=len(settings.memory_tokens),
+        cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
+        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+                            "settings": asdict(settings), "use_gpu": workers.use_gpu})
+    return sorted(measured.take_all(), key=lambda row: row["memory_tokens"])
+
+
+def efficiency_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    metrics = {}
+    for row in rows:
+        n = int(row["memory_tokens"])
+        for key in ("ttft_s", "decode_s_per_token", "peak_mib", "encode_s", "retrieval_s"):
+            metrics[f"efficiency/{key}/{n}"] = float(row[key])
+    speeds = [float(r["encoder_chunks_per_s"]) for r in rows if r["encoder_chunks_per_s"]]
+    if speeds:
+        metrics["efficiency/encoder_chunks_per_s"] = max(speeds)
+    return metrics
+
+
+class EfficiencyEvaluation:
+    """The suite for every system: its measurements (results.json's `efficiency` section) and their metrics."""
+
+    name: ClassVar[str] = "efficiency"
+
+    def __init__(self, settings: EfficiencySuite, workers: Workers):
+        self.settings, self.workers = settings, workers
+
+    def run(self, source: Source) -> SuiteResult:
+        rows = run_efficiency(self.settings, source, self.workers)
+        line = f"{source.name}: ttft " + "  ".join(f"{r['memory_tokens']}: {r['ttft_s'] * 1000:.1f} ms" for r in rows)
+        return SuiteResult(efficiency_metrics(rows), {}, {"efficiency": rows}, line)
+
+    def close(self) -> None:
+        pass
