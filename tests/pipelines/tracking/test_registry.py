@@ -256,7 +256,7 @@ def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_r
     from models import AwarenessModel, AwarenessConfig
     from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
     from pipelines.tracking.pyfunc import AwarenessPyfunc
-    from tests.pipelines.evaluate.test_evaluate import export_of
+    from tests.pipelines.evaluate.test_job import export_of
 
     export = export_of(tmp_path, checkpoint_root, memory)
     ensure_tokenizer(AwarenessConfig.load(export).decoder)
