@@ -8,6 +8,21 @@ key one position on, and a tiny random pair sat on the chance plateau about twic
 single-process runs of the stage-0 model). Example i is drawn from its own seeded generator, so any worker can
 produce any example and a resumed run continues with exactly the examples it had not seen. Several questions per
 memory share one encoder pass (shared/notes/needle-feasibility.md: that is what makes learning fast).
+
+Training for size and for similar facts (issue 26), each off by default, so the default task is the one above:
+- `memory_scale_max`: each training micro-batch's memories hold 1x..Nx the base number of chunks, one size per
+  micro-batch (drawn from the seed and the micro-batch's number, so a resumed run sees the same sizes; each
+  doubling of the size is as likely as the next). `single` adds filler chunks, `multi_key` adds facts too.
+- `hard_distractors`: a share of the memory's free fact slots (those filler would fill) holds facts near-identical
+  to the asked ones: the value differs in one digit and, with `key_tokens` 2, the key in one of its two tokens
+  (never the whole key: a key still names one fact).
+- `variants`: the training mixture over the evaluation's RULER-style tasks (pipelines.evaluate.needle asks the same
+  formats): `multi_key` (more facts), `multi_value` (the asked key holds two values: `BOS k` -> both, in memory
+  order), `multi_query` (`BOS ka kb` -> both values), `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` ->
+  the digits). A memory's variant is drawn from the seed and its index; `generate_memory` builds them, for
+  training and for the evaluation's probes alike.
+- `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
+  asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 """
 
 from __future__ import annotations
@@ -25,7 +40,32 @@ VALUES = range(10, 100)  # value tokens: a value position draws from the first `
 DIGITS = VALUES[:10]
 KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
-PROMPT_LEN = 2  # BOS key
+PROMPT_LEN = 2  # BOS key, for one-token keys (NeedleSpec.prompt_len in general)
+VARIANTS = ("single", "multi_key", "multi_value", "multi_query", "variable_tracking")
+KEY_TOKENS = (1, 2)
+SCALE_STREAM, VARIANT_STREAM = 3, 4  # generator streams beside an example's own (seed, index)
+
+
+def parse_mixture(entries: tuple[str, ...] | list[str]) -> tuple[dict[str, float], list[str]]:
+    """`NAME` or `NAME:WEIGHT` entries as {variant: weight} (a bare name weighs 1), and the problems found."""
+    mixture: dict[str, float] = {}
+    problems = []
+    for entry in entries:
+        name, _, weight = str(entry).partition(":")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            value = -1.0
+        if name not in VARIANTS:
+            problems.append(f"needle.variants: {name!r} is not one of {VARIANTS}")
+        elif value <= 0 or name in mixture:
+            problems.append(f"needle.variants: {entry!r} needs a positive weight and one entry per variant "
+                            f"(e.g. single:4 multi_key:2)")
+        else:
+            mixture[name] = value
+    if not entries:
+        problems.append("needle.variants is empty: name at least one, e.g. single")
+    return mixture, problems
 
 
 @dataclass(frozen=True)
@@ -36,6 +76,12 @@ class NeedleSpec:
     value_range: int = 10  # distinct tokens per value position (10: decimal digits; at most 90)
     chunk_len: int = 24  # tokens per chunk; facts are packed, the rest of a fact chunk is filler
     distractors: int = 2  # chunks of filler only
+    key_tokens: int = 1  # tokens per key
+    hard_distractors: float = 0.0  # share of free fact slots holding facts near-identical to the asked ones
+    memory_scale_max: int = 1  # training memories hold 1x..this many times the base chunks, one size per batch
+    variants: tuple[str, ...] = ("single",)  # training mixture, NAME or NAME:WEIGHT
+    hops: tuple[int, ...] = (2, 3)  # variable_tracking chain lengths (training draws one per memory)
+    questions_per_row: int = 4  # in_context training rows: questions after one copy of the memory
 
     @property
     def facts_per_chunk(self) -> int:
@@ -51,32 +97,231 @@ class NeedleSpec:
 
     @property
     def fact_len(self) -> int:
-        return self.value_digits + 3  # key, '=', digits, ';'
+        return self.key_tokens + self.value_digits + 2  # key, '=', digits, ';'
+
+    @property
+    def prompt_len(self) -> int:
+        return 1 + self.key_tokens  # BOS key
+
+    @property
+    def key_space(self) -> int:
+        return len(KEYS) ** self.key_tokens
+
+    def mixture(self) -> dict[str, float]:
+        return parse_mixture(self.variants)[0]
 
     def problems(self) -> list[str]:
         problems = []
         if not 1 <= self.questions <= self.facts:
             problems.append(f"needle.questions ({self.questions}) must be between 1 and needle.facts ({self.facts})")
-        if self.facts > len(KEYS):
-            problems.append(f"needle.facts ({self.facts}) exceeds the {len(KEYS)} distinct keys")
+        if self.key_tokens not in KEY_TOKENS:
+            problems.append(f"needle.key_tokens must be 1 or 2 (2: keys that share a token), got {self.key_tokens}")
+        elif self.facts > self.key_space:
+            problems.append(f"needle.facts ({self.facts}) exceeds the {self.key_space} distinct keys")
         if self.facts_per_chunk < 1:
             problems.append(f"needle.chunk_len ({self.chunk_len}) is shorter than one fact ({self.fact_len} tokens)")
         if not 2 <= self.value_range <= len(VALUES):
             problems.append(f"needle.value_range ({self.value_range}) must be between 2 and {len(VALUES)}")
         if self.distractors < 0:
             problems.append("needle.distractors must be >= 0")
+        if not 0.0 <= self.hard_distractors <= 1.0:
+            problems.append(f"needle.hard_distractors ({self.hard_distractors}) is a share of the free fact slots: "
+                            f"give one within [0, 1]")
+        if self.memory_scale_max < 1:
+            problems.append(f"needle.memory_scale_max ({self.memory_scale_max}) must be >= 1 (1: every memory at "
+                            f"the base size)")
+        mixture, bad = parse_mixture(self.variants)
+        problems += bad
+        if any(h < 2 for h in self.hops) or not self.hops:
+            problems.append(f"needle.hops {list(self.hops)}: give chain lengths >= 2 (a chain of one is single)")
+        elif "variable_tracking" in mixture and self.facts_per_chunk >= 1:
+            if self.chunks * self.facts_per_chunk < max(self.hops):
+                problems.append(f"needle.hops: a {max(self.hops)}-hop chain does not fit the memory's "
+                                f"{self.chunks * self.facts_per_chunk} fact slots: add needle.distractors")
+            if self.key_tokens > self.value_digits:
+                problems.append(f"needle.key_tokens ({self.key_tokens}) > needle.value_digits ({self.value_digits}): "
+                                f"a variable_tracking link `ka = kb ;` would not fit a fact slot")
+        if self.questions_per_row < 1:
+            problems.append(f"needle.questions_per_row must be >= 1, got {self.questions_per_row}")
         return problems
 
 
-def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarray]:
-    """One memory with its questions: memory (chunks, chunk_len), input_ids/labels (questions, 3 + digits + 1),
-    depth (questions,) = where each asked fact starts, as a fraction of the memory."""
+def memory_scale(spec: NeedleSpec, seed: int, batch: int) -> int:
+    """The size of training micro-batch `batch`'s memories (micro-batches numbered over the whole run), in base
+    memory sizes: 1 ..memory_scale_max, size k with probability ln((k+1)/k) / ln(max+1), so each doubling of the
+    size is as likely as the one before (as many batches at 1x-2x as at 2x-4x). Always 1 at memory_scale_max 1."""
+    if spec.memory_scale_max <= 1:
+        return 1
+    u = np.random.default_rng([seed, batch, SCALE_STREAM]).random()
+    return min(int((spec.memory_scale_max + 1) ** u), spec.memory_scale_max)
+
+
+def draw_variant(spec: NeedleSpec, seed: int, index: int) -> tuple[str, int]:
+    """Memory `index`'s task from the training mixture and, for variable_tracking, its chain length."""
+    mixture = spec.mixture()
+    if list(mixture) == ["single"]:
+        return "single", 2  # no draw: the default task's examples are exactly what they were before mixtures
+    rng = np.random.default_rng([seed, index, VARIANT_STREAM])
+    names = list(mixture)
+    weights = np.array([mixture[n] for n in names])
+    variant = names[int(rng.choice(len(names), p=weights / weights.sum()))]
+    return variant, int(rng.choice(np.array(spec.hops)))
+
+
+@dataclass
+class NeedleMemory:
+    """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, the
+    answer a model is trained to give (the references one after another; multi_value's two in memory order),
+    where (as a fraction of the memory) the fact holding the answer starts, and the chunks its evidence lies in
+    (every fact the answer needs: both values, both keys, every hop)."""
+
+    memory: np.ndarray
+    questions: list[list[int]]
+    references: list[list[list[int]]]
+    depth: list[float]
+    evidence: list[list[int]]
+    answers: list[list[int]]
+
+
+def draw_keys(rng: np.random.Generator, spec: NeedleSpec, n: int) -> list[list[int]]:
+    """n distinct keys of spec.key_tokens tokens each."""
+    if spec.key_tokens == 1:
+        return [[k] for k in rng.choice(np.array(KEYS), size=n, replace=False).tolist()]
+    picks = rng.choice(spec.key_space, size=n, replace=False).tolist()
+    return [[KEYS[p // len(KEYS)], KEYS[p % len(KEYS)]] for p in picks]
+
+
+def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[list[int], list[int]]],
+               taken: set[tuple[int, ...]], count: int) -> list[list[int]]:
+    """Up to `count` facts near-identical to the targets (key, value), round robin: the value differs in one digit,
+    the key in one token (one-token keys: another key; there is no nearer one). A new key is never one in `taken`
+    (every key of the memory, so no asked key gets a second fact), and joins it."""
+    facts = []
+    values = np.array(VALUES[: spec.value_range])
+    for n in range(count):
+        key, value = targets[n % len(targets)]
+        position = int(rng.integers(len(key)))
+        free = [t for t in KEYS if tuple(key[:position] + [t] + key[position + 1 :]) not in taken]
+        if not free:
+            continue
+        near = key[:position] + [int(rng.choice(np.array(free)))] + key[position + 1 :]
+        taken.add(tuple(near))
+        digits = list(value)
+        d = int(rng.integers(len(digits)))
+        digits[d] = int(rng.choice(values[values != digits[d]]))
+        facts.append([*near, EQ, *digits, SEP])
+    return facts
+
+
+def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.Generator, hops: int = 2,
+                    hard: float = 0.0) -> NeedleMemory:
+    """A memory of `scale` times the base size (spec.chunks chunks) holding the variant's facts, and its questions:
+    the evaluation's probes (pipelines.evaluate.needle) and the training mixture's memories. `hard`: the share of
+    the free fact slots given to near-identical facts (near_facts) of the facts holding answers."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown needle variant {variant!r}; choose from {VARIANTS}")
+    chunks = spec.chunks * scale
+    slots = chunks * spec.facts_per_chunk
+    questions = spec.questions
+    digits = lambda n: [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist()
+                        for _ in range(n)]  # noqa: E731
+    if variant == "variable_tracking":
+        questions = min(questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
+        keys = draw_keys(rng, spec, questions * hops)
+        chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
+        values = digits(questions)
+        facts = [[*a, EQ, *b, SEP] for chain in chains for a, b in zip(chain, chain[1:])]
+        facts += [[*chain[-1], EQ, *v, SEP] for chain, v in zip(chains, values, strict=True)]
+        asked = [[BOS, *chain[0]] for chain in chains]
+        refs = [[v] for v in values]
+        answer_fact = [len(facts) - questions + q for q in range(questions)]
+        hops_before = hops - 1
+        needed = [[q * hops_before + h for h in range(hops_before)] + [answer_fact[q]] for q in range(questions)]
+        targets = [(chain[-1], v) for chain, v in zip(chains, values, strict=True)]
+    else:
+        n_facts = min(spec.facts * (scale if variant == "multi_key" else 1), spec.key_space, slots // 2)
+        keys = draw_keys(rng, spec, n_facts)
+        values = digits(n_facts)
+        facts = [[*k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
+        order = rng.choice(n_facts, size=min(questions * (2 if variant == "multi_query" else 1), n_facts), replace=False)
+        if variant == "multi_query":
+            pairs = order.reshape(-1, 2).tolist()
+            asked = [[BOS, *keys[a], *keys[b]] for a, b in pairs]
+            refs = [[values[a], values[b]] for a, b in pairs]
+            answer_fact = [a for a, _ in pairs]
+            needed = [list(pair) for pair in pairs]
+            targets = [(keys[f], values[f]) for pair in pairs for f in pair]
+        else:
+            asked = [[BOS, *keys[f]] for f in order.tolist()]
+            refs = [[values[f]] for f in order.tolist()]
+            answer_fact = order.tolist()
+            needed = [[f] for f in answer_fact]
+            targets = [(keys[f], values[f]) for f in answer_fact]
+            if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
+                second = digits(len(order))
+                needed = [[f, len(facts) + q] for q, f in enumerate(answer_fact)]
+                facts += [[*keys[f], EQ, *v, SEP] for f, v in zip(order.tolist(), second, strict=True)]
+                refs = [[values[f], s] for f, s in zip(order.tolist(), second, strict=True)]
+    if hard > 0:
+        taken = {tuple(fact[: fact.index(EQ)]) for fact in facts}
+        facts += near_facts(rng, spec, targets, taken, int(hard * (slots - len(facts))))
+    memory, starts = place(facts, spec, chunks, rng)
+    answers = [[t for _, ref in sorted(zip((starts[f] for f in facts_needed), refs_q)) for t in ref]
+               if variant == "multi_value" else [t for ref in refs_q for t in ref]
+               for refs_q, facts_needed in zip(refs, needed, strict=True)]
+    return NeedleMemory(memory=memory, questions=asked, references=refs,
+                        depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact],
+                        evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed],
+                        answers=answers)
+
+
+def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """As make_example builds a memory: the facts shuffled and packed slot after slot into randomly chosen chunks
+    among `chunks`, filler everywhere else; each fact's start position."""
+    fact_chunks = -(-len(facts) // spec.facts_per_chunk)
+    if fact_chunks > chunks:
+        raise ValueError(f"{len(facts)} facts do not fit in {chunks} chunks of {spec.facts_per_chunk} slots")
+    memory = rng.choice(np.array(FILLER), size=(chunks, spec.chunk_len))
+    chunk_of_slot = np.sort(rng.choice(chunks, size=fact_chunks, replace=False))
+    starts = [0] * len(facts)
+    for n, fact in enumerate(rng.permutation(len(facts)).tolist()):
+        chunk = int(chunk_of_slot[n // spec.facts_per_chunk])
+        offset = (n % spec.facts_per_chunk) * spec.fact_len
+        memory[chunk, offset : offset + len(facts[fact])] = facts[fact]
+        starts[fact] = chunk * spec.chunk_len + offset
+    return memory, starts
+
+
+def make_example(spec: NeedleSpec, seed: int, index: int, scale: int = 1,
+                 variant: str | None = None) -> dict[str, np.ndarray]:
+    """One memory with its questions: memory (chunks, chunk_len), input_ids/labels (questions, prompt + answer +
+    EOS), depth (questions,) = where each asked fact starts, as a fraction of the memory, prompt_len. Its task is
+    `variant`, else drawn from the spec's mixture; `scale` times the base memory size. The default task (single,
+    no hard distractors, one-token keys) draws exactly as before mixtures existed."""
+    hops = 2
+    if variant is None:
+        variant, hops = draw_variant(spec, seed, index)
+    elif variant == "variable_tracking":
+        hops = int(np.random.default_rng([seed, index, VARIANT_STREAM]).choice(np.array(spec.hops)))
+    if variant == "single" and spec.hard_distractors == 0 and spec.key_tokens == 1:
+        return single_example(spec, seed, index, scale)
+    drawn = generate_memory(variant, spec, scale, np.random.default_rng([seed, index]), hops, spec.hard_distractors)
+    rows = [question + answer + [EOS] for question, answer in zip(drawn.questions, drawn.answers, strict=True)]
+    labels = [[IGNORE] * len(question) + answer + [EOS] for question, answer in zip(drawn.questions, drawn.answers,
+                                                                                     strict=True)]
+    return {"memory": drawn.memory, "input_ids": np.array(rows), "labels": np.array(labels),
+            "depth": np.array(drawn.depth), "prompt_len": len(drawn.questions[0])}
+
+
+def single_example(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> dict[str, np.ndarray]:
+    """The default task: `facts` one-token-key facts in scale x spec.chunks chunks, `questions` of them asked."""
     rng = np.random.default_rng([seed, index])
+    chunks = spec.chunks * scale
     keys = rng.choice(np.array(KEYS), size=spec.facts, replace=False)
     values = rng.choice(np.array(VALUES[: spec.value_range]), size=(spec.facts, spec.value_digits))
-    memory = rng.choice(np.array(FILLER), size=(spec.chunks, spec.chunk_len))
+    memory = rng.choice(np.array(FILLER), size=(chunks, spec.chunk_len))
     order = rng.permutation(spec.facts)  # facts shuffled, then packed chunk after chunk
-    fact_chunk_slots = np.sort(rng.choice(spec.chunks, size=spec.fact_chunks, replace=False))
+    fact_chunk_slots = np.sort(rng.choice(chunks, size=spec.fact_chunks, replace=False))
     starts = np.zeros(spec.facts, dtype=np.int64)
     for n, fact in enumerate(order):
         chunk = fact_chunk_slots[n // spec.facts_per_chunk]
@@ -93,56 +338,82 @@ def make_example(spec: NeedleSpec, seed: int, index: int) -> dict[str, np.ndarra
         "memory": memory,
         "input_ids": input_ids,
         "labels": labels,
-        "depth": starts[asked] / (spec.chunks * spec.chunk_len),
+        "depth": starts[asked] / (chunks * spec.chunk_len),
+        "prompt_len": PROMPT_LEN,
     }
 
 
-def make_batch(spec: NeedleSpec, seed: int, indices: list[int]) -> dict[str, torch.Tensor]:
-    """Memories (B, chunks, chunk_len) and questions (B * questions, T), question rows grouped by memory, which is
-    how the GCA blocks fold them onto one encoder pass."""
-    examples = [make_example(spec, seed, i) for i in indices]
+def answer_positions(starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """(Q, longest answer): each question's answer positions, a shorter answer's last one repeated (exact match over
+    the row is unchanged by a repeat)."""
+    width = max(lengths)
+    return torch.tensor([[s + min(d, n - 1) for d in range(width)] for s, n in zip(starts, lengths, strict=True)])
+
+
+def make_batch(spec: NeedleSpec, seed: int, indices: list[int], scale: int = 1,
+               variant: str | None = None) -> dict[str, torch.Tensor]:
+    """Memories (B, chunks, chunk_len) and questions (B * R, T), question rows grouped by memory, which is how the
+    GCA blocks fold them onto one encoder pass; every memory gets R rows (the most any of them asks; a task asking
+    fewer, multi_query or variable_tracking, is padded with rows of PAD and no label) and every row T tokens (right
+    padding, no label: causal attention never reads it). `answer_rows` and `answer_positions` say where each
+    question's answer tokens stand (needle_batch)."""
+    examples = [make_example(spec, seed, i, scale, variant) for i in indices]
+    per_memory = max(len(e["input_ids"]) for e in examples)
+    width = max(e["input_ids"].shape[1] for e in examples)
+    input_ids = torch.full((len(examples) * per_memory, width), PAD, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE)
+    rows, starts, lengths = [], [], []
+    for b, e in enumerate(examples):
+        q, t = e["input_ids"].shape
+        input_ids[b * per_memory : b * per_memory + q, :t] = torch.from_numpy(e["input_ids"])
+        labels[b * per_memory : b * per_memory + q, :t] = torch.from_numpy(e["labels"])
+        rows += range(b * per_memory, b * per_memory + q)
+        starts += [e["prompt_len"]] * q
+        lengths += [t - e["prompt_len"] - 1] * q
     return {
         "memory_input_ids": torch.from_numpy(np.stack([e["memory"] for e in examples])),
-        "input_ids": torch.from_numpy(np.concatenate([e["input_ids"] for e in examples])),
-        "labels": torch.from_numpy(np.concatenate([e["labels"] for e in examples])),
+        "input_ids": input_ids,
+        "labels": labels,
         "depth": torch.from_numpy(np.concatenate([e["depth"] for e in examples])),
+        "answer_rows": torch.tensor(rows),
+        "answer_positions": answer_positions(starts, lengths),
     }
 
 
 def answer_span(spec: NeedleSpec) -> slice:
     """Positions of the logits that predict the value digits (the prompt is BOS key)."""
-    return slice(PROMPT_LEN - 1, PROMPT_LEN - 1 + spec.value_digits)
+    return slice(spec.prompt_len - 1, spec.prompt_len - 1 + spec.value_digits)
 
 
-def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMode = GCA) -> dict[str, torch.Tensor]:
-    """The batch a system with memory `mode` trains and is scored on, plus where each question's value digits stand:
-    `answer_rows` (Q,) and `answer_positions` (Q, value_digits), Q = memories x questions, in make_batch's order.
+def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMode = GCA, scale: int = 1,
+                 variant: str | None = None, questions_per_row: int | None = None) -> dict[str, torch.Tensor]:
+    """The batch a system with memory `mode` trains and is scored on, plus where each question's answer tokens stand:
+    `answer_rows` (Q,) and `answer_positions` (Q, answer tokens), Q = the memories' questions, in make_batch's order.
 
-    gca: make_batch (memories read through the encoder). in_context: one row per memory, the memory's tokens then
-    its questions one after another (they share the prefix, as GCA's questions share one encoder pass; a question
-    sees the ones before it, never its own answer). rag: one row per question, its top-k chunks then the question.
+    gca: make_batch (memories read through the encoder). in_context: the memory's tokens, then up to
+    `questions_per_row` (default: the spec's) of its questions one after another (they share the prefix, as GCA's
+    questions share one encoder pass; a question sees the ones before it, never its own answer); further questions
+    start another row with the memory again. rag: one row per question, its top-k chunks then the question.
     none: the questions alone."""
-    digits = torch.arange(spec.value_digits)
     if mode.kind == "gca":
-        batch = make_batch(spec, seed, indices)
-        q = batch["input_ids"].shape[0]
-        return {**batch, "answer_rows": torch.arange(q), "answer_positions": (PROMPT_LEN + digits).expand(q, -1)}
+        return make_batch(spec, seed, indices, scale, variant)
+    per_row = questions_per_row or spec.questions_per_row
     rows: list[list[int]] = []
     labels: list[list[int]] = []
-    answer_rows, answer_starts, depth = [], [], []
+    answer_rows, answer_starts, lengths, depth = [], [], [], []
     for index in indices:
-        example = make_example(spec, seed, index)
+        example = make_example(spec, seed, index, scale, variant)
         chunks = example["memory"].tolist()
+        prompt_len = example["prompt_len"]
         depth.append(example["depth"])
-        if mode.kind == "in_context":
-            rows.append(prompt_memory(chunks, [], mode))
-            labels.append([IGNORE] * len(rows[-1]))
-        for question, target in zip(example["input_ids"].tolist(), example["labels"].tolist(), strict=True):
-            if mode.kind != "in_context":
-                rows.append(prompt_memory(chunks, question[:PROMPT_LEN], mode))
+        for n, (question, target) in enumerate(zip(example["input_ids"].tolist(), example["labels"].tolist(),
+                                                   strict=True)):
+            if mode.kind != "in_context" or n % per_row == 0:
+                rows.append(prompt_memory(chunks, [] if mode.kind == "in_context" else question[:prompt_len], mode))
                 labels.append([IGNORE] * len(rows[-1]))
             answer_rows.append(len(rows) - 1)
-            answer_starts.append(len(rows[-1]) + PROMPT_LEN)
+            answer_starts.append(len(rows[-1]) + prompt_len)
+            lengths.append(len(question) - prompt_len - 1)
             rows[-1] = rows[-1] + question
             labels[-1] = labels[-1] + target
     width = max(len(r) for r in rows)  # rows are right-padded: causal attention never reads the padding
@@ -151,7 +422,7 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
     for r, (ids, labs) in enumerate(zip(rows, labels, strict=True)):
         input_ids[r, : len(ids)], label_ids[r, : len(labs)] = torch.tensor(ids), torch.tensor(labs)
     return {"input_ids": input_ids, "labels": label_ids, "depth": torch.from_numpy(np.concatenate(depth)),
-            "answer_rows": torch.tensor(answer_rows), "answer_positions": torch.tensor(answer_starts)[:, None] + digits}
+            "answer_rows": torch.tensor(answer_rows), "answer_positions": answer_positions(answer_starts, lengths)}
 
 
 def noisy_copy_rows(spec: NeedleSpec, seed: int, count: int, noise: float) -> list[dict]:
@@ -164,8 +435,9 @@ def noisy_copy_rows(spec: NeedleSpec, seed: int, count: int, noise: float) -> li
         example = make_example(spec, seed, index)
         rng = np.random.default_rng([seed, index, 1])
         input_ids, labels = example["input_ids"][0].copy(), example["labels"][0].copy()  # the first question
-        digits = np.arange(PROMPT_LEN, PROMPT_LEN + spec.value_digits)
-        replaced = digits[rng.random(spec.value_digits) < noise]
+        start = example["prompt_len"]
+        digits = np.arange(start, len(input_ids) - 1)  # the answer's tokens, EOS not
+        replaced = digits[rng.random(len(digits)) < noise]
         input_ids[replaced] = labels[replaced] = rng.choice(np.array(VALUES[: spec.value_range]), size=len(replaced))
         rows.append({"task": "needle", "variant": "noisy_copy", "input_ids": input_ids.tolist(),
                      "labels": labels.tolist(), "memory_input_ids": example["memory"].tolist()})
