@@ -18,14 +18,17 @@ import torch
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.shards import RankReader, Split, head_rows, load_split
 from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
-from pipelines.data.synthetic_needles import NeedleSpec, make_batch, needle_batch
+from pipelines.data.synthetic_needles import NeedleSpec, make_batch, memory_scale, needle_batch
 from pipelines.data.teacher_logits import TeacherEntries, teacher_tensors
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
 
 class NeedleStream:
-    """Synthetic key -> value needles, example i drawn from seed (seed, i): any worker can make any example."""
+    """Synthetic key -> value needles, example i drawn from seed (seed, i): any worker can make any example. With
+    needle.memory_scale_max > 1, the memories of global micro-batch g (step * grad_accum + micro, the same on every
+    rank) all hold memory_scale(spec, seed, g) times the base number of chunks, so they stack, and a resumed run
+    draws the same sizes."""
 
     def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
                  world: int, mode: MemoryMode = GCA):
@@ -38,7 +41,8 @@ class NeedleStream:
         per_rank = per_micro // self.world
         start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
         indices = list(range(start, start + per_rank))
-        batch = needle_batch(self.spec, self.seed, indices, self.mode)
+        scale = memory_scale(self.spec, self.seed, step * self.grad_accum + micro)
+        batch = needle_batch(self.spec, self.seed, indices, self.mode, scale=scale)
         keys = ("input_ids", "labels", "memory_input_ids") if self.mode.kind == "gca" else ("input_ids", "labels")
         return {k: batch[k] for k in keys}, len(indices), sum(indices)
 

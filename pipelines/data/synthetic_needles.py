@@ -110,6 +110,15 @@ class NeedleSpec:
     def mixture(self) -> dict[str, float]:
         return parse_mixture(self.variants)[0]
 
+    def row_len(self, variant: str = "single") -> int:
+        """Tokens of one question row: BOS, the key(s), the answer's tokens, EOS."""
+        two = variant in ("multi_query", "multi_value")
+        return self.prompt_len + self.key_tokens * (variant == "multi_query") + self.value_digits * (1 + two) + 1
+
+    @property
+    def longest_row(self) -> int:
+        return max([self.row_len(v) for v in self.mixture()] or [self.row_len()])
+
     def problems(self) -> list[str]:
         problems = []
         if not 1 <= self.questions <= self.facts:

@@ -63,16 +63,20 @@ def score_needles(
     mode: MemoryMode = GCA,
     batch_memories: int = 16,
     depth_bins: int = 4,
+    variant: str = "single",
+    scale: int = 1,
 ) -> NeedleScores:
-    """Exact match of all value digits, for the system that reads its memory as `mode` says (NO_MEMORY: withheld).
-    Teacher-forced argmax at each answer position equals greedy decoding for exact match: greedy emits the right
-    digits exactly when each is the argmax given the right ones before it."""
+    """Exact match of all answer tokens of `variant`'s questions on memories `scale` times the base size, for the
+    system that reads its memory as `mode` says (NO_MEMORY: withheld), one question a row as jobs/evaluate.py asks
+    (an in_context row holds the memory and one question, so no answer follows from the ones before it). Teacher-forced argmax at each answer position equals greedy decoding for
+    exact match: greedy emits the right tokens exactly when each is the argmax given the right ones before it."""
     was_training = model.training
     model.eval()
     device = model.device
     scores = NeedleScores(0, 0, 0.0, 0, [0] * depth_bins, [0] * depth_bins)
     for start in range(0, len(indices), batch_memories):
-        batch = needle_batch(spec, seed, indices[start : start + batch_memories], mode)
+        batch = needle_batch(spec, seed, indices[start : start + batch_memories], mode, scale=scale,
+                             variant=variant, questions_per_row=1)
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         memory = batch["memory_input_ids"].to(device) if "memory_input_ids" in batch else None
         logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (rows, T, V)
@@ -105,19 +109,38 @@ def _summed(scores: NeedleScores) -> NeedleScores:
     return NeedleScores.from_tensor(total, bins=len(scores.depth_total))
 
 
+def base_task(spec: NeedleSpec) -> NeedleSpec:
+    """The task jobs/evaluate.py's `single` probes ask at 1x: the spec without hard distractors."""
+    return dataclasses.replace(spec, hard_distractors=0.0)
+
+
 def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
                      world: int, mode: MemoryMode = GCA) -> dict[str, float]:
     """Held-out needles (memories `seed`, 0..val_memories-1), with the memory (read as `mode` says) and with it
-    withheld."""
+    withheld: `needle_accuracy` is the single task at the base size (jobs/evaluate.py's needle/single/1x), one
+    question a row. A run trained on more adds, with the memory: each other variant of its mixture
+    (`needle_accuracy/<variant>`), its hard distractors (`needle_accuracy/hard`) and its largest memory
+    (`needle_accuracy/<N>x`)."""
     indices = list(range(rank, val_memories, world))
     metrics = {}
     for label, system in (("needle", mode), ("no_memory", NO_MEMORY)):
-        scores = _summed(score_needles(model, spec, seed, indices, mode=system))
+        scores = _summed(score_needles(model, base_task(spec), seed, indices, mode=system))
         metrics[f"{label}_accuracy"] = scores.accuracy
         metrics[f"{label}_val_loss"] = scores.loss
         if system is mode:
             for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
                 metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
+    largest = spec.memory_scale_max
+    extra = {f"needle_accuracy/{v}": (spec, v, 1) for v in spec.mixture() if v not in ("single", "multi_key")}
+    if spec.hard_distractors > 0:
+        extra["needle_accuracy/hard"] = (spec, "single", 1)
+    if largest > 1:
+        extra[f"needle_accuracy/{largest}x"] = (base_task(spec), "single", largest)
+        if "multi_key" in spec.mixture():  # at 1x, multi_key is the single task
+            extra[f"needle_accuracy/multi_key/{largest}x"] = (spec, "multi_key", largest)
+    for name, (task, variant, scale) in extra.items():
+        metrics[name] = _summed(score_needles(model, task, seed, indices, mode=mode, variant=variant,
+                                              scale=scale)).accuracy
     return metrics
 
 
@@ -127,8 +150,8 @@ def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memor
     indices = list(range(rank, val_memories, world))
     columns = []
     for distractors in HEATMAP_DISTRACTORS:
-        scores = _summed(score_needles(model, dataclasses.replace(spec, distractors=distractors), seed, indices,
-                                      mode=mode))
+        scores = _summed(score_needles(model, dataclasses.replace(base_task(spec), distractors=distractors), seed,
+                                      indices, mode=mode))
         columns.append([c / max(n, 1) for c, n in zip(scores.depth_correct, scores.depth_total, strict=True)])
     sizes = [dataclasses.replace(spec, distractors=d).chunks * spec.chunk_len for d in HEATMAP_DISTRACTORS]
     return {"memory_tokens": sizes, "accuracy_by_depth": [list(row) for row in zip(*columns)]}

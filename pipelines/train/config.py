@@ -106,18 +106,28 @@ class ModelConfig:
 class NeedleConfig:
     """Stage 0's embedded synthetic task (used when data.train_path is not set)."""
 
-    facts: int = 8
-    questions: int = 8
-    value_digits: int = 3
-    value_range: int = 10
-    chunk_len: int = 24
-    distractors: int = 2
+    facts: int = 8  # key -> value facts per memory (at the base size)
+    questions: int = 8  # facts asked per memory (<= facts); each GCA question is a decoder row of its own
+    value_digits: int = 3  # tokens per value
+    value_range: int = 10  # distinct tokens per value position (10: decimal digits; at most 90)
+    chunk_len: int = 24  # tokens per memory chunk; facts are packed into fact-sized slots
+    distractors: int = 2  # chunks of filler per memory (at the base size)
+    # Training for size and for similar facts (issue 26); each default keeps the task as it was.
+    key_tokens: int = 1  # tokens per key (1 or 2); with 2, a hard distractor's key shares all but one token with an asked key
+    hard_distractors: float = 0.0  # share (0-1) of a memory's free fact slots filled with facts near-identical to the asked ones (value one digit off, key one token off) instead of filler
+    memory_scale_max: int = 1  # each training micro-batch's memories hold 1x..this many times the base chunks, one size drawn per micro-batch from the seed (each doubling as likely)
+    variants: list[str] = field(default_factory=lambda: ["single"])  # training mixture of the evaluation's tasks, NAME or NAME:WEIGHT: single multi_key multi_value multi_query variable_tracking
+    hops: list[int] = field(default_factory=lambda: [2, 3])  # variable_tracking chain lengths, one drawn per memory
+    questions_per_row: int = 4  # in_context training rows: questions asked after one copy of the memory; fewer than facts, so no answer follows by elimination (the evaluation asks one a row)
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
     def spec(self) -> NeedleSpec:
         return NeedleSpec(facts=self.facts, questions=self.questions, value_digits=self.value_digits,
-                          value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors)
+                          value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors,
+                          key_tokens=self.key_tokens, hard_distractors=self.hard_distractors,
+                          memory_scale_max=self.memory_scale_max, variants=tuple(self.variants), hops=tuple(self.hops),
+                          questions_per_row=self.questions_per_row)
 
 
 @dataclass
@@ -325,6 +335,11 @@ class StageConfig(JobConfig):
                      f"export directory (the `export` path in its summary line)")
         p += m.memory_mode().problems()
         p += [f"needle: {q}" for q in self.needle.spec().problems()]
+        n = self.needle
+        if m.memory == "in_context" and not self.data.train_path and 1 < n.facts <= min(n.questions_per_row, n.questions):
+            p.append(f"needle.questions_per_row ({n.questions_per_row}) asks all {n.facts} facts of a memory in one "
+                     f"in_context row, so its last answer follows by elimination: use --needle.questions_per_row "
+                     f"{max(1, n.facts // 2)} (or ask fewer --needle.questions)")
         p += run_problems(t, self.scaling, self.deepspeed)
         d = self.data
         if d.val_path and not d.train_path:

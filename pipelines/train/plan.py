@@ -103,14 +103,14 @@ class MemoryPlan:
 
 def plan_for_stage(config) -> MemoryPlan:
     """The plan of a stage config's GPU run: its pair, train modes, workers and (for stage 0's needles) lengths."""
-    from pipelines.data.synthetic_needles import PROMPT_LEN
-
     spec, s, d = config.needle.spec(), config.scaling, config.data
     per_gpu_memories = max(1, config.train.memories_per_step // (s.num_workers * config.train.grad_accum))
     if d.train_path:  # corpus rows: packed to data.max_tokens, one memory of max_chunks x chunk_len each
         questions, seq_len, memory_tokens = 1, d.max_tokens, d.max_chunks * d.chunk_len
     else:
-        questions, seq_len, memory_tokens = spec.questions, PROMPT_LEN + spec.value_digits + 1, spec.chunks * spec.chunk_len
+        # the longest question row of the mixture, and the largest memory (needle.memory_scale_max)
+        questions, seq_len = spec.questions, spec.longest_row
+        memory_tokens = spec.chunks * spec.memory_scale_max * spec.chunk_len
     return plan_memory(PlanInput(
         pair=config.model.pair, nodes=max(1, -(-s.num_workers // s.gpus_per_node)),
         gpus_per_node=min(s.num_workers, s.gpus_per_node), gpu_memory_gib=s.gpu_memory_gib,
