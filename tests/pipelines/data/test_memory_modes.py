@@ -58,8 +58,11 @@ def test_every_system_scores_the_same_answers(mode):
 def test_in_context_rows_hold_the_whole_memory_and_rag_rows_the_asked_fact():
     example = make_example(SPEC, 5, 0)
     in_context = needle_batch(SPEC, 5, [0], MemoryMode("in_context"))
-    assert in_context["input_ids"].shape[0] == 1  # the questions share the memory prefix
-    assert in_context["input_ids"][0, : SPEC.chunks * SPEC.chunk_len].tolist() == example["memory"].ravel().tolist()
+    # questions share the memory prefix, SPEC.questions_per_row (4) to a row: 8 questions, two rows
+    assert in_context["input_ids"].shape[0] == SPEC.questions // SPEC.questions_per_row == 2
+    for row in in_context["input_ids"]:
+        assert row[: SPEC.chunks * SPEC.chunk_len].tolist() == example["memory"].ravel().tolist()
+    assert needle_batch(SPEC, 5, [0], MemoryMode("in_context"), questions_per_row=8)["input_ids"].shape[0] == 1
     rag = needle_batch(SPEC, 5, [0], MemoryMode("rag", rag_k=1))
     for row, question in zip(rag["input_ids"].tolist(), example["input_ids"].tolist(), strict=True):
         key, digits = question[1], question[PROMPT_LEN : PROMPT_LEN + SPEC.value_digits]
@@ -68,6 +71,17 @@ def test_in_context_rows_hold_the_whole_memory_and_rag_rows_the_asked_fact():
         assert retrieved[at + 1 : at + 2 + SPEC.value_digits] == [EQ, *digits]  # the fact itself, before the question
     none = needle_batch(SPEC, 5, [0], MemoryMode("none"))
     assert torch.equal(none["input_ids"], torch.from_numpy(example["input_ids"]))
+
+
+def test_no_in_context_answer_follows_by_elimination():
+    """A row asks fewer questions than its memory holds facts (the last of all 8 would be forced), and the
+    evaluation's rows ask one each: then a row holds the memory and exactly one answer."""
+    batch = needle_batch(SPEC, 5, [0, 1], MemoryMode("in_context"))
+    per_row = torch.bincount(batch["answer_rows"]).tolist()
+    assert max(per_row) == SPEC.questions_per_row < SPEC.facts
+    one = needle_batch(SPEC, 5, [0, 1], MemoryMode("in_context"), questions_per_row=1)
+    assert one["input_ids"].shape[0] == 2 * SPEC.questions and torch.equal(one["answer_rows"], torch.arange(16))
+    assert [int((row != -100).sum()) for row in one["labels"]] == [SPEC.value_digits + 1] * 16
 
 
 def test_memory_mode_problems_name_the_field():

@@ -95,3 +95,28 @@ def test_fusion_is_validated_with_the_reason(capsys):
     assert "train the decoder with model.decoder lora or full" in err and "model.fusion merged has none" in err
     for fusion in ("cross", "merged"):
         assert parse_config(["--model.fusion", fusion], DEFAULT).model.fusion == fusion
+
+
+def test_needle_size_and_mixture_flags_parse_and_are_validated(capsys):
+    """The issue-26 needle fields: parsed from flags into the spec, each bad value one line naming the fix, and an
+    in_context row that would ask every fact refused (its last answer would follow by elimination)."""
+    config = parse_config(["--needle.memory_scale_max", "8", "--needle.hard_distractors", "0.5", "--needle.key_tokens",
+                           "2", "--needle.variants", "single:4", "multi_key:2", "multi_value", "--needle.hops", "2"],
+                          DEFAULT)
+    spec = config.needle.spec()
+    assert (spec.memory_scale_max, spec.hard_distractors, spec.key_tokens, spec.hops) == (8, 0.5, 2, (2,))
+    assert spec.mixture() == {"single": 4.0, "multi_key": 2.0, "multi_value": 1.0}
+    for flags, expected in ((["--needle.memory_scale_max", "0"], "needle.memory_scale_max (0) must be >= 1"),
+                            (["--needle.hard_distractors", "1.5"], "within [0, 1]"),
+                            (["--needle.key_tokens", "3"], "needle.key_tokens must be 1 or 2"),
+                            (["--needle.variants", "single", "bogus"], "'bogus' is not one of"),
+                            (["--needle.variants", "single:0"], "needs a positive weight"),
+                            (["--needle.hops", "1"], "give chain lengths >= 2"),
+                            (["--needle.questions_per_row", "0"], "needle.questions_per_row must be >= 1"),
+                            (["--model.memory", "in_context", "--needle.questions_per_row", "8"],
+                             "follows by elimination: use --needle.questions_per_row 4")):
+        with pytest.raises(SystemExit) as stop:
+            parse_config(flags, DEFAULT)
+        assert stop.value.code == 2
+        assert expected in capsys.readouterr().err, flags
+    assert parse_config(["--needle.questions_per_row", "8"], DEFAULT).needle.questions_per_row == 8  # gca: no row shares
