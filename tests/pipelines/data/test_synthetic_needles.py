@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from pipelines.data.corpora.rows import IGNORE
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, PROMPT_LEN, SEP, NeedleSpec, make_batch, make_example
@@ -53,3 +54,172 @@ def test_value_range_sets_the_value_vocabulary():
     values = {int(q[PROMPT_LEN]) for i in range(40) for q in make_example(spec, seed=3, index=i)["input_ids"]}
     assert values <= set(VALUES) and len(values) > 60  # one token from 90: far beyond the 10 digits
     assert any("needle.value_range" in p for p in NeedleSpec(value_range=91).problems())
+
+
+# ------------------------------------------------------------------ issue 26: sizes, similar facts, the mixture
+from pipelines.data.synthetic_needles import (KEYS, PAD, VALUES, VARIANTS, draw_variant, generate_memory,  # noqa: E402
+                                              memory_scale, needle_batch)
+
+
+def facts_in(memory: np.ndarray) -> dict[tuple[int, ...], list[list[int]]]:
+    """Every fact `key = value ;` of a memory, read chunk by chunk: key -> its values in memory order. Filler never
+    holds '=' or ';'."""
+    facts: dict[tuple[int, ...], list[list[int]]] = {}
+    for chunk in memory.tolist():
+        at = 0
+        while EQ in chunk[at:]:
+            eq = chunk.index(EQ, at)
+            sep = chunk.index(SEP, eq)
+            start = eq - 1
+            while start > at and chunk[start - 1] in KEYS:
+                start -= 1
+            facts.setdefault(tuple(chunk[start:eq]), []).append(chunk[eq + 1 : sep])
+            at = sep + 1
+    return facts
+
+
+def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> list[int]:
+    """The answer worked out from the memory alone, as a reader would."""
+    keys = [tuple(question[1 + i * key_tokens : 1 + (i + 1) * key_tokens]) for i in range((len(question) - 1) // key_tokens)]
+    if variant == "multi_query":
+        return [t for key in keys for t in facts[key][0]]
+    if variant == "multi_value":
+        return [t for value in facts[keys[0]] for t in value]
+    (value,) = facts[keys[0]]
+    while variant == "variable_tracking" and tuple(value) in facts:  # a link to another key: follow it
+        (value,) = facts[tuple(value)]
+    return value
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("key_tokens", "scale", "hard"), [(1, 1, 0.0), (2, 3, 0.5), (1, 2, 1.0)])
+def test_every_variant_row_is_answered_by_its_memory(variant, key_tokens, scale, hard):
+    spec = NeedleSpec(key_tokens=key_tokens, hard_distractors=hard, hops=(2, 3))
+    for index in range(6):
+        example = make_example(spec, 11, index, scale=scale, variant=variant)
+        assert example["memory"].shape == (spec.chunks * scale, spec.chunk_len)
+        facts = facts_in(example["memory"])
+        p = example["prompt_len"]
+        for row, labels in zip(example["input_ids"].tolist(), example["labels"].tolist(), strict=True):
+            assert row[0] == BOS and row[-1] == EOS
+            assert labels[:p] == [IGNORE] * p and labels[p:] == row[p:]  # loss on the answer and EOS only
+            assert row[p:-1] == solve(variant, row[:p], facts, key_tokens), (variant, row)
+
+
+def test_a_multi_query_row_and_a_multi_value_row_by_hand():
+    spec = NeedleSpec(facts=4, questions=2, distractors=1)
+    drawn = generate_memory("multi_query", spec, 1, np.random.default_rng(0))
+    facts = facts_in(drawn.memory)
+    ka, kb = drawn.questions[0][1:]
+    assert drawn.questions[0] == [BOS, ka, kb] and drawn.answers[0] == facts[(ka,)][0] + facts[(kb,)][0]
+    drawn = generate_memory("multi_value", spec, 1, np.random.default_rng(0))
+    key = drawn.questions[0][1]
+    flat = drawn.memory.ravel().tolist()
+    first, second = [i for i in range(len(flat) - 1) if flat[i] == key and flat[i + 1] == EQ]
+    assert drawn.answers[0] == flat[first + 2 : first + 5] + flat[second + 2 : second + 5]  # memory order
+    assert sorted(map(tuple, drawn.references[0])) == sorted([tuple(flat[first + 2 : first + 5]),
+                                                              tuple(flat[second + 2 : second + 5])])
+
+
+def test_mixed_examples_are_deterministic_per_index():
+    spec = NeedleSpec(key_tokens=2, hard_distractors=0.5, memory_scale_max=4,
+                      variants=("single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"))
+    for index in range(12):
+        a, b = make_example(spec, 5, index, scale=2), make_example(spec, 5, index, scale=2)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+        assert draw_variant(spec, 5, index) == draw_variant(spec, 5, index)
+    assert not np.array_equal(make_example(spec, 5, 0, scale=2)["memory"], make_example(spec, 6, 0, scale=2)["memory"])
+    batch, again = make_batch(spec, 5, list(range(8)), scale=2), make_batch(spec, 5, list(range(8)), scale=2)
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+
+
+def test_the_mixture_draws_variants_by_weight_and_the_default_draws_nothing():
+    spec = NeedleSpec(variants=("single:3", "multi_query:1"), hops=(3,))
+    drawn = [draw_variant(spec, 0, i)[0] for i in range(400)]
+    assert set(drawn) == {"single", "multi_query"} and 240 < drawn.count("single") < 360
+    assert {draw_variant(NeedleSpec(variants=("variable_tracking",), hops=(3,)), 0, i) for i in range(5)} == {
+        ("variable_tracking", 3)}
+    assert {draw_variant(NeedleSpec(), 0, i) for i in range(20)} == {("single", 2)}
+
+
+def test_drawn_memory_sizes_cover_the_range_once_per_micro_batch():
+    spec = NeedleSpec(memory_scale_max=8)
+    sizes = [memory_scale(spec, 1234, g) for g in range(2000)]
+    assert set(sizes) == set(range(1, 9))
+    counts = np.bincount(sizes, minlength=9)
+    assert counts[1] > counts[2] > counts[8] > 0 and abs(counts[1] - (counts[2] + counts[3])) < 120  # log-uniform
+    assert sizes == [memory_scale(spec, 1234, g) for g in range(2000)]  # a resumed run draws the same
+    assert {memory_scale(NeedleSpec(), 1234, g) for g in range(50)} == {1}
+
+
+def test_the_stream_gives_every_rank_one_size_per_micro_batch():
+    from pipelines.data.streams import NeedleStream
+
+    spec = NeedleSpec(memory_scale_max=6)
+    ranks = [NeedleStream(spec, 3, memories_per_step=8, grad_accum=2, rank=r, world=2) for r in range(2)]
+    seen = set()
+    for step in range(12):
+        for micro in range(2):
+            shapes = {tuple(s.batch(step, micro)[0]["memory_input_ids"].shape) for s in ranks}
+            (shape,) = shapes  # both ranks' memories have the same size, so DeepSpeed's steps stay in lockstep
+            assert shape == (2, spec.chunks * memory_scale(spec, 3, step * 2 + micro), spec.chunk_len)
+            seen.add(shape[1] // spec.chunks)
+    assert len(seen) > 2
+
+
+@pytest.mark.parametrize("key_tokens", [1, 2])
+def test_hard_distractors_are_near_identical_and_never_collide_with_an_asked_key(key_tokens):
+    spec = NeedleSpec(key_tokens=key_tokens, hard_distractors=0.75)
+    for index in range(10):
+        example = make_example(spec, 2, index, scale=2, variant="single")
+        facts = facts_in(example["memory"])
+        asked = {tuple(row[1 : example["prompt_len"]]): row[example["prompt_len"] : -1] for row in
+                 example["input_ids"].tolist()}
+        assert len(asked) == spec.questions == spec.facts  # every real fact is asked: the others are distractors
+        assert all(facts[key] == [value] for key, value in asked.items())  # an asked key names one fact only
+        free = spec.chunks * 2 * spec.facts_per_chunk - spec.facts
+        others = [(key, values[0]) for key, values in facts.items() if key not in asked]
+        assert len(others) == int(0.75 * free)
+        for key, value in others:
+            near = [(k, v) for k, v in asked.items()
+                    if sum(a != b for a, b in zip(k, key)) == 1
+                    and sum(a != b for a, b in zip(v, value)) == 1]
+            assert near, (key, value)  # value one digit off; key one token off (one-token keys: another key)
+            if key_tokens == 2:
+                assert any(sum(a == b for a, b in zip(k, key)) == 1 for k, _ in near)  # shares a token
+
+
+def test_batches_of_mixed_tasks_stack_and_say_where_each_answer_is():
+    spec = NeedleSpec(variants=("single", "multi_value", "multi_query", "variable_tracking"), hops=(3,))
+    indices = list(range(16))
+    batch = make_batch(spec, 9, indices, scale=2)
+    examples = [make_example(spec, 9, i, scale=2) for i in indices]
+    assert {draw_variant(spec, 9, i)[0] for i in indices} == {"single", "multi_value", "multi_query", "variable_tracking"}
+    per_memory = batch["input_ids"].shape[0] // len(indices)
+    assert per_memory == spec.questions  # the most any memory asks; fewer are padded with unlabelled PAD rows
+    assert batch["memory_input_ids"].shape == (16, 2 * spec.chunks, spec.chunk_len)
+    got = batch["input_ids"][batch["answer_rows"][:, None], batch["answer_positions"]]
+    q = 0
+    for b, e in enumerate(examples):
+        for row in e["input_ids"].tolist():
+            answer = row[e["prompt_len"] : -1]
+            assert got[q, : len(answer)].tolist() == answer and set(got[q, len(answer) :].tolist()) <= {answer[-1]}
+            q += 1
+        padded = batch["input_ids"][b * per_memory + len(e["input_ids"]) : (b + 1) * per_memory]
+        assert (padded == PAD).all() and (batch["labels"][b * per_memory + len(e["input_ids"]) : (b + 1) * per_memory]
+                                          == IGNORE).all()
+    assert q == len(batch["answer_rows"]) == len(batch["depth"])
+    for mode in ("in_context", "rag", "none"):
+        from pipelines.data.memory_modes import MemoryMode
+
+        other = needle_batch(spec, 9, indices, MemoryMode(mode), scale=2)
+        assert torch.equal(other["input_ids"][other["answer_rows"][:, None], other["answer_positions"]], got)
+
+
+def test_new_fields_are_validated():
+    problems = " ".join(NeedleSpec(variants=("single", "variable_tracking"), key_tokens=2, value_digits=1).problems())
+    assert "a variable_tracking link `ka = kb ;` would not fit" in problems
+    assert "needle.variants is empty" in " ".join(NeedleSpec(variants=()).problems())
+    assert NeedleSpec(key_tokens=2).prompt_len == 3 and NeedleSpec(key_tokens=2).fact_len == 7
+    assert NeedleSpec(variants=("single", "multi_query")).longest_row == 1 + 2 + 6 + 1
+    assert all(t < 496 for t in (*KEYS, *VALUES))
