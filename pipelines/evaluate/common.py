@@ -9,14 +9,17 @@ metrics; the job knows none of them by name beyond its registry.
 from __future__ import annotations
 
 import re
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol, TextIO
 
 from models import AwarenessModel
 from models.awareness import CONFIG_NAME
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.train.console import duration
 
 
 # ---------------------------------------------------------------------------------------------- systems
@@ -101,7 +104,8 @@ def load_system(name: str, export: str, system: dict[str, Any], device: str = "c
 def needle_spec(system: dict[str, Any]) -> NeedleSpec:
     """The needle task the system trained on (its export's system.json); the stage-0 default otherwise."""
     fields = NeedleSpec.__dataclass_fields__
-    return NeedleSpec(**{k: v for k, v in (system.get("needle") or {}).items() if k in fields})
+    return NeedleSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in (system.get("needle") or {}).items()
+                         if k in fields})  # system.json's lists are the spec's tuples
 
 
 def batch_columns(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -142,3 +146,32 @@ class Suite(Protocol):
     def run(self, source: Source) -> SuiteResult: ...
 
     def close(self) -> None: ...
+
+
+class Progress:
+    """A suite's progress as the training console shows a step: `gca: needle  24/240 probes  elapsed 0m31s  eta
+    4m39s` (the ETA from the rate so far). On a terminal the line is rewritten in place; otherwise (a log, `ray job
+    logs`) it is printed at the first update, then at most every `every_s` seconds, and when all are done."""
+
+    def __init__(self, label: str, total: int, unit: str = "probes", every_s: float = 30.0,
+                 stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+        self.label, self.total, self.unit, self.every_s, self.clock = label, total, unit, every_s, clock
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.started, self.shown, self.width = clock(), None, 0
+
+    def line(self, done: int) -> str:
+        elapsed = self.clock() - self.started
+        eta = f"  eta {duration(elapsed / done * (self.total - done))}" if 0 < done < self.total else ""
+        return f"{self.label}  {done}/{self.total} {self.unit}  elapsed {duration(elapsed)}{eta}"
+
+    def update(self, done: int) -> None:
+        now = self.clock()
+        if self.tty:
+            text = self.line(done)
+            self.stream.write("\r" + text.ljust(self.width) + ("\n" if done >= self.total else ""))
+            self.width = len(text)
+        elif self.shown is None or done >= self.total or now - self.shown >= self.every_s:
+            self.stream.write(self.line(done) + "\n")
+            self.shown = now
+        self.stream.flush()

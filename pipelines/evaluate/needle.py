@@ -8,7 +8,10 @@ asked key holds two values; both must be answered), `multi_query` (one question 
 answered), and `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`). Memory size counts chunks; facts
 are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler), so `single` at 1x is
 the training distribution and the memory's size does not depend on its contents. Scoring is RULER's string match: a
-question's references must appear in the generated answer.
+question's references must appear in the generated answer. A probe is built by the generator stage 0's training
+mixture uses (synthetic_needles.generate_memory, `--needle.variants` in training), so each variant's format is the
+one a system trained on it learned; `--needle.hard_distractors` fills a share of every probe's free fact slots with
+facts near-identical to the asked ones. A system trained on two-token keys is asked two-token keys.
 
 `score_probe` is what one worker does with one loaded system; it takes no Ray, so a test calls it directly.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import numpy as np
 import torch
@@ -25,7 +28,7 @@ import torch
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, generate_memory
-from pipelines.evaluate.common import (Source, SuiteResult, System, Workers, batch_columns, load_system,
+from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
 from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
 
@@ -38,6 +41,7 @@ class NeedleSuite:
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths
     seed: int = 20261123  # probes come from their own seed, never from training's or validation's
     depth_bins: int = 4
+    hard_distractors: float = 0.0  # share (0-1) of each probe's free fact slots holding facts near-identical to the asked ones (stage 0's needle.hard_distractors), the same for every system
 
     def problems(self) -> list[str]:
         p = []
@@ -48,6 +52,9 @@ class NeedleSuite:
             p.append("needle.multipliers and needle.memories must be positive")
         if any(h < 2 for h in self.hops):
             p.append("needle.hops must be >= 2 (a chain of one is the single task)")
+        if not 0.0 <= self.hard_distractors <= 1.0:
+            p.append(f"needle.hard_distractors ({self.hard_distractors}) is a share of the free fact slots: give one "
+                     f"within [0, 1]")
         return p
 
 
@@ -116,10 +123,10 @@ def answer_probe(system: System, probe: Probe) -> list[list[int]]:
 
 
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
-                depth_bins: int = 4) -> list[dict[str, Any]]:
+                depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
     found), the depth bin of the fact holding the answer, and for gca where its attention went."""
-    probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops)
+    probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
     answers = answer_probe(system, probe)
     read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
     reading = memory_attention(system, probe) if read_attention else [{}] * len(answers)
@@ -155,16 +162,16 @@ class NeedleScorer:
     """A Ray Data actor: loads one system, scores batches of probe items."""
 
     def __init__(self, name: str, export: str, system: dict[str, Any], depth_bins: int, seed: int, use_gpu: bool,
-                 served: str | None = None, tracking_uri: str | None = None):
+                 served: str | None = None, tracking_uri: str | None = None, hard_distractors: float = 0.0):
         self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
-        self.depth_bins, self.seed = depth_bins, seed
+        self.depth_bins, self.seed, self.hard_distractors = depth_bins, seed, hard_distractors
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows: list[dict[str, Any]] = []
         for variant, multiplier, hops, index in zip(batch["variant"], batch["multiplier"], batch["hops"],
                                                     batch["index"], strict=True):
             rows += score_probe(self.system, str(variant), int(multiplier), self.seed, int(index), hops=int(hops),
-                                depth_bins=self.depth_bins)
+                                depth_bins=self.depth_bins, hard_distractors=self.hard_distractors)
         return batch_columns(rows)
 
 
@@ -179,13 +186,32 @@ def needle_items(settings: NeedleSuite) -> list[dict[str, Any]]:
 
 
 def run_needles(settings: NeedleSuite, source: Source, workers: Workers) -> list[dict[str, Any]]:
+    """Every probe's rows, as the actors score them, with a progress line (probes scored of all, elapsed, ETA)."""
+    items = needle_items(settings)
     scored = map_with_actors(
-        items_dataset(needle_items(settings), per_block=4), NeedleScorer, actors=workers.actors, batch_size=4,
+        items_dataset(items, per_block=4), NeedleScorer, actors=workers.actors, batch_size=4,
         cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
         constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
                             "depth_bins": settings.depth_bins, "seed": settings.seed,
+                            "hard_distractors": settings.hard_distractors,
                             "use_gpu": workers.use_gpu, "served": source.served, "tracking_uri": workers.tracking_uri})
-    return scored.take_all()
+    return collect_with_progress(scored.iter_rows(), Progress(f"{source.name}: needle", len(items)))
+
+
+def collect_with_progress(rows: Iterable[dict[str, Any]], progress: Progress) -> list[dict[str, Any]]:
+    """The scored rows, one per question, counting probes done (a probe's rows come back together) as they come."""
+    out: list[dict[str, Any]] = []
+    probes: set[tuple] = set()
+    progress.update(0)
+    for row in rows:
+        out.append(dict(row))
+        probe = (row["variant"], int(row["multiplier"]), int(row["index"]))
+        if probe not in probes:
+            probes.add(probe)
+            progress.update(len(probes))
+    if len(probes) < progress.total:  # a probe without questions (none here), or rows lost: say where it ended
+        progress.update(progress.total)
+    return out
 
 
 def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int) -> tuple[dict, dict, dict]:

@@ -142,3 +142,66 @@ def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_pat
     value = memory.value.repeat_interleave(block.num_heads // block.num_kv_heads, dim=1)  # (B, H, M, hd)
     mixed = (probs @ value).transpose(1, 2).reshape(2, 3, -1)
     assert torch.allclose(block.o_proj(mixed), attended, atol=1e-5)
+
+
+def test_the_progress_line_counts_probes_with_elapsed_time_and_eta():
+    import io
+
+    from pipelines.evaluate.common import Progress
+    from pipelines.evaluate.needle import collect_with_progress
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress("gca: needle", 4, every_s=30, stream=out, clock=lambda: now[0])
+    rows = []
+    for index in range(4):
+        for question in range(3):  # a probe's questions come back together
+            rows.append({"variant": "single", "multiplier": 4, "index": index, "score": 1.0})
+
+    def arriving():
+        for n, row in enumerate(rows):
+            now[0] = 20.0 * (n // 3 + 1)  # a probe every 20 s
+            yield row
+
+    collected = collect_with_progress(arriving(), progress)
+    assert collected == rows
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "gca: needle  0/4 probes  elapsed 0m00s"
+    assert lines[1] == "gca: needle  2/4 probes  elapsed 0m40s  eta 0m40s"  # 30 s after the last line, not sooner
+    assert lines[2] == "gca: needle  4/4 probes  elapsed 1m20s" and len(lines) == 3  # and when all are done
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    on_tty = Progress("rag: needle", 2, stream=screen, clock=lambda: 10.0)
+    on_tty.update(1)
+    on_tty.update(2)
+    first, last = "rag: needle  1/2 probes  elapsed 0m00s  eta 0m00s", "rag: needle  2/2 probes  elapsed 0m00s"
+    assert screen.getvalue() == f"\r{first}\r{last.ljust(len(first))}\n"  # one line, rewritten in place
+
+
+def test_probes_with_hard_distractors_and_two_token_keys(tmp_path, checkpoint_root):
+    """--needle.hard_distractors puts near-identical facts in every probe (and leaves it as it was at 0); a system
+    trained on two-token keys is asked two-token keys, read back from its system.json."""
+    plain = make_probe("single", SPEC, 4, seed=3, index=0)
+    hard = make_probe("single", SPEC, 4, seed=3, index=0, hard_distractors=0.5)
+    assert np.array_equal(make_probe("single", SPEC, 4, seed=3, index=0, hard_distractors=0.0).memory, plain.memory)
+    count = lambda probe: int((probe.memory == EQ).sum())  # noqa: E731
+    free = 4 * SPEC.chunks * SPEC.facts_per_chunk - SPEC.facts
+    assert count(plain) == SPEC.facts and count(hard) == SPEC.facts + free // 2
+    from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
+    from pipelines.train.model import build_model
+    from pipelines.train.recipes.stage import write_system
+
+    needle = NeedleConfig(key_tokens=2, variants=["single:2", "multi_query"], hard_distractors=0.25)
+    config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), gca_layers="upper_half",
+                                           gca_gate_init=0.3, decoder="full"), needle=needle)
+    build_model(config.model).save_pretrained(tmp_path / "export")
+    write_system(tmp_path / "export", config)
+    system = load_system("gca", str(tmp_path / "export"), read_system(tmp_path / "export"))
+    assert system.spec == needle.spec() and system.spec.key_tokens == 2
+    rows = score_probe(system, "multi_query", 2, seed=0, index=0)
+    probe = make_probe("multi_query", system.spec, 2, seed=0, index=0)
+    assert all(len(q) == 1 + 2 * 2 for q in probe.questions) and len(rows) == len(probe.questions)

@@ -1,0 +1,65 @@
+"""The training-time needle evaluation (pipelines/evaluate/in_training.py): one question a row, as jobs/evaluate.py
+asks, and exact match over every answer token, for each variant of the mixture."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipelines.data.corpora.rows import IGNORE
+from pipelines.data.memory_modes import GCA, MemoryMode
+from pipelines.data.synthetic_needles import EOS, NeedleSpec
+from pipelines.evaluate.in_training import score_needles
+
+SPEC = NeedleSpec()
+
+
+class Reader(torch.nn.Module):
+    """A stand-in model that predicts each row's next token (the teacher-forced truth), wrong at `wrong_at` answer
+    tokens counted from the end; it records the rows it was given."""
+
+    def __init__(self, wrong_from_end: int = 0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.wrong_from_end, self.calls = wrong_from_end, []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward(self, input_ids, memory_input_ids=None, **_):
+        self.calls.append(input_ids.clone())
+        following = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], EOS)], dim=1)
+        if self.wrong_from_end:  # the token before the row's EOS: an answer's last token
+            for row in following:
+                eos = (row == EOS).nonzero()[0, 0]
+                row[eos - self.wrong_from_end] = 0
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(following, 512).float())
+
+
+def test_in_context_evaluation_asks_one_question_a_row():
+    """Training rows ask questions_per_row questions after one copy of the memory; the evaluation's rows ask one,
+    so no answer can follow from the ones before it, as in jobs/evaluate.py's prompts."""
+    model = Reader()
+    scores = score_needles(model, SPEC, 7, [0, 1, 2], mode=MemoryMode("in_context"))
+    (rows,) = model.calls
+    assert rows.shape[0] == 3 * SPEC.questions  # one row per question
+    assert all(row[: SPEC.chunks * SPEC.chunk_len].ne(0).all() for row in rows)  # each starts with the whole memory
+    assert scores.total == 3 * SPEC.questions and scores.accuracy == 1.0
+    assert SPEC.questions_per_row > 1  # training still shares rows
+
+
+@pytest.mark.parametrize("variant", ["single", "multi_value", "multi_query", "variable_tracking"])
+@pytest.mark.parametrize("mode", [GCA, MemoryMode("in_context"), MemoryMode("rag"), MemoryMode("none")],
+                         ids=lambda m: m.kind)
+def test_exact_match_needs_every_answer_token(variant, mode):
+    spec = NeedleSpec(variants=("single", "multi_value", "multi_query", "variable_tracking"))
+    right = score_needles(Reader(), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
+    assert right.accuracy == 1.0 and right.total > 0
+    wrong_last = score_needles(Reader(wrong_from_end=1), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
+    assert wrong_last.accuracy == 0.0  # the answer's last token (multi_value's and multi_query's 6th) counts
+    assert right.tokens == wrong_last.tokens
+    per_question = {"single": 3, "multi_value": 6, "multi_query": 6, "variable_tracking": 3}[variant] + 1
+    assert right.tokens == right.total * per_question  # answer tokens and EOS, nothing else is a label
