@@ -61,6 +61,8 @@ def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root)
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
+    progress = [line for line in result.stdout.splitlines() if line.startswith("gca: needle  ")]
+    assert progress[0] == "gca: needle  0/8 probes  elapsed 0m00s" and progress[-1].startswith("gca: needle  8/8 probes")
     results = json.loads((out / "results.json").read_text())
     assert set(results["systems"]) == {"gca", "rag"} == set(summary["systems"])
     for name, entry in results["systems"].items():

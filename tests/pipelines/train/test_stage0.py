@@ -75,6 +75,28 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     assert all(0 <= a <= 1 for row in heatmap["accuracy_by_depth"] for a in row)
 
 
+# ~185 s on the shared 2 cores (load ~3.5), most of it the evaluations of each trained task: make test-slow
+@pytest.mark.slow
+def test_stage0_trains_on_a_mixture_of_sizes_tasks_and_similar_facts(tmp_path, checkpoint_root, local_ray):
+    """Issue 26's needle options through Ray Train and ZeRO-3: memories of 1x-4x drawn per micro-batch (both workers
+    the same size), every RULER task in the mixture (rows padded to one count per memory), hard distractors on
+    two-token keys; the evaluation reports each trained task, the hard distractors and the largest size."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.train.driver import run_stage
+
+    config = small_config(tmp_path, checkpoint_root, "mixture", steps=2)
+    needle = dataclasses.replace(config.needle, memory_scale_max=4, hard_distractors=0.5, key_tokens=2,
+                                 variants=["single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"])
+    summary = run_stage(dataclasses.replace(config, needle=needle))
+    assert summary["error"] is None and summary["steps"] == 2 and summary["needle_accuracy"] is not None
+    metrics = MlflowClient(config.tracking.tracking_uri).get_run(summary["mlflow_run_id"]).data.metrics
+    for name in ("needle_accuracy", "needle_accuracy/multi_value", "needle_accuracy/multi_query",
+                 "needle_accuracy/variable_tracking", "needle_accuracy/hard", "needle_accuracy/4x",
+                 "needle_accuracy/multi_key/4x"):
+        assert 0 <= metrics[name] <= 1, name
+
+
 # ~95 s; in `make test` resume stays checked by the corpus stage (a second epoch resumed) and by a worker failing
 # mid-save (restarted from the last complete checkpoint, nothing seen twice or skipped)
 @pytest.mark.slow
