@@ -152,6 +152,17 @@ class NeedleSpec:
                                 f"a variable_tracking link `ka = kb ;` would not fit a fact slot")
         if self.questions_per_row < 1:
             problems.append(f"needle.questions_per_row must be >= 1, got {self.questions_per_row}")
+        if not problems:  # every task of the mixture must ask something in a base-size memory
+            for variant in mixture:
+                for hops in self.hops if variant == "variable_tracking" else (2,):
+                    try:
+                        asks = generate_memory(variant, self, 1, np.random.default_rng(0), hops).questions
+                    except ValueError:
+                        asks = []
+                    if not asks:
+                        problems.append(f"needle.variants: {variant}{f' ({hops} hops)' if hops > 2 else ''} asks "
+                                        f"nothing in a memory of {self.chunks * self.facts_per_chunk} fact slots: "
+                                        f"add needle.distractors or needle.facts")
         return problems
 
 
@@ -252,7 +263,10 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         keys = draw_keys(rng, spec, n_facts)
         values = digits(n_facts)
         facts = [[*k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
-        order = rng.choice(n_facts, size=min(questions * (2 if variant == "multi_query" else 1), n_facts), replace=False)
+        if variant == "multi_query":  # two facts a question: an even number of them
+            order = rng.choice(n_facts, size=min(2 * questions, n_facts - n_facts % 2), replace=False)
+        else:
+            order = rng.choice(n_facts, size=min(questions, n_facts), replace=False)
         if variant == "multi_query":
             pairs = order.reshape(-1, 2).tolist()
             asked = [[BOS, *keys[a], *keys[b]] for a, b in pairs]

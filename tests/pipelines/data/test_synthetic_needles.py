@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -223,3 +225,19 @@ def test_new_fields_are_validated():
     assert NeedleSpec(key_tokens=2).prompt_len == 3 and NeedleSpec(key_tokens=2).fact_len == 7
     assert NeedleSpec(variants=("single", "multi_query")).longest_row == 1 + 2 + 6 + 1
     assert all(t < 496 for t in (*KEYS, *VALUES))
+
+
+def test_multi_query_asks_pairs_of_an_odd_number_of_facts():
+    for spec in (NeedleSpec(facts=7, questions=7), NeedleSpec(key_tokens=2)):  # 7 facts; 15 slots, 7 facts
+        for index in range(5):
+            example = make_example(spec, 1, index, variant="multi_query")
+            assert example["input_ids"].shape == (3, 1 + 2 * spec.key_tokens + 2 * spec.value_digits + 1)
+
+
+def test_a_task_that_cannot_fit_the_memory_is_named():
+    tight = NeedleSpec(facts=1, questions=1, value_digits=4, chunk_len=7, distractors=0,  # stage 4's memory: 1 slot
+                       variants=("single", "multi_query"))
+    assert tight.problems() == ["needle.variants: multi_query asks nothing in a memory of 1 fact slots: add "
+                                "needle.distractors or needle.facts"]
+    assert "a 3-hop chain does not fit" in " ".join(dataclasses.replace(tight, variants=("variable_tracking",)).problems())
+    assert not NeedleSpec(variants=VARIANTS).problems()
