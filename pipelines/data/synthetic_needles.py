@@ -259,7 +259,8 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         needed = [[q * hops_before + h for h in range(hops_before)] + [answer_fact[q]] for q in range(questions)]
         targets = [(chain[-1], v) for chain, v in zip(chains, values, strict=True)]
     else:
-        n_facts = min(spec.facts * (scale if variant == "multi_key" else 1), spec.key_space, slots // 2)
+        room = slots // 2 if variant == "multi_value" else slots  # multi_value: a second fact for each
+        n_facts = min(spec.facts * (scale if variant == "multi_key" else 1), spec.key_space, room)
         keys = draw_keys(rng, spec, n_facts)
         values = digits(n_facts)
         facts = [[*k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
