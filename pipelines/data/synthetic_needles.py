@@ -217,19 +217,23 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
     the key in one token (one-token keys: another key; there is no nearer one). A new key is never one in `taken`
     (every key of the memory, so no asked key gets a second fact), and joins it."""
     facts = []
-    values = np.array(VALUES[: spec.value_range])
     for n in range(count):
         key, value = targets[n % len(targets)]
         position = int(rng.integers(len(key)))
-        free = [t for t in KEYS if tuple(key[:position] + [t] + key[position + 1 :]) not in taken]
-        if not free:
-            continue
-        near = key[:position] + [int(rng.choice(np.array(free)))] + key[position + 1 :]
-        taken.add(tuple(near))
+        swap = lambda t: tuple(key[:position] + [t] + key[position + 1 :])  # noqa: E731
+        for token in rng.integers(KEYS.start, KEYS.stop, size=8).tolist():  # most keys are free: a few draws do
+            if swap(token) not in taken:
+                break
+        else:  # a crowded memory: choose among the free ones
+            free = [t for t in KEYS if swap(t) not in taken]
+            if not free:
+                continue
+            token = free[int(rng.integers(len(free)))]
+        taken.add(swap(token))
         digits = list(value)
         d = int(rng.integers(len(digits)))
-        digits[d] = int(rng.choice(values[values != digits[d]]))
-        facts.append([*near, EQ, *digits, SEP])
+        digits[d] = VALUES[(digits[d] - VALUES.start + int(rng.integers(1, spec.value_range))) % spec.value_range]
+        facts.append([*swap(token), EQ, *digits, SEP])
     return facts
 
 
