@@ -199,9 +199,9 @@ def run_step(step: Step, done: dict[str, dict], out: Path) -> dict[str, Any]:
 def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dict]) -> dict[str, str]:
     """Tags the step's MLflow run with the curriculum and the run it started from; registers its export as a model
     version tagged with the version it started from."""
-    from mlflow.tracking import MlflowClient  # here, so --dry-run and the step lines start without MLflow
+    from mlflow.tracking import MlflowClient  # here: --dry-run and the step lines start without MLflow and torch
 
-    from pipelines.tracking.registry import register_run
+    from pipelines.serving.register import register_run
 
     uri = resolve_tracking_uri(config.tracking_uri)
     client, run_id = MlflowClient(uri), summary.get("mlflow_run_id")

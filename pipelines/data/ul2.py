@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 import ray.data
 import torch
-
 from tokenizers import Tokenizer
 
-from pipelines.data.corpora.rows import IGNORE
-from pipelines.data.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
+from pipelines.corpora.rows import IGNORE
+from pipelines.corpora.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 

@@ -14,13 +14,13 @@ from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.cli import ConfigError, from_typed_dict
+from pipelines.corpora.shards import MANIFEST
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
-from pipelines.data.shards import MANIFEST
-from pipelines.data.teacher_logits import teacher_identity
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.traffic_scenes import QUESTION_TYPES
 from pipelines.data.traffic_tokenizer import vocabulary
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
+from pipelines.teachers.logits import teacher_identity
 
 
 class JobConfig:
@@ -160,7 +160,7 @@ class DistillConfig:
 
     teacher: str | None = None  # an export whose system.json reads the memory in its prompt (in_context or rag)
     teacher_steps: int = 0  # with no teacher: first train an in_context teacher on the same data for this many steps
-    k: int = 32  # teacher top-k kept per target token (32-64: k * 6 bytes a token; pipelines.data.teacher_logits)
+    k: int = 32  # teacher top-k kept per target token (32-64: k * 6 bytes a token; pipelines.teachers.logits)
     alpha: float = 0.5  # loss = alpha * KL(teacher || student) over the top-k + (1 - alpha) * cross-entropy
     temperature: float = 1.0  # softens both sides of the KL (scaled by temperature^2)
     logits: str | None = None  # the teacher logits directory; None: CORPUS/teacher_logits, computed when absent or

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
+from pipelines.data.synthetic_needles import PROMPT_LEN
 
 GIB = 1024**3
 CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -103,8 +104,6 @@ class MemoryPlan:
 
 def plan_for_stage(config) -> MemoryPlan:
     """The plan of a stage config's GPU run: its pair, train modes, workers and (for stage 0's needles) lengths."""
-    from pipelines.data.synthetic_needles import PROMPT_LEN
-
     spec, s, d = config.needle.spec(), config.scaling, config.data
     per_gpu_memories = max(1, config.train.memories_per_step // (s.num_workers * config.train.grad_accum))
     if d.train_path:  # corpus rows: packed to data.max_tokens, one memory of max_chunks x chunk_len each

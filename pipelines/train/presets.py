@@ -4,8 +4,19 @@
 from __future__ import annotations
 
 from pipelines.data.ul2 import Ul2DataConfig
-from pipelines.train.config import (DataConfig, DeepSpeedSettings, DistillConfig, ModelConfig, NeedleConfig,
-                                    RunSettings, ScalingSettings, StageConfig, TrafficConfig, TrainConfig, Ul2Config)
+from pipelines.train.config import (
+                                    DataConfig,
+                                    DeepSpeedSettings,
+                                    DistillConfig,
+                                    ModelConfig,
+                                    NeedleConfig,
+                                    RunSettings,
+                                    ScalingSettings,
+                                    StageConfig,
+                                    TrafficConfig,
+                                    TrainConfig,
+                                    Ul2Config,
+)
 
 # Stage 0 (`make demo`): a tiny random pair learns needle retrieval from scratch, so everything trains in full.
 # Its encoder starts from its decoder (as Qwen3-Embedding starts from Qwen3), and attends bidirectionally, so a

@@ -19,9 +19,10 @@ from typing import Any
 from models import PAIRS, get_pair
 from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
+from pipelines.corpora.tokenizer import VOCAB_SIZE
+from pipelines.serving.register import register_run
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
-from pipelines.data.tokenizer import VOCAB_SIZE
 from pipelines.train.config import ModelConfig, RunSettings, ScalingSettings, StageConfig, TrainConfig
 from pipelines.train.presets import STAGES
 from pipelines.tune.report import format_table, plot_sweep
@@ -304,8 +305,6 @@ def finish_sweep(sweep: SweepConfig, base: StageConfig, parent: Tracker, rows: l
                         **({f"best_{sweep.metric}": best[sweep.metric]} if best else {})}, step=0)
     registered = None
     if best and sweep.registered_model and best["mlflow_run_id"]:
-        from pipelines.tracking.registry import register_run
-
         parent.set_tags({"sweep.best_run_id": best["mlflow_run_id"], "sweep.best_trial": best["trial_id"]})
         version = register_run(best["mlflow_run_id"], tracking_uri=tracking_uri, name=sweep.registered_model,
                                alias=sweep.alias, sweep_run_id=parent.run_id)

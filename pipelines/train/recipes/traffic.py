@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from models.traffic_vlm import TrafficVLM, build_traffic_vlm, tiny_vision_config
 from pipelines.data.traffic_scenes import QUESTIONS, build_split, make_row, pixel_values, scene_seeds
 from pipelines.data.traffic_tokenizer import NO, PAD, YES, build_tokenizer, save_tokenizer
 from pipelines.evaluate import plots
+from pipelines.serving.traffic_pyfunc import log_traffic_pyfunc
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import TrafficConfig
@@ -125,8 +128,6 @@ class TrafficRecipe:
                 tracker: Tracker) -> dict[str, Any]:
         """The export and the pyfunc on the run (registered when tracking.registered_model names a model), the
         confusion matrix and the per-type table; the job's fields of the summary line."""
-        from pipelines.tracking.traffic_pyfunc import log_traffic_pyfunc
-
         per_type = {q: metrics.get(f"accuracy/{q}") for q in config.data.question_types}
         log_confusion(tracker, metrics)
         tracker.log_table({"question_type": list(per_type), "accuracy": list(per_type.values()),
@@ -160,8 +161,6 @@ def build_vlm(config: TrafficConfig) -> TrafficVLM:
 
 def data_hash(config: TrafficConfig) -> str:
     """`synthetic:<hash>` of what decides the scenes (as stage 0's needles), so two runs on the same data match."""
-    import hashlib
-    import json
 
     d = config.data
     key = json.dumps([d.train_scenes, d.heldout_scenes, d.heldout_fraction, d.question_types, config.model.image_size])

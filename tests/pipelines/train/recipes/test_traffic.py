@@ -18,10 +18,10 @@ from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_
 
 from pipelines.cli import parse_config
 from pipelines.data.traffic_scenes import QUESTION_TYPES, QUESTIONS, make_row, scene_seeds, split_of
+from pipelines.data.traffic_tokenizer import build_tokenizer
 from pipelines.evaluate import plots
 from pipelines.train.config import TrafficConfig
 from pipelines.train.presets import TRAFFIC_VLM
-from pipelines.data.traffic_tokenizer import build_tokenizer
 from pipelines.train.recipes.traffic import collate, collate_packed, count_outcomes, metrics_from_counts
 
 ROOT = Path(__file__).resolve().parents[4]
