@@ -19,15 +19,8 @@ from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
-from models.trainable import (
-    LoraPlan,
-    TrainMode,
-    apply_lora,
-    is_added_parameter,
-    merged_state_dict,
-    set_trainable,
-    trainable_modes,
-)
+from models.trainable import (LoraPlan, TrainMode, apply_lora, is_added_parameter, merged_state_dict, set_trainable,
+                              trainable_modes)
 
 CONFIG_NAME = "awareness_config.json"
 WEIGHTS_NAME = "awareness.safetensors"

@@ -29,17 +29,9 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPast, Seq2SeqLMOutput
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3Attention,
-    Qwen3DecoderLayer,
-    Qwen3Model,
-    Qwen3PreTrainedModel,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-    rotate_half,
-)
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3DecoderLayer, Qwen3Model,
+                                                      Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding,
+                                                      apply_rotary_pos_emb, eager_attention_forward, rotate_half)
 from transformers.utils.output_capturing import capture_outputs
 
 from models.loading import load_decoder

@@ -59,7 +59,7 @@ DICTIONARY_COLUMNS = ["task", "variant", "kind", "source", "unit"]
 class BuildConfig:
     stage: int = 0  # 0: code/document Q&A + needles; 2: commit reproduction
     sources: list[str] = field(default_factory=list)  # directories, files or git repositories
-    out: str = "outputs/corpus"
+    out: str = "outputs/corpus"  # the corpus directory: OUT/train, OUT/val and OUT/manifest.json
     tokenizer: str | None = None  # a local Qwen3 checkpoint directory (tokenizer.json); None: the offline one (Qwen ranks)
     per_subdir: bool = False  # each first-level directory of a source is its own repository (e.g. site-packages)
     stage0: tasks.Stage0Settings = field(default_factory=tasks.Stage0Settings)

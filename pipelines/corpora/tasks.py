@@ -48,9 +48,9 @@ class Stage0Settings:
     agentic_fraction: float = 0.5  # share of Q&A rows whose target reads the evidence chunk first
     max_facts_per_file: int = 12  # caps how much one large file dominates
     needles_per_unit: int = 10  # needle rows per repository (variants, depths and sizes cycled)
-    needle_memory_sizes: tuple[int, ...] = (4, 8, 16)
+    needle_memory_sizes: tuple[int, ...] = (4, 8, 16)  # chunks per needle row's memory, in turn
     val_fraction: float = 0.1  # share of repositories (not rows) held out
-    seed: int = 0
+    seed: int = 0  # with each row's identity, seeds its sampling: the same sources build the same corpus
     limits: sources.Limits = sources.Limits()
 
 

@@ -25,9 +25,9 @@ class Ul2DataConfig:
     paths: list[str] = field(default_factory=list)  # files or directories of text/code; empty: this repository's own sources
     suffixes: list[str] = field(default_factory=lambda: [".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh"])  # which files a directory contributes
     seq_len: int = 128  # tokens per sequence before denoising
-    max_files: int = 10_000
+    max_files: int = 10_000  # files read at most (in sorted order), so a huge path stays a bounded job
     mixture: str = "ul2"  # a name from MIXTURES
-    seed: int = 0
+    seed: int = 0  # with the sequence's tokens, seeds its corruption: a rerun or resumed run sees the same examples
 
 
 # --------------------------------------------------------------------------------------------------- denoisers

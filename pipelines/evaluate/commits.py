@@ -55,7 +55,7 @@ class CommitsSuite:
     max_rows: int = 64  # rows read from the split, in its fixed order
     samples: int = 5  # sampled generations per row whose repository has tests: pass@1 and pass@5 (k <= samples)
     temperature: float = 0.8  # sampling temperature of the pass@k samples (the scored edit is greedy)
-    top_p: float = 0.95
+    top_p: float = 0.95  # nucleus sampling for the pass@k samples
     max_new_tokens: int = 2048  # generated tokens per answer (a whole new file)
     seed: int = 20261124  # sampling seed (per row: seed + row index)
     test_command: list[str] | None = None  # run in the sandbox in the repository's copy; None: pytest -q -x

@@ -38,7 +38,7 @@ class NeedleSuite:
     memories: int = 16  # probe memories per (variant, size); each asks needle.questions questions
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths
     seed: int = 20261123  # probes come from their own seed, never from training's or validation's
-    depth_bins: int = 4
+    depth_bins: int = 4  # accuracy by where the fact sits in the memory, in this many equal bins
 
     def problems(self) -> list[str]:
         p = []

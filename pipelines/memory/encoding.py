@@ -39,7 +39,7 @@ class EncodeMemoryConfig:
     syntax_cuts: bool = True  # cut code at tree-sitter nodes (False: at paragraph breaks, no parse)
     batch_size: int = 16  # chunks per encoder call (one safetensors shard each)
     actors: int = 1  # Ray Data actors holding the encoder
-    cpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0  # CPUs Ray reserves for each encoding actor
     use_gpu: bool = False  # one GPU per actor
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 on GPU, float32 on CPU
     num_cpus: int | None = None  # local Ray only: CPUs to use; None: join $RAY_ADDRESS or a running cluster, else all

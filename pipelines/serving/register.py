@@ -14,15 +14,8 @@ from models import AwarenessConfig
 from pipelines.corpora.tokenizer import EOS
 from pipelines.serving.pyfunc import ENTRY, ensure_tokenizer, signature
 from pipelines.tracking.checkpoints import open_uri
-from pipelines.tracking.registry import (
-    DEFAULT_NAME,
-    MODEL_ARTIFACT,
-    checkpoint_record,
-    lineage_tags,
-    log_pyfunc,
-    pinned_requirements,
-    register_version,
-)
+from pipelines.tracking.registry import (DEFAULT_NAME, MODEL_ARTIFACT, checkpoint_record, lineage_tags, log_pyfunc,
+                                         pinned_requirements, register_version)
 from pipelines.tracking.tracker import resolve_tracking_uri
 
 

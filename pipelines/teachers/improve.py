@@ -59,15 +59,8 @@ from pipelines.corpora.tokenizer import EOS, PAD, PLAN, SPECIAL_IDS, cached_toke
 from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.streams import prompt_inputs, prompt_length
-from pipelines.repos.agentic import (
-    FormatError,
-    Trajectory,
-    chunk_names,
-    decode,
-    parse_trajectory,
-    same_file,
-    trajectory_parts,
-)
+from pipelines.repos.agentic import (FormatError, Trajectory, chunk_names, decode, parse_trajectory, same_file,
+                                     trajectory_parts)
 from pipelines.repos.parent_trees import ParentTrees
 from pipelines.teachers.logits import teacher_identity
 
@@ -88,11 +81,11 @@ class Stage3Config:
     out: str = "outputs/stage3"  # OUT/train, OUT/rejected, OUT/manifest.json (replaced, never mixed)
     attempts: int = 4  # sampled candidates per row
     temperature: float = 1.0  # sampling temperature of the candidates
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling of the candidates (1.0: off)
     max_new_tokens: int = 2048  # per candidate: a plan, reads and a whole new file
     seed: int = 0  # sampling seed (per row: seed + the row's id)
     actors: int = 1  # Ray Data actors, each holding the teacher
-    cpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0  # CPUs Ray reserves for each teacher actor
     use_gpu: bool = False  # one GPU per actor
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 on GPU, float32 on CPU
     test_timeout_s: float = 120.0  # per sandboxed test run of a candidate's edit, wall clock

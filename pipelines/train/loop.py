@@ -14,13 +14,8 @@ import torch
 import torch.distributed as dist
 
 from pipelines.tracking.tracker import Tracker, for_other_nodes
-from pipelines.train.engine import (
-    deepspeed_config,
-    quiet_known_warnings,
-    restore_checkpoint,
-    save_checkpoint,
-    setup_deepspeed,
-)
+from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
+                                    setup_deepspeed)
 from pipelines.train.hooks import installed_hook
 from pipelines.train.recipes import Recipe, TrainState
 

@@ -15,14 +15,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from pipelines.tracking.lineage import (
-    LOCKS,
-    environment_lock,
-    installed_versions,
-    lock_drift,
-    lock_info,
-    locked_versions,
-)
+from pipelines.tracking.lineage import (LOCKS, environment_lock, installed_versions, lock_drift, lock_info,
+                                        locked_versions)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -10,18 +10,8 @@ import pytest
 import tiktoken
 from tokenizers import normalizers
 
-from pipelines.corpora.tokenizer import (
-    AGENT_SPECIAL,
-    N_RANKS,
-    QWEN3_SPECIAL,
-    QWEN_PATTERN,
-    SPECIAL_IDS,
-    VOCAB_SIZE,
-    QwenTokenizer,
-    dashscope_ranks_path,
-    load_ranks,
-    tokenizers_tokenizer,
-)
+from pipelines.corpora.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS, VOCAB_SIZE,
+                                         QwenTokenizer, dashscope_ranks_path, load_ranks, tokenizers_tokenizer)
 
 
 def real_texts(package_roots) -> list[str]:

@@ -22,15 +22,8 @@ from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tok
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.evaluate.code_qa import (
-    CodeQaSuite,
-    code_qa_metrics,
-    evidence_indices,
-    held_out_rows,
-    read_compliance,
-    score_answer,
-    score_rows,
-)
+from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_indices, held_out_rows, read_compliance,
+                                        score_answer, score_rows)
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading

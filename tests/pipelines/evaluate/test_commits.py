@@ -20,16 +20,8 @@ from pipelines.corpora.shards import MANIFEST
 from pipelines.corpora.tasks import Stage0Settings
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
-from pipelines.evaluate.commits import (
-    CommitsEvaluation,
-    CommitsSuite,
-    agentic_compliance,
-    commits_metrics,
-    diff_similarity,
-    edited_file,
-    file_diff,
-    generate_answers,
-)
+from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic_compliance, commits_metrics,
+                                        diff_similarity, edited_file, file_diff, generate_answers)
 from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.train.config import ModelConfig, StageConfig

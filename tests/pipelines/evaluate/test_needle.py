@@ -10,16 +10,8 @@ from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.efficiency import efficiency_row
-from pipelines.evaluate.needle import (
-    VARIANTS,
-    answer_probe,
-    as_text,
-    make_probe,
-    memory_attention,
-    needle_metrics,
-    score_probe,
-    system_prompts,
-)
+from pipelines.evaluate.needle import (VARIANTS, answer_probe, as_text, make_probe, memory_attention, needle_metrics,
+                                       score_probe, system_prompts)
 from tests.pipelines.evaluate.test_job import export_of
 
 SPEC = NeedleSpec()

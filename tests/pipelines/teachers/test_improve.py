@@ -16,47 +16,21 @@ import torch
 
 from pipelines.corpora.commits import CorpusError, commit_split
 from pipelines.corpora.shards import MANIFEST, RankReader, check_split, split_units
-from pipelines.corpora.tokenizer import (
-    EDIT,
-    END_EDIT,
-    END_PLAN,
-    END_READ,
-    EOS,
-    PLAN,
-    READ,
-    SPECIAL_IDS,
-    cached_tokenizer,
-)
+from pipelines.corpora.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS,
+                                         cached_tokenizer)
 from pipelines.data.memory_modes import memory_into_prompt
 from pipelines.data.streams import prompt_length
 from pipelines.repos.agentic import FormatError, parse_trajectory
 from pipelines.repos.parent_trees import ParentTrees
-from pipelines.teachers.improve import (
-    OUTPUT_SCHEMA,
-    REASONS,
-    ParentTreeJudge,
-    Stage3Config,
-    TrajectoryTeacher,
-    UnitVerifier,
-    improve_corpus,
-    read_unit,
-    stage3_manifest,
-    verify,
-    verify_rows,
-    work_items,
-)
+from pipelines.teachers.improve import (OUTPUT_SCHEMA, REASONS, ParentTreeJudge, Stage3Config, TrajectoryTeacher,
+                                        UnitVerifier, improve_corpus, read_unit, stage3_manifest, verify, verify_rows,
+                                        work_items)
 from pipelines.teachers.logits import teacher_identity
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
-from tests.pipelines.evaluate.test_commits import (
-    BUGGY,
-    FIXED,
-    ROOT,
-    build_commit_corpus,
-    fixture_repository,
-    text_export,
-)
+from tests.pipelines.evaluate.test_commits import (BUGGY, FIXED, ROOT, build_commit_corpus, fixture_repository,
+                                                   text_export)
 
 TOKENIZER = cached_tokenizer(None)
 CALC = "### calc.py [chunk 0]"
