@@ -24,6 +24,7 @@ import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
+from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, FILLER, KEYS, PAD, SEP, VALUES, NeedleSpec
 from pipelines.evaluate.common import Source, SuiteResult, System, Workers, batch_columns, load_system, needle_spec
 from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
@@ -157,8 +158,6 @@ def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
 def served_answers(system: System, probe: Probe) -> list[list[int]]:
     """The registered pyfunc's answers to the probe as text (the needle vocabulary's words: `k117`, digits, `w300`),
     read back into ids through the same tokenizer."""
-    from pipelines.serving.pyfunc import needle_tokenizer  # lazy: it imports mlflow, needed by served versions only
-
     tokenizer = needle_tokenizer()
     words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     memory = [words(chunk) for chunk in probe.memory.tolist()]

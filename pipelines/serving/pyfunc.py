@@ -25,31 +25,17 @@ import mlflow.pyfunc
 import torch
 from mlflow.models import ModelSignature
 from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
-from tokenizers import Tokenizer, pre_tokenizers, processors
-from tokenizers import models as tokenizer_models
+from tokenizers import Tokenizer
 
 from models import AwarenessModel
 from models.pairs import RANDOM_WEIGHTS_MARKER
 from pipelines.corpora.tokenizer import VOCAB_SIZE, text_tokenizer, tokenizers_tokenizer
 from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
-from pipelines.data.synthetic_needles import FILLER, KEYS, VALUES
+from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity
 
 ENTRY = Path(__file__).with_name("pyfunc_entry.py")  # the file MLflow loads the model from (models from code)
 TOKENIZER_FILE = "tokenizer.json"
-NEEDLE_SPECIALS = {"<pad>": 0, "<bos>": 1, "=": 2, ";": 3, "<eos>": 4, "<unk>": 5}
-
-
-def needle_tokenizer():
-    """pipelines.data.synthetic_needles's ids as words: `<bos>` `k117` `=` digits `;` `<eos>`, filler `w300`..; `<bos>` prepended."""
-    vocab = dict(NEEDLE_SPECIALS)
-    vocab |= {str(v - VALUES.start): v for v in VALUES}  # values read as numbers 0..89
-    vocab |= {f"k{k}": k for k in KEYS} | {f"w{w}": w for w in FILLER}
-    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tokenizer.add_special_tokens(["<pad>", "<bos>", "<eos>", "<unk>"])
-    return tokenizer
 
 
 def ensure_tokenizer(decoder_dir: str | Path) -> Path:

@@ -10,7 +10,8 @@ import torch
 
 from models import build_pair
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
-from pipelines.serving.pyfunc import ensure_tokenizer, needle_tokenizer
+from pipelines.data.needle_tokenizer import needle_tokenizer
+from pipelines.serving.pyfunc import ensure_tokenizer
 from pipelines.serving.register import register_run
 from pipelines.tracking.registry import promote
 

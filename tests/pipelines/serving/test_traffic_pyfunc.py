@@ -13,13 +13,13 @@ import torch
 
 from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
 from pipelines.data.traffic_scenes import make_row, pixel_values, scene_seeds
-from pipelines.data.traffic_tokenizer import NO, YES, build_tokenizer, save_tokenizer
+from pipelines.data.traffic_tokenizer import NO, YES, build_traffic_tokenizer, save_traffic_tokenizer
 from pipelines.serving.traffic_pyfunc import _rows, log_traffic_pyfunc
 from pipelines.tracking.tracker import Tracker
 
 
 def test_logged_pyfunc_answers_held_out_scenes_as_the_model(tmp_path):
-    tokenizer = build_tokenizer()
+    tokenizer = build_traffic_tokenizer()
     torch.manual_seed(0)
     model = build_traffic_vlm(
         yes_id=tokenizer.token_to_id(YES), no_id=tokenizer.token_to_id(NO),
@@ -27,7 +27,7 @@ def test_logged_pyfunc_answers_held_out_scenes_as_the_model(tmp_path):
         hidden_size=32, intermediate_size=64, layers=1, heads=4, kv_heads=2, max_positions=32).eval()
     export = tmp_path / "export"
     model.save_pretrained(export)
-    save_tokenizer(export)
+    save_traffic_tokenizer(export)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = Tracker.start(uri, "traffic-test", "run", {"job": "traffic_vlm"}, {"job": "traffic_vlm"})
     logged = log_traffic_pyfunc(tracker, str(export), "traffic-vlm-test")
