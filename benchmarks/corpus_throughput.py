@@ -5,7 +5,7 @@ on the same files in the same run, and the driver's peak memory at two input siz
 
 Input: the installed packages' own source (site-packages, `.py`/`.md`/`.txt`, each package a repository), real
 code nobody here wrote, taken package by package in name order until --mb megabytes. The pipeline is the build's
-own (`pipelines.data.corpora.build.run_build`: listing on the driver; on workers, per repository: read, encode each
+own (`pipelines.corpora.build.run_build`: listing on the driver; on workers, per repository: read, encode each
 file once, cut <= 512-token chunks in token space, pack them 16 to a memory row, write Parquet) with the
 memory-only record maker (`tasks.chunk_records`: chunks, no Q&A facts). Two cut modes: paragraph breaks (no parse)
 and tree-sitter node boundaries (one parse per code file). Measured beside it, over the same files' text (NFC,
@@ -35,8 +35,8 @@ import tiktoken
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.data.corpora import build, sources, tasks  # noqa: E402
-from pipelines.data.tokenizer import QWEN_PATTERN, cached_tokenizer, load_ranks  # noqa: E402
+from pipelines.corpora import build, sources, tasks  # noqa: E402
+from pipelines.corpora.tokenizer import QWEN_PATTERN, cached_tokenizer, load_ranks  # noqa: E402
 
 SKIP = {"torch", "ray", "pip", "setuptools", "__pycache__"}  # one-package giants would be a single repository
 PACK = 16

@@ -13,10 +13,10 @@ import statistics
 import time
 
 import torch
+from timing import timed_side_by_side
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, set_trainable
-from timing import timed_side_by_side
 
 DECODER = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                num_key_value_heads=4, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True)

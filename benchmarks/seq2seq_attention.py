@@ -19,12 +19,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import timed_side_by_side
 from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
 
 from models import Qwen3EncoderDecoderConfig, Qwen3ForSeq2SeqLM
-from timing import timed_side_by_side
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=32768, tie_word_embeddings=True,

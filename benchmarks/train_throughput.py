@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.data.synthetic_needles import PROMPT_LEN, make_batch
+from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
 from pipelines.train.model import build_model
 
 

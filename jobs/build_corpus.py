@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 
 from pipelines.cli import parse_config
-from pipelines.data.corpora import BuildConfig, build_corpus
-from pipelines.data.corpora.sources import check_sources
+from pipelines.corpora import BuildConfig, build_corpus
+from pipelines.corpora.sources import check_sources
 from pipelines.data.ray_session import data_job_ray
 
 

@@ -14,9 +14,9 @@ import json
 import sys
 
 from pipelines.cli import parse_config
-from pipelines.data.memory_encoding import EncodeMemoryConfig, encode_repository
-from pipelines.data.memory_store import encoder_source
 from pipelines.data.ray_session import data_job_ray
+from pipelines.memory.encoding import EncodeMemoryConfig, encode_repository
+from pipelines.memory.store import encoder_source
 
 
 def refuse(error: Exception) -> None:

@@ -17,6 +17,5 @@ import sys
 from pipelines.train.job import run_job
 from pipelines.train.presets import ENCODER_UL2
 
-
 if __name__ == "__main__":
     sys.exit(run_job(sys.argv[1:], ENCODER_UL2, __doc__))

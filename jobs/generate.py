@@ -28,10 +28,10 @@ class GenerateArgs:
     memories: int = 2  # how many random memories to answer the prompt with
     chunks: int = 4  # chunks per memory
     chunk_len: int = 32  # tokens per chunk
-    prompt_len: int = 8
-    max_new_tokens: int = 16
-    num_beams: int = 1
-    seed: int = 0
+    prompt_len: int = 8  # random prompt tokens
+    max_new_tokens: int = 16  # tokens generated after the prompt
+    num_beams: int = 1  # 1: greedy; more: beam search (transformers' generate)
+    seed: int = 0  # seeds the random prompt and memory
 
     def problems(self) -> list[str]:
         p = [] if self.pair in PAIRS else [f"pair {self.pair!r} is not one of {sorted(PAIRS)}"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 
 from pipelines.cli import parse_config
-from pipelines.tracking.registry import DEFAULT_NAME, describe, promote, register_run
+from pipelines.serving.register import register_run
+from pipelines.tracking.registry import DEFAULT_NAME, describe, promote
 from pipelines.tracking.tracker import summary_json
 
 

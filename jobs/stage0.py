@@ -15,6 +15,5 @@ import sys
 from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE0
 
-
 if __name__ == "__main__":
     sys.exit(run_job(sys.argv[1:], STAGE0, __doc__))

@@ -18,6 +18,5 @@ import sys
 from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE1
 
-
 if __name__ == "__main__":
     sys.exit(run_job(sys.argv[1:], STAGE1, __doc__))

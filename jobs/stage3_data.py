@@ -18,9 +18,9 @@ import sys
 from dataclasses import asdict, dataclass
 
 from pipelines.cli import parse_config
-from pipelines.data.corpora.commits import CorpusError
-from pipelines.data.improve import Stage3Config, improve_corpus, source_split
+from pipelines.corpora.commits import CorpusError, commit_split
 from pipelines.data.ray_session import data_job_ray
+from pipelines.teachers.improve import Stage3Config, improve_corpus
 
 
 @dataclass
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
                        on_dry_run=lambda config: "# resolved config\n" + json.dumps(asdict(config), indent=1))
     config = Stage3Config(**{k: v for k, v in asdict(job).items() if k != "num_cpus"})
     try:
-        source_split(config)  # the corpus, checked before Ray starts: the user fixes it, not our code
+        commit_split(config.corpus, config.split)  # the corpus, checked before Ray starts: the user fixes it, not our code
     except CorpusError as error:
         print(f"stage3_data: {error}", file=sys.stderr)
         print(json.dumps({"error": str(error).splitlines()[0], "out": config.out}), flush=True)

@@ -17,6 +17,5 @@ import sys
 from pipelines.train.job import run_job
 from pipelines.train.presets import STAGE4
 
-
 if __name__ == "__main__":
     sys.exit(run_job(sys.argv[1:], STAGE4, __doc__))

@@ -10,12 +10,12 @@ from models.cross_attention import Qwen3CrossAttentionConfig, Qwen3CrossAttentio
 from models.flops import StepFlops, training_flops
 from models.gca import GatedCrossAttention, GCAMemory, MemoryKV, MemoryPadding, gca_parameter_count
 from models.memory import MemoryEncoder
-from models.partitioning import UNPARTITIONED, Partitioner
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
+from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
 from models.seq2seq import Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM
-from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
 from models.traffic_vlm import TrafficVLM, build_traffic_vlm
+from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
 
 __all__ = [
     "PAIRS",

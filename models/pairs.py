@@ -12,6 +12,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from models.awareness import AwarenessModel
+from models.fusion import FUSIONS
 from models.memory import MemoryEncoder
 from models.partitioning import UNPARTITIONED, Partitioner
 
@@ -263,8 +264,6 @@ def added_parameters(name: str, fusion: str) -> int:
 
 def fusion_parameter_table() -> str:
     """docs/pairs.md's table of added parameters per fusion, for every named pair."""
-    from models.fusion import FUSIONS
-
     lines = ["| pair | " + " | ".join(FUSIONS) + " |", "|---|" + "---:|" * len(FUSIONS)]
     for name in PAIRS:
         cells = [_short(added_parameters(name, fusion)) for fusion in FUSIONS]

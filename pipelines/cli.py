@@ -27,6 +27,13 @@ import yaml
 NONE = ("none", "null")
 
 
+def duration(seconds: float) -> str:
+    """A job's console time: `9m12s`, `3h02m` (a training step line's ETA, an evaluation's progress line)."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
 class ConfigError(ValueError):
     """A problem a job's user fixes on the command line: shown as one line, exit status 2."""
 

@@ -36,10 +36,10 @@ class CurriculumConfig:
     checkpoint_root: str | None = None  # None: $AWARENESS_CHECKPOINT_ROOT, or the tiny pairs' random checkpoints
     steps: int = 20  # optimizer steps per training stage (stages 0, 1, 2 and the student of stage 4)
     teacher_steps: int = 40  # the in_context teacher's steps (it must beat the student for stages 3-4 to help)
-    memories_per_step: int = 2
+    memories_per_step: int = 2  # every stage's global batch, in rows
     max_commits: int = 8  # stage 2 corpus: the newest commits per repository
     max_tokens: int = 1024  # decoder tokens per packed row (logits over Qwen3's 151,936 ids dominate memory)
-    max_chunks: int = 8
+    max_chunks: int = 8  # memory chunks per row, in every stage
     attempts: int = 4  # stage 3: candidates sampled per example
     stage3_rows: int = 8  # stage 3: stage-2 examples the teacher improves
     max_new_tokens: int = 256  # stage 3: tokens per candidate (the tiny teacher rarely stops by itself)
@@ -199,9 +199,9 @@ def run_step(step: Step, done: dict[str, dict], out: Path) -> dict[str, Any]:
 def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dict]) -> dict[str, str]:
     """Tags the step's MLflow run with the curriculum and the run it started from; registers its export as a model
     version tagged with the version it started from."""
-    from mlflow.tracking import MlflowClient  # here, so --dry-run and the step lines start without MLflow
+    from mlflow.tracking import MlflowClient  # here: --dry-run and the step lines start without MLflow and torch
 
-    from pipelines.tracking.registry import register_run
+    from pipelines.serving.register import register_run
 
     uri = resolve_tracking_uri(config.tracking_uri)
     client, run_id = MlflowClient(uri), summary.get("mlflow_run_id")

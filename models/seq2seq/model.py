@@ -29,18 +29,12 @@ from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPast, Seq2SeqLMOutput
 from transformers.modeling_utils import slice_logits_to_keep
-from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3Attention,
-    Qwen3DecoderLayer,
-    Qwen3Model,
-    Qwen3PreTrainedModel,
-    Qwen3RMSNorm,
-    Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
-    rotate_half,
-)
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3Attention, Qwen3DecoderLayer, Qwen3Model,
+                                                      Qwen3PreTrainedModel, Qwen3RMSNorm, Qwen3RotaryEmbedding,
+                                                      apply_rotary_pos_emb, eager_attention_forward, rotate_half)
 from transformers.utils.output_capturing import capture_outputs
+
+from models.loading import load_decoder
 
 ENCODER_KEY_ROPE = ("none", "encoder_positions")
 _ENCDEC_FIELDS = ("encoder_layers", "encoder_key_rope", "decoder_start_token_id", "is_encoder_decoder")
@@ -454,8 +448,6 @@ class Qwen3ForSeq2SeqLM(Qwen3PreTrainedModel, GenerationMixin):
     ) -> "Qwen3ForSeq2SeqLM":
         """Encoder and decoder both from one decoder-only Qwen3 checkpoint (the T5Gemma recipe): the encoder gets
         its embeddings, first `encoder_layers` layers and final norm; the decoder all of it; the head its head."""
-        from models.loading import load_decoder
-
         base = load_decoder(path, dtype=dtype, device=device)
         if base.config.model_type != "qwen3":
             raise ValueError(f"from_qwen3 needs a dense Qwen3 checkpoint; {str(path)!r} is {base.config.model_type!r}")

@@ -1,5 +1,5 @@
 """Where a worker's training examples come from: synthetic needles (stage 0's embedded default) or corpus shards
-(jobs/build_corpus.py output), which each worker reads itself, only its own part (pipelines.data.shards).
+(jobs/build_corpus.py output), which each worker reads itself, only its own part (pipelines.corpora.shards).
 
 Both streams are positional, so a resumed run continues with exactly the examples it had not seen, which the index
 checksum in every checkpoint (the sum of the example ids consumed) lets a test count. Needles: global step s consumes
@@ -12,14 +12,16 @@ out dynamically, so a resumed run could not know which rows it had trained on; R
 from __future__ import annotations
 
 from itertools import islice
+from typing import Any
 
 import torch
 
-from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
-from pipelines.data.shards import RankReader, Split, head_rows, load_split
+from pipelines.corpora.rows import IGNORE
+from pipelines.corpora.shards import RankReader, Split, head_rows, load_split
 from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
+from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.synthetic_needles import NeedleSpec, make_batch, memory_scale, needle_batch
-from pipelines.data.teacher_logits import TeacherEntries, teacher_tensors
+from pipelines.data.teacher_targets import TeacherEntries, teacher_tensors
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
@@ -52,7 +54,7 @@ class NeedleStream:
 
 
 class CorpusStream:
-    """Packed micro-batches of this rank's own rows of the training split (pipelines.data.shards), from the position
+    """Packed micro-batches of this rank's own rows of the training split (pipelines.corpora.shards), from the position
     `start_step` left off at; the checksum sums the rows' global ids."""
 
     def __init__(self, split: Split, packing: PackingSpec, *, variants: list[str] | None, memories_per_step: int,
@@ -98,3 +100,20 @@ def collate_memory_mode(rows: list[dict], packing: PackingSpec, mode: MemoryMode
     rows = [memory_into_prompt(row, mode) for row in rows]
     batch = collate_packed(pack_examples(rows, packing, stats), packing, stats)
     return {k: v for k, v in batch.items() if not k.startswith("memory_")}
+
+
+def prompt_length(row: dict[str, Any]) -> int:
+    return next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
+
+
+def prompt_inputs(row: dict[str, Any], mode: MemoryMode) -> dict[str, torch.Tensor]:
+    """The row's prompt (1, T) as the system reads it, one row of model inputs: gca with its memory chunks for the
+    encoder (each padded to the longest, none cut); in_context and rag with chunks before the prompt; none without
+    (collate_memory_mode, as in training). Evaluation and stage 3 ask systems with it."""
+    n = prompt_length(row)
+    chunks = [list(c) for c in row["memory_input_ids"]]
+    prompt = {"input_ids": list(row["input_ids"][:n]), "labels": [IGNORE] * n, "memory_input_ids": chunks}
+    spec = PackingSpec(max_tokens=n + sum(map(len, chunks)), max_chunks=max(len(chunks), 1),
+                       chunk_len=max(map(len, chunks), default=1))
+    batch = collate_memory_mode([prompt], spec, mode)
+    return {k: v for k, v in batch.items() if k in ("input_ids", "memory_input_ids", "memory_attention_mask")}

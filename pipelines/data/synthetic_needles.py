@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipelines.data.corpora.rows import IGNORE
+from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memory
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4

@@ -12,11 +12,10 @@ from typing import Any
 import numpy as np
 import ray.data
 import torch
-
 from tokenizers import Tokenizer
 
-from pipelines.data.corpora.rows import IGNORE
-from pipelines.data.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
+from pipelines.corpora.rows import IGNORE
+from pipelines.corpora.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -26,9 +25,9 @@ class Ul2DataConfig:
     paths: list[str] = field(default_factory=list)  # files or directories of text/code; empty: this repository's own sources
     suffixes: list[str] = field(default_factory=lambda: [".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh"])  # which files a directory contributes
     seq_len: int = 128  # tokens per sequence before denoising
-    max_files: int = 10_000
+    max_files: int = 10_000  # files read at most (in sorted order), so a huge path stays a bounded job
     mixture: str = "ul2"  # a name from MIXTURES
-    seed: int = 0
+    seed: int = 0  # with the sequence's tokens, seeds its corruption: a rerun or resumed run sees the same examples
 
 
 # --------------------------------------------------------------------------------------------------- denoisers

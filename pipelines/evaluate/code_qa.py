@@ -27,17 +27,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from pipelines.corpora.shards import MANIFEST, RankReader, ShardError, check_split
+from pipelines.corpora.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.corpora.rows import IGNORE
-from pipelines.data.memory_modes import MemoryMode
-from pipelines.data.packing import PackingSpec
-from pipelines.data.shards import MANIFEST, RankReader, ShardError, check_split
-from pipelines.data.streams import collate_memory_mode
-from pipelines.data.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
+from pipelines.data.streams import prompt_inputs
 from pipelines.evaluate.common import Source, SuiteResult, System, Workers, batch_columns, load_system
 from pipelines.evaluate.metrics import evidence_reading, rate_interval
 
-TASKS = ("code_qa", "doc_qa", "needle")  # the stage-0 row tasks (pipelines.data.corpora)
+TASKS = ("code_qa", "doc_qa", "needle")  # the stage-0 row tasks (pipelines.corpora)
 COLUMNS = ["task", "variant", "kind", "prompt", "target", "answer", "memory", "evidence_chunks", "unit", "input_ids",
            "labels", "memory_input_ids"]
 BUILD = "python jobs/build_corpus.py --stage 0 --sources SRC --out DIR"
@@ -109,19 +106,6 @@ def evidence_indices(row: dict[str, Any]) -> list[int]:
     """The positions in the row's memory of its evidence chunks (a chunk's first line is its name)."""
     names = set(row["evidence_chunks"])
     return [i for i, text in enumerate(row["memory"]) if text.split("\n", 1)[0].strip() in names]
-
-
-def prompt_inputs(row: dict[str, Any], mode: MemoryMode) -> dict[str, torch.Tensor]:
-    """The row's prompt as the system reads it, one row of model inputs: its memory chunks for the encoder (gca,
-    each padded to the longest, none cut), before the prompt (in_context, rag), or dropped (none)."""
-    prompt_len = next((i for i, label in enumerate(row["labels"]) if label != IGNORE), len(row["labels"]))
-    chunks = [list(chunk) for chunk in row["memory_input_ids"]]
-    question = {"input_ids": list(row["input_ids"][:prompt_len]), "labels": [IGNORE] * prompt_len,
-                "memory_input_ids": chunks}
-    spec = PackingSpec(max_tokens=prompt_len + sum(map(len, chunks)), max_chunks=max(len(chunks), 1),
-                       chunk_len=max(map(len, chunks), default=1), pad_id=PAD_ID)
-    batch = collate_memory_mode([question], spec, mode)
-    return {k: v for k, v in batch.items() if k in ("input_ids", "memory_input_ids", "memory_attention_mask")}
 
 
 # ---------------------------------------------------------------------------------------------- scoring

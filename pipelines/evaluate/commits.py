@@ -9,7 +9,7 @@ Per row (one commit in one prompt variant):
 - pass@1, pass@5 (Chen et al.'s unbiased estimator, metrics.pass_at_k) over `samples` sampled generations, where the
   repository has tests at the parent commit and they pass with the commit's own file (a commit whose reference fails
   its tests says nothing about the model, and is counted apart): the parent tree is rebuilt from git objects with
-  plumbing only (no checkout, no filters, no hooks), and its tests run with the edit in pipelines.data.sandbox
+  plumbing only (no checkout, no filters, no hooks), and its tests run with the edit in pipelines.repos.sandbox
   (a temporary copy, time and memory limits, no network, a minimal environment): nothing from a mined repository
   runs outside it;
 - agentic compliance (planning rows): `<plan>` -> one or more `<read>` -> `<edit>`, in that order and nothing else,
@@ -25,27 +25,23 @@ from __future__ import annotations
 
 import difflib
 import json
-import shutil
-import tempfile
-import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from models import AwarenessModel
-from pipelines.data.agentic import (READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file,
-                                    system_inputs)
+from pipelines.corpora.commits import BUILD, VARIANTS, CorpusError, commit_split, parent_file
+from pipelines.corpora.shards import head_rows
+from pipelines.corpora.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.corpora.commits import (BUILD, TEST_FILE, VARIANTS, CorpusError, GitError, parent_file,
-                                           write_parent_tree)
 from pipelines.data.memory_modes import MemoryMode, system_mode
-from pipelines.data.sandbox import run_sandboxed, run_tests
-from pipelines.data.shards import MANIFEST, ShardError, Split, check_split, head_rows, load_split
-from pipelines.data.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
+from pipelines.data.streams import prompt_inputs
 from pipelines.evaluate.common import Source, SuiteResult, Workers
 from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
+from pipelines.repos.agentic import READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file
+from pipelines.repos.parent_trees import ParentTree, ParentTrees
 
 COLUMNS = ["task", "variant", "target", "answer", "memory", "evidence", "origin", "input_ids", "labels",
            "memory_input_ids"]
@@ -59,7 +55,7 @@ class CommitsSuite:
     max_rows: int = 64  # rows read from the split, in its fixed order
     samples: int = 5  # sampled generations per row whose repository has tests: pass@1 and pass@5 (k <= samples)
     temperature: float = 0.8  # sampling temperature of the pass@k samples (the scored edit is greedy)
-    top_p: float = 0.95
+    top_p: float = 0.95  # nucleus sampling for the pass@k samples
     max_new_tokens: int = 2048  # generated tokens per answer (a whole new file)
     seed: int = 20261124  # sampling seed (per row: seed + row index)
     test_command: list[str] | None = None  # run in the sandbox in the repository's copy; None: pytest -q -x
@@ -85,31 +81,10 @@ class CommitsSuite:
 
 
 # ---------------------------------------------------------------------------------------------- the corpus
-def commit_split(settings: CommitsSuite) -> tuple[Path, Split, dict[str, Any]]:
-    """The split's directory, the split and its manifest; its shards checked against the manifest (sizes, hashes),
-    the corpus checked to be stage 2's."""
-    path = Path(settings.corpus).expanduser().resolve()
-    if (path / MANIFEST).is_file():
-        path = path / settings.split
-    try:
-        if not load_split(path).shards:
-            raise CorpusError(f"commits.corpus: {path} holds no rows (a corpus's repositories are split whole, so a "
-                              f"one-repository corpus has train or val, not both; see manifest.json `repositories`, "
-                              f"pass the split that exists, or build with --stage0.val_fraction 1.0)")
-        split = check_split(path)
-    except ShardError as error:
-        raise CorpusError(f"commits.corpus: {error}") from error
-    manifest = json.loads((Path(split.root) / MANIFEST).read_text())
-    if manifest.get("stage") != 2:
-        raise CorpusError(f"commits.corpus {path} is a stage-{manifest.get('stage')} corpus, not commits: build one "
-                          f"with `{BUILD}`")
-    return path, split, manifest
-
-
 def load_rows(settings: CommitsSuite) -> tuple[list[dict[str, Any]], str | None]:
     """The split's first max_rows commit rows of the chosen variants, and the tokenizer checkpoint the corpus was
     built with (None: the offline Qwen3 tokenizer)."""
-    path, split, manifest = commit_split(settings)
+    path, split, manifest = commit_split(settings.corpus, settings.split)
     rows = head_rows(split, columns=COLUMNS, variants=settings.variants, limit=settings.max_rows)
     rows = [r for r in rows if r["task"] == "commit"]
     if not rows:
@@ -126,7 +101,7 @@ def load_rows(settings: CommitsSuite) -> tuple[list[dict[str, Any]], str | None]
 def generate_answers(model, mode: MemoryMode, row: dict[str, Any], tokenizer, settings: CommitsSuite, *,
                      samples: int, seed: int) -> tuple[str, list[str]]:
     """The greedy answer and `samples` sampled ones, as text."""
-    inputs = {k: v.to(model.device) for k, v in system_inputs(row, mode).items()}
+    inputs = {k: v.to(model.device) for k, v in prompt_inputs(row, mode).items()}
     start = inputs["input_ids"].shape[1]
     common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": SPECIAL_IDS[EOS],
               "pad_token_id": SPECIAL_IDS[PAD]}
@@ -177,27 +152,15 @@ def real_reads(row: dict[str, Any]) -> list[str]:
     return chunk_names(row["memory"]) + [r.strip() for r in READ_TAG.findall(row["target"])]
 
 
-# ---------------------------------------------------------------------------------------------- the parent tree
-def passes(tree: Path, path: str, content: str, settings: CommitsSuite) -> bool:
-    """The repository's tests on its parent tree with `content` as `path`, in the sandbox."""
-    if settings.test_command:
-        result = run_sandboxed(tree, settings.test_command, timeout_s=settings.timeout_s,
-                               memory_mb=settings.memory_mb, files={path: content})
-        return result.returncode == 0 and not result.timed_out
-    return run_tests(tree, {path: content}, timeout_s=settings.timeout_s, memory_mb=settings.memory_mb)[0]
-
-
 # ---------------------------------------------------------------------------------------------- the suite
 @dataclass
 class Commit:
-    """What a commit shares between its variant rows and the systems: its parent tree, whether it has tests, and
-    whether they pass with the commit's own file."""
+    """What a commit shares between its variant rows and the systems: its parent tree, the edited file as it was
+    there, and whether the tests pass with the commit's own file."""
 
-    tree: Path | None
+    tree: ParentTree
     parent: str  # the edited file at the parent
-    has_tests: bool = False
     reference_passes: bool = False
-    results: dict[str, bool] = field(default_factory=dict)  # test outcome per generated file
 
 
 class CommitsEvaluation:
@@ -208,45 +171,35 @@ class CommitsEvaluation:
     def __init__(self, settings: CommitsSuite, workers: Workers):
         self.settings, self.workers = settings, workers
         self.rows, self.tokenizer = load_rows(settings)
-        self.workdir = Path(tempfile.mkdtemp(prefix="awareness-commits-"))
-        self.close = weakref.finalize(self, shutil.rmtree, self.workdir, True)  # the parent trees, also on an error
+        self.trees = ParentTrees(timeout_s=settings.timeout_s, memory_mb=settings.memory_mb,
+                                 test_command=settings.test_command)
+        self.close = self.trees.close  # the parent trees on disk, removed also on an error
         self.commits: dict[tuple[str, str, str], Commit] = {}
 
     def commit(self, row: dict[str, Any]) -> Commit:
         origin, path = row["origin"], row["evidence"]["path"]
         key = (origin["repository"], origin["commit"], path)
         if key not in self.commits:
-            tree = self.workdir / f"tree-{len(self.commits)}"
-            try:
-                files = write_parent_tree(origin, tree)
-                commit = Commit(tree, parent_file(origin, path), has_tests=any(TEST_FILE.search(f) for f in files))
-            except GitError:  # the repository moved, or its objects were pruned, since the build
-                shutil.rmtree(tree, ignore_errors=True)
-                commit = Commit(None, "")
-            if commit.has_tests:
-                commit.reference_passes = passes(tree, path, row["answer"], self.settings)
+            tree = self.trees.tree(origin)
+            commit = Commit(tree, parent_file(origin, path) if tree.root is not None else "")
+            commit.reference_passes = tree.has_tests and self.trees.passes(tree, path, row["answer"])
             self.commits[key] = commit
         return self.commits[key]
-
-    def tested(self, commit: Commit, path: str, content: str) -> bool:
-        if content not in commit.results:
-            commit.results[content] = passes(commit.tree, path, content, self.settings)
-        return commit.results[content]
 
     def score(self, row: dict[str, Any], greedy: str, samples: list[str]) -> dict[str, Any]:
         """One row's record: exact, edit similarity, compliance (planning rows), tests passed of the samples."""
         commit, path = self.commit(row), row["evidence"]["path"]
         generated = edited_file(greedy)
         record = {"variant": row["variant"], "commit": row["origin"]["commit"], "path": path,
-                  "exact": same_file(generated, row["answer"]), "repository": commit.tree is not None,
-                  "has_tests": commit.has_tests, "reference_passes": commit.reference_passes}
-        if commit.tree is not None:
+                  "exact": same_file(generated, row["answer"]), "repository": commit.tree.root is not None,
+                  "has_tests": commit.tree.has_tests, "reference_passes": commit.reference_passes}
+        if commit.tree.root is not None:
             record["edit_similarity"] = diff_similarity(commit.parent, generated, row["answer"])
         if row["variant"] == "planning":
             record["agentic"] = agentic_compliance(greedy, real_reads(row), path)
         if commit.reference_passes:
             record["samples"] = len(samples)
-            record["passed"] = sum(self.tested(commit, path, edited_file(s)) for s in samples)
+            record["passed"] = sum(self.trees.passes(commit.tree, path, edited_file(s)) for s in samples)
         return record
 
     def run(self, source: Source) -> SuiteResult:

@@ -17,9 +17,9 @@ from typing import Any, Callable, ClassVar, Protocol, TextIO
 
 from models import AwarenessModel
 from models.awareness import CONFIG_NAME
+from pipelines.cli import duration
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.train.console import duration
 
 
 # ---------------------------------------------------------------------------------------------- systems

@@ -18,11 +18,11 @@ import numpy as np
 import psutil
 import torch
 
-from pipelines.data import memory_store
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import prompt_memory, top_chunks
 from pipelines.data.synthetic_needles import FILLER, PAD
 from pipelines.evaluate.common import Source, SuiteResult, System, Workers, load_system
+from pipelines.memory import store as memory_store
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _timed(fn, repeats: int) -> tuple[float, Any]:
 @torch.no_grad()
 def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 16, repeats: int = 3) -> dict[str, Any]:
     """Time to first token, per-token decode and peak memory for one question over a memory of `memory_tokens`.
-    gca reads a memory store encoded once and written to disk (pipelines.data.memory_store, in this process's temp
+    gca reads a memory store encoded once and written to disk (pipelines.memory.store, in this process's temp
     dir): its first token pays loading the store, the projection and the prefill of the question, and the encoding is
     reported apart (`encode_s`); in_context pays the prefill of the whole memory, rag its retrieval and the prefill of
     its k chunks, none only the question."""

@@ -45,14 +45,14 @@ class EvaluateConfig:
     suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency, code_qa, commits (comma/space-separated)
     out: str = "outputs/evaluate"  # results.json and plots go here
     actors: int = 1  # Ray Data actors per system for the needle and commits suites, each holding the model
-    cpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0  # CPUs Ray reserves for each evaluation actor
     use_gpu: bool = False  # one GPU per actor
     needle: NeedleSuite = field(default_factory=NeedleSuite)  # pipelines.evaluate.needle
     efficiency: EfficiencySuite = field(default_factory=EfficiencySuite)  # pipelines.evaluate.efficiency
     code_qa: CodeQaSuite = field(default_factory=CodeQaSuite)  # held-out repositories: a stage-0 corpus's val split
     commits: CommitsSuite = field(default_factory=CommitsSuite)  # held-out stage-2 commits (pipelines.evaluate.commits)
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here
-    experiment: str = "awareness-evaluate"
+    experiment: str = "awareness-evaluate"  # the MLflow experiment the evaluation run is logged under
     track: bool = True  # log to MLflow (a new run; also onto the evaluated run or registered version when known)
 
     def suites(self) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
+from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, generate_memory
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
@@ -40,7 +41,7 @@ class NeedleSuite:
     memories: int = 16  # probe memories per (variant, size); each asks needle.questions questions
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths
     seed: int = 20261123  # probes come from their own seed, never from training's or validation's
-    depth_bins: int = 4
+    depth_bins: int = 4  # accuracy by where the fact sits in the memory, in this many equal bins
     hard_distractors: float = 0.0  # share (0-1) of each probe's free fact slots holding facts near-identical to the asked ones (stage 0's needle.hard_distractors), the same for every system
 
     def problems(self) -> list[str]:
@@ -97,8 +98,6 @@ def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
 def served_answers(system: System, probe: Probe) -> list[list[int]]:
     """The registered pyfunc's answers to the probe as text (the needle vocabulary's words: `k117`, digits, `w300`),
     read back into ids through the same tokenizer."""
-    from pipelines.tracking.pyfunc import needle_tokenizer  # lazy: it imports mlflow, needed by served versions only
-
     tokenizer = needle_tokenizer()
     words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     memory = [words(chunk) for chunk in probe.memory.tolist()]

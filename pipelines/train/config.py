@@ -14,13 +14,13 @@ from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.cli import ConfigError, from_typed_dict
+from pipelines.corpora.shards import MANIFEST
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
-from pipelines.data.shards import MANIFEST
-from pipelines.data.teacher_logits import teacher_identity
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.data.traffic_scenes import QUESTION_TYPES
 from pipelines.data.traffic_tokenizer import vocabulary
 from pipelines.data.ul2 import MIXTURES, Ul2DataConfig
+from pipelines.teachers.logits import teacher_identity
 
 
 class JobConfig:
@@ -88,7 +88,7 @@ class ModelConfig:
     encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
     encoder_checkpoint: str | None = None  # e.g. jobs/encoder_ul2.py's export/encoder: replaces the pair's encoder
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
     # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
@@ -145,19 +145,19 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
+    max_steps: int = 1000  # optimizer steps; the schedule's length
     memories_per_step: int = 16  # global batch, in memories (each carries needle.questions questions)
-    grad_accum: int = 1
-    lr: float = 2e-4
+    grad_accum: int = 1  # micro-batches per optimizer step (memories_per_step is split over workers and these)
+    lr: float = 2e-4  # peak learning rate (AdamW), reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    warmup_steps: int = 30  # linear warm-up from 0 to lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    grad_clip: float = 1.0  # gradient norm clipped to this (0: no clipping)
     frozen_decoder_steps: int = 0  # the plan's warm-up phase: decoder updates start after this many steps
-    log_every: int = 20
-    eval_every: int = 200
-    checkpoint_every: int = 200
-    seed: int = 0
+    log_every: int = 20  # steps between progress lines and logged metrics
+    eval_every: int = 200  # steps between validation evaluations (and one at the end)
+    checkpoint_every: int = 200  # steps between checkpoints (and one at the end); a resumed run starts from the last
+    seed: int = 0  # model initialisation and data order
 
 
 K_RANGE = (8, 256)  # top-k stored per target token; the issue's range is 32-64 (k * 6 bytes a token)
@@ -170,7 +170,7 @@ class DistillConfig:
 
     teacher: str | None = None  # an export whose system.json reads the memory in its prompt (in_context or rag)
     teacher_steps: int = 0  # with no teacher: first train an in_context teacher on the same data for this many steps
-    k: int = 32  # teacher top-k kept per target token (32-64: k * 6 bytes a token; pipelines.data.teacher_logits)
+    k: int = 32  # teacher top-k kept per target token (32-64: k * 6 bytes a token; pipelines.teachers.logits)
     alpha: float = 0.5  # loss = alpha * KL(teacher || student) over the top-k + (1 - alpha) * cross-entropy
     temperature: float = 1.0  # softens both sides of the KL (scaled by temperature^2)
     logits: str | None = None  # the teacher logits directory; None: CORPUS/teacher_logits, computed when absent or
@@ -181,8 +181,8 @@ class DistillConfig:
     # The embedded default corpus (used when data.train_path is unset): one needle fact per memory, its value digits
     # copied into the target, each replaced by a random digit with probability label_noise.
     label_noise: float = 0.3
-    train_rows: int = 4096
-    val_rows: int = 256
+    train_rows: int = 4096  # rows of the embedded default corpus for training
+    val_rows: int = 256  # and for validation
 
     def problems(self, stage: int) -> list[str]:
         if stage != 4:
@@ -241,7 +241,7 @@ def logits_problems(logits: str, teacher: str, k: int) -> list[str]:
 
 @dataclass
 class DeepSpeedSettings:
-    zero_stage: int = 3
+    zero_stage: int = 3  # ZeRO stage: 3 partitions parameters, gradients and optimizer states; 2 all but parameters
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
     offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)
@@ -249,11 +249,11 @@ class DeepSpeedSettings:
 
 @dataclass
 class ScalingSettings:
-    num_workers: int = 2
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
+    num_workers: int = 2  # Ray Train workers (one per GPU on a GPU cluster)
+    use_gpu: bool = False  # one GPU per worker, NCCL and bf16 (deepspeed.precision auto)
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
     gpus_per_node: int = 8  # for the memory plan a GPU run checks first
-    gpu_memory_gib: float = 80.0
+    gpu_memory_gib: float = 80.0  # each GPU's memory, for the memory plan a GPU run checks first
 
 
 @dataclass
@@ -261,21 +261,21 @@ class RunSettings:
     name: str = "awareness-stage0"  # a rerun with the same name and storage_path resumes
     storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
     max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest checkpoints Ray Train keeps on storage_path (older ones are deleted)
     export_every_checkpoint: bool = True  # every checkpoint carries export/ (register.py --step); false: the final one
     verbose: bool = False  # the workers' and Ray's own output (report dicts, progress bars) on the console too
 
 
 @dataclass
 class TrackingSettings:
-    enabled: bool = True
+    enabled: bool = True  # log params, metrics, plots, checkpoints and the export to MLflow
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
-    experiment: str = "awareness"
+    experiment: str = "awareness"  # the MLflow experiment the run is logged under
 
 
 @dataclass
 class StageConfig(JobConfig):
-    stage: int = 0
+    stage: int = 0  # 0 needles, 1 code/doc Q&A, 2 commits, 4 distillation (jobs/stageN.py sets it; stage 3 makes data)
     model: ModelConfig = field(default_factory=ModelConfig)
     needle: NeedleConfig = field(default_factory=NeedleConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -372,7 +372,7 @@ class Ul2ModelConfig:
     checkpoint_root: str | None = None  # where the tiny one is written; None: ~/.cache/awareness/random-checkpoints
     encoder_key_rope: str = "none"  # none (T5Gemma 2, measured better) | encoder_positions
     encoder_layers: int | None = None  # None: all of the checkpoint's layers
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
 
 
 @dataclass
@@ -417,16 +417,16 @@ class TrafficModelConfig:
     image_size: int = 224  # pixels per side the tower reads (scenes are drawn at 224 and resized)
     patch_size: int = 16  # (image_size / patch_size)^2 vision tokens: 196 at 224 / 16
     vision_hidden_size: int = 128  # the random tower's width (the memory width the decoder projects from)
-    vision_layers: int = 2
-    vision_heads: int = 4
+    vision_layers: int = 2  # the random tower's transformer layers
+    vision_heads: int = 4  # and its attention heads
     vocab_size: int = 500  # decoder rows; the traffic tokenizer's vocabulary must fit
-    hidden_size: int = 512
-    intermediate_size: int = 2048
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 2
-    max_positions: int = 128
-    gradient_checkpointing: bool = False
+    hidden_size: int = 512  # the decoder's width
+    intermediate_size: int = 2048  # its MLP's width
+    layers: int = 4  # its layers (each reads the vision tokens through cross-attention)
+    heads: int = 8  # its query heads
+    kv_heads: int = 2  # its key/value heads (GQA: heads must be a multiple)
+    max_positions: int = 128  # its rotary positions: the longest question and answer
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
 
 
 @dataclass

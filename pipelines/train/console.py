@@ -17,6 +17,8 @@ import ray.train
 from ray.util.queue import Empty, Queue
 from transformers.utils import logging as transformers_logging
 
+from pipelines.cli import duration  # shared with the evaluation job's progress line
+
 QUIET_LOGGERS = ("mlflow", "ray", "ray.train", "ray.data", "DeepSpeed")
 
 
@@ -28,12 +30,6 @@ def quiet(verbose: bool) -> None:
     transformers_logging.disable_progress_bar()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def step_line(metrics: dict[str, Any], max_steps: int, eta_s: float | None) -> str:

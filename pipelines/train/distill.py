@@ -1,7 +1,7 @@
 """The stage-4 distillation loss: α·KL(teacher‖student) over the teacher's stored top-k, plus (1−α)·CE.
 
 Alignment follows transformers' causal-LM loss: `student_logits` (B, T, V) and `labels` (B, T) are aligned with the
-student's input_ids, and position t's logits predict token t+1. The teacher's entries (pipelines.data.teacher_logits,
+student's input_ids, and position t's logits predict token t+1. The teacher's entries (pipelines.teachers.logits,
 `dense_targets`) are aligned with the labels: entry t is the teacher's distribution for token t, so it is compared
 with the student's logits at t−1, as labels[t] is. An entry whose first id is −1 is no entry (no teacher score for
 that position: a prompt position, or a row the teacher skipped); those positions count in the CE only.
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pipelines.data.corpora.rows import IGNORE
+from pipelines.corpora.rows import IGNORE
 
 
 class DistillLoss(NamedTuple):

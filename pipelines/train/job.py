@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from pipelines.cli import ConfigError, parse_config
-from pipelines.data.shards import ShardError
+from pipelines.corpora.shards import ShardError
 from pipelines.tracking.tracker import resolve_tracking_uri, summary_json
 from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.recipes.jobs import job_for

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, Partitioner, apply_lora, build_pair, set_trainable
+from models import (UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, Partitioner, apply_lora, build_pair,
+                    set_trainable)
 from models.awareness import WEIGHTS_NAME
 from pipelines.train.config import ModelConfig
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
+from pipelines.data.synthetic_needles import PROMPT_LEN
 
 GIB = 1024**3
 CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -24,20 +25,20 @@ CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
 @dataclass
 class PlanInput:
     pair: str = "tiny"  # a name from models.PAIRS
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu_memory_gib: float = 80.0
+    nodes: int = 1  # GPU nodes
+    gpus_per_node: int = 8  # GPUs per node (ZeRO-3 partitions over nodes x gpus_per_node)
+    gpu_memory_gib: float = 80.0  # each GPU's memory
     decoder: str = "lora"  # frozen | lora | full
-    encoder: str = "frozen"
-    lora_rank: int = 16
+    encoder: str = "frozen"  # frozen | lora | full
+    lora_rank: int = 16  # LoRA rank of the lora parts
     lora_targets: tuple[str, ...] = ATTENTION + MLP  # add experts for LoRA on an MoE pair's experts
     micro_batch: int = 1  # sequences per GPU per micro-step
     memories: int | None = None  # memories per GPU per micro-step (several questions can share one); None: one each
-    seq_len: int = 4096
-    memory_tokens: int = 16384
-    gradient_checkpointing: bool = True
-    offload_optimizer: bool = False
-    offload_params: bool = False
+    seq_len: int = 4096  # decoder tokens per sequence
+    memory_tokens: int = 16384  # memory tokens per memory (chunks x chunk length)
+    gradient_checkpointing: bool = True  # recompute activations in the backward pass
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
+    offload_params: bool = False  # ZeRO-3 parameter offload to CPU memory
     fusion: str = "gca"  # gca | cross | merged: how the decoder reads the memory (cross adds a block to every layer)
 
     def problems(self) -> list[str]:

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from models import PAIRS, get_pair
+from pipelines.corpora.tokenizer import VOCAB_SIZE
 from pipelines.data.ul2 import Ul2DataConfig
 from pipelines.train.config import (DataConfig, DeepSpeedSettings, DistillConfig, ModelConfig, NeedleConfig,
                                     RunSettings, ScalingSettings, StageConfig, TrafficConfig, TrainConfig, Ul2Config)
@@ -93,3 +97,55 @@ TRAFFIC_VLM = TrafficConfig(
     scaling=ScalingSettings(num_workers=1, cpus_per_worker=2),
     run=RunSettings(name="traffic-vlm", export_every_checkpoint=False),  # its export is the whole model
 )
+
+
+# Sweeps (jobs/sweep.py) start from these: the stage's preset with the decoder in LoRA (its rank is swept), sized so
+# several trials share a CPU machine; GPU clusters override scaling.*.
+def sweep_base(pair: str | None, stage: int) -> StageConfig:
+    """The trials' stage config before command-line overrides, the decoder in LoRA (its rank is swept). `pair`
+    None: the stage's own default pair (tiny for stage 0, the stage job's for 1-2)."""
+    if stage == 0:
+        return stage0_sweep_base(pair or "tiny")
+    if stage in (1, 2):
+        return corpus_sweep_base(pair, stage)
+    raise ValueError(f"--stage {stage}: stages are 0, 1 and 2")
+
+
+def stage0_sweep_base(pair: str) -> StageConfig:
+    """Stage 0: GCA in full; random pairs also train their encoder (it knows nothing). CPU-sized: one Train worker
+    per trial on 0.9 CPU, so a 2-core machine runs two trials at once; GPU clusters override scaling.*."""
+    random = PAIRS[pair].random_weights if pair in PAIRS else False
+    return StageConfig(
+        stage=0,
+        model=ModelConfig(pair=pair, decoder="lora", encoder="full" if random else "frozen", gca="full",
+                          encoder_attention="bidirectional" if random else None),
+        train=TrainConfig(max_steps=400, memories_per_step=8, lr=1e-3, warmup_steps=20, log_every=50, eval_every=50,
+                          checkpoint_every=400),
+        scaling=ScalingSettings(num_workers=1, cpus_per_worker=0.9),
+        run=RunSettings(name="sweep", max_failures=0, keep_checkpoints=1),
+    )
+
+
+def corpus_sweep_base(pair: str | None, stage: int) -> StageConfig:
+    """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its schedule, data budget, variants,
+    frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
+    reserves 0.5 with its own function, and on 2 cores up to four run at once. The corpus is the jobs' --data.train_path / --data.val_path (required)."""
+    job = STAGES[stage]  # the job's preset is the one source of its defaults
+    pair = pair or job.model.pair
+    if vocab_problem(pair):
+        raise ValueError(vocab_problem(pair))
+    return dataclasses.replace(
+        job,
+        model=dataclasses.replace(job.model, pair=pair, decoder="lora"),
+        scaling=dataclasses.replace(job.scaling, num_workers=1, cpus_per_worker=0.4),
+        run=dataclasses.replace(job.run, name="sweep", max_failures=0, keep_checkpoints=1),
+    )
+
+
+def vocab_problem(pair: str) -> str | None:
+    """Commit corpora hold Qwen3 token ids: a pair with a smaller vocabulary cannot read them."""
+    vocab = get_pair(pair).decoder_config["vocab_size"]
+    if vocab < VOCAB_SIZE:
+        return (f"model.pair {pair}: its decoder has {vocab} token ids, but commit corpora hold Qwen3 token ids "
+                f"(up to {VOCAB_SIZE - 1}): use tiny-text (the tiny shapes with Qwen3's vocabulary) or a real pair")
+    return None

@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterator
 import ray.train
 import torch
 
+from pipelines.corpora.shards import load_split
 from pipelines.data.packing import PackingSpec
-from pipelines.data.shards import load_split
 from pipelines.data.streams import CorpusStream, NeedleStream
-from pipelines.data.teacher_logits import TeacherEntries
+from pipelines.data.teacher_targets import TeacherEntries
 from pipelines.train.config import StageConfig, TrainConfig
 
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import PAIRS, get_pair
+from models import PAIRS
 from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
+from pipelines.serving.register import register_run
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
-from pipelines.data.tokenizer import VOCAB_SIZE
-from pipelines.train.config import ModelConfig, RunSettings, ScalingSettings, StageConfig, TrainConfig
-from pipelines.train.presets import STAGES
+from pipelines.train.config import StageConfig
+from pipelines.train.presets import sweep_base, vocab_problem
 from pipelines.tune.report import format_table, plot_sweep
 
 TRIAL_TAG = "tune.trial_id"
@@ -36,23 +36,23 @@ class SweepConfig:
 
     name: str = "sweep"  # Tune experiment name; trials' Ray Train runs are <name>-<trial id>
     num_samples: int = 8  # trials drawn from the space below
-    lora_ranks: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
+    lora_ranks: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  # the decoder's LoRA ranks to draw from
     # None: upper_third, upper_half, every_k:4, last:4 and an explicit list (the middle and the last layer)
     placements: list[str] | None = None
     # how the decoder reads the memory (gca cross merged); None: the base config's model.fusion alone. Placement
     # applies to gca; cross and merged read in every layer whatever the trial's placement says
     fusions: list[str] | None = None
     lr_min: float = 1e-4  # learning rate, log-uniform in [lr_min, lr_max]
-    lr_max: float = 3e-3
+    lr_max: float = 3e-3  # (see lr_min)
     metric: str | None = None  # reported at every evaluation (train.eval_every); None: validation_metric(base)
-    mode: str = "min"
+    mode: str = "min"  # min or max: whether a lower metric is better
     grace_period: int = 2  # evaluations a trial gets before ASHA may stop it
-    reduction_factor: int = 2
+    reduction_factor: int = 2  # ASHA keeps 1 in reduction_factor trials at each rung
     trial_cpus: float = 0.1  # the trial's own function; its Train workers reserve scaling.cpus_per_worker each
     max_concurrent: int = 0  # 0: as many as the cluster's CPUs (or GPUs) hold at once
     seed: int = 0  # the search's random state: the same seed draws the same trials
     registered_model: str | None = "awareness"  # None: do not register the best trial
-    alias: str = "candidate"
+    alias: str = "candidate"  # the alias the registered best trial gets
 
     def for_base(self, base: StageConfig) -> "SweepConfig":
         """This sweep with its metric resolved for the base config."""
@@ -304,8 +304,6 @@ def finish_sweep(sweep: SweepConfig, base: StageConfig, parent: Tracker, rows: l
                         **({f"best_{sweep.metric}": best[sweep.metric]} if best else {})}, step=0)
     registered = None
     if best and sweep.registered_model and best["mlflow_run_id"]:
-        from pipelines.tracking.registry import register_run
-
         parent.set_tags({"sweep.best_run_id": best["mlflow_run_id"], "sweep.best_trial": best["trial_id"]})
         version = register_run(best["mlflow_run_id"], tracking_uri=tracking_uri, name=sweep.registered_model,
                                alias=sweep.alias, sweep_run_id=parent.run_id)
@@ -327,56 +325,6 @@ def best_row(rows: list[dict[str, Any]], sweep: SweepConfig) -> dict[str, Any] |
     return min(finished, key=lambda r: sign * r[sweep.metric])
 
 
-def default_base(pair: str | None, stage: int) -> StageConfig:
-    """The trials' stage config before command-line overrides, the decoder in LoRA (its rank is swept). `pair`
-    None: the stage's own default pair (tiny for stage 0, the stage job's for 1-2)."""
-    if stage == 0:
-        return needle_base(pair or "tiny")
-    if stage in (1, 2):
-        return corpus_base(pair, stage)
-    raise ValueError(f"--stage {stage}: stages are 0, 1 and 2")
-
-
-def needle_base(pair: str) -> StageConfig:
-    """Stage 0: GCA in full; random pairs also train their encoder (it knows nothing). CPU-sized: one Train worker
-    per trial on 0.9 CPU, so a 2-core machine runs two trials at once; GPU clusters override scaling.*."""
-    random = PAIRS[pair].random_weights if pair in PAIRS else False
-    return StageConfig(
-        stage=0,
-        model=ModelConfig(pair=pair, decoder="lora", encoder="full" if random else "frozen", gca="full",
-                          encoder_attention="bidirectional" if random else None),
-        train=TrainConfig(max_steps=400, memories_per_step=8, lr=1e-3, warmup_steps=20, log_every=50, eval_every=50,
-                          checkpoint_every=400),
-        scaling=ScalingSettings(num_workers=1, cpus_per_worker=0.9),
-        run=RunSettings(name="sweep", max_failures=0, keep_checkpoints=1),
-    )
-
-
-def vocab_problem(pair: str) -> str | None:
-    """Commit corpora hold Qwen3 token ids: a pair with a smaller vocabulary cannot read them."""
-    vocab = get_pair(pair).decoder_config["vocab_size"]
-    if vocab < VOCAB_SIZE:
-        return (f"model.pair {pair}: its decoder has {vocab} token ids, but commit corpora hold Qwen3 token ids "
-                f"(up to {VOCAB_SIZE - 1}): use tiny-text (the tiny shapes with Qwen3's vocabulary) or a real pair")
-    return None
-
-
-def corpus_base(pair: str | None, stage: int) -> StageConfig:
-    """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its schedule, data budget, variants,
-    frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
-    reserves 0.5 with its own function, and on 2 cores up to four run at once. The corpus is the jobs' --data.train_path / --data.val_path (required)."""
-    job = STAGES[stage]  # the job's preset is the one source of its defaults
-    pair = pair or job.model.pair
-    if vocab_problem(pair):
-        raise ValueError(vocab_problem(pair))
-    return dataclasses.replace(
-        job,
-        model=dataclasses.replace(job.model, pair=pair, decoder="lora"),
-        scaling=dataclasses.replace(job.scaling, num_workers=1, cpus_per_worker=0.4),
-        run=dataclasses.replace(job.run, name="sweep", max_failures=0, keep_checkpoints=1),
-    )
-
-
 @dataclass
 class SweepJob(StageConfig):
     """jobs/sweep.py's one config: the trials' stage config (every section, the same for each trial; `stage` picks
@@ -386,7 +334,7 @@ class SweepJob(StageConfig):
 
     @classmethod
     def for_stage(cls, stage: int) -> "SweepJob":
-        base = default_base(None, stage)
+        base = sweep_base(None, stage)
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StageConfig)})
 
     def base(self) -> StageConfig:

@@ -183,8 +183,8 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         from jobs.generate import GenerateArgs
         from jobs.register import RegisterArgs
         from jobs.stage3_data import Stage3Job
-        from pipelines.data.memory_encoding import EncodeMemoryConfig
         from pipelines.evaluate.job import EvaluateConfig
+        from pipelines.memory.encoding import EncodeMemoryConfig
 
         default = {"build_corpus": BuildJob(), "generate": GenerateArgs(), "register": RegisterArgs(),
                    "evaluate": EvaluateConfig(), "encode_memory": EncodeMemoryConfig(),

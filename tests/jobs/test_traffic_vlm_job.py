@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from models.traffic_vlm import TrafficVLM
 from pipelines.data.traffic_scenes import make_row, pixel_values, scene_seeds
-from pipelines.data.traffic_tokenizer import load_tokenizer
+from pipelines.data.traffic_tokenizer import load_traffic_tokenizer
 from pipelines.train.presets import TRAFFIC_VLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_short_run_logs_figures_and_a_pyfunc_that_answers_held_out_scenes(tmp_pa
 
     # the registered pyfunc answers as the exported model does
     exported = TrafficVLM.from_pretrained(summary["export"]).eval()
-    tokenizer = load_tokenizer(summary["export"])
+    tokenizer = load_traffic_tokenizer(summary["export"])
     rows = [make_row(s) for s in scene_seeds("heldout", 6)]
     encodings = tokenizer.encode_batch([r["question"] for r in rows])
     with torch.no_grad():

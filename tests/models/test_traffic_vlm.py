@@ -11,7 +11,7 @@ from transformers import SiglipVisionModel
 
 from models.traffic_vlm import TrafficVLM, build_traffic_vlm, last_real_position, tiny_vision_config
 from pipelines.data.traffic_scenes import make_row, pixel_values, split_of
-from pipelines.data.traffic_tokenizer import NO, YES, build_tokenizer
+from pipelines.data.traffic_tokenizer import NO, YES, build_traffic_tokenizer
 
 YES_ID, NO_ID, PAD_ID = 4, 5, 0
 
@@ -152,7 +152,7 @@ def test_tiny_training_loop_learns_held_out_scenes():
     """200 rendered scenes at 64x64 (three question types: light, left lane, stop sign), 200 AdamW steps on the
     [YES]/[NO] logits: held-out accuracy well above the majority rate, and above the image-withheld control."""
     torch.set_num_threads(2)
-    tokenizer = build_tokenizer()
+    tokenizer = build_traffic_tokenizer()
     types = ("light_red", "left_lane_free", "stop_sign")
     train = [s for s in range(400) if split_of(s) == "train"][:200]
     heldout = [s for s in range(400, 2000) if split_of(s) == "heldout"][:120]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from models.pairs import default_tiny_root, get_pair
-from pipelines.data.shards import check_splits
+from pipelines.corpora.shards import check_splits
 from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Job, Recipe

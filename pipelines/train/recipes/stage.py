@@ -17,20 +17,20 @@ import torch.distributed as dist
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.pairs import default_tiny_root
 from models.trainable import is_added_parameter, parameter_group
-from pipelines.data.corpora.rows import IGNORE
+from pipelines.corpora.rows import IGNORE
+from pipelines.corpora.shards import MANIFEST, check_splits
 from pipelines.data.memory_modes import SYSTEM_FILE
-from pipelines.data.shards import MANIFEST, check_splits
-from pipelines.data.teacher_logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
+from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import StageConfig
+from pipelines.train.distill import distillation_loss
 from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
-from pipelines.train.distill import distillation_loss
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 from pipelines.train.streams import make_stream, packing_spec
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from models.pairs import default_tiny_root
-from pipelines.data.shards import MANIFEST, write_corpus
+from pipelines.corpora.shards import MANIFEST, write_corpus
 from pipelines.data.synthetic_needles import noisy_copy_rows
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.config import StageConfig

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,9 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from models.traffic_vlm import TrafficVLM, build_traffic_vlm, tiny_vision_config
 from pipelines.data.traffic_scenes import QUESTIONS, build_split, make_row, pixel_values, scene_seeds
-from pipelines.data.traffic_tokenizer import NO, PAD, YES, build_tokenizer, save_tokenizer
+from pipelines.data.traffic_tokenizer import NO, PAD, YES, build_traffic_tokenizer, save_traffic_tokenizer
 from pipelines.evaluate import plots
+from pipelines.serving.traffic_pyfunc import log_traffic_pyfunc
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.config import TrafficConfig
@@ -43,7 +46,7 @@ class YesNoObjective(nn.Module):
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 answer_positions: torch.Tensor | None = None) -> SequenceClassifierOutput:
-        """labels (B,) for one question a row, or (B, Q) for rows packing Q questions (`collate_packed`)."""
+        """labels (B,) for one question a row, or (B, Q) for rows packing Q questions (`collate_scene_questions`)."""
         logits = self.vlm.yes_no_logits(pixel_values, input_ids, attention_mask, position_ids=position_ids,
                                         answer_positions=answer_positions)  # (B, 2) or (B, Q, 2)
         return SequenceClassifierOutput(loss=F.cross_entropy(logits.reshape(-1, 2), labels.reshape(-1)),
@@ -85,7 +88,7 @@ class TrafficRecipe:
         """This worker's shard of the training scenes, shuffled locally; packed rows ask their questions in an order
         drawn row by row from train.seed."""
         size, order = config.model.image_size, np.random.default_rng(config.train.seed)
-        rows_to_batch = ((lambda rows: collate_packed(rows, size, order)) if config.data.pack_questions else
+        rows_to_batch = ((lambda rows: collate_scene_questions(rows, size, order)) if config.data.pack_questions else
                          (lambda rows: collate(rows, size)))
         return DatasetStream(config.train, world, rows_to_batch, shuffle_buffer=config.data.shuffle_buffer)
 
@@ -110,7 +113,7 @@ class TrafficRecipe:
         with deepspeed.zero.GatheredParameters(list(vlm.parameters()), enabled=config.deepspeed.zero_stage == 3):
             if dist.get_rank() == 0:
                 vlm.save_pretrained(directory)
-                save_tokenizer(directory)
+                save_traffic_tokenizer(directory)
         dist.barrier()
 
     def finish(self, engine, config: TrafficConfig, state: TrainState, tracker: Tracker, rank: int,
@@ -125,8 +128,6 @@ class TrafficRecipe:
                 tracker: Tracker) -> dict[str, Any]:
         """The export and the pyfunc on the run (registered when tracking.registered_model names a model), the
         confusion matrix and the per-type table; the job's fields of the summary line."""
-        from pipelines.tracking.traffic_pyfunc import log_traffic_pyfunc
-
         per_type = {q: metrics.get(f"accuracy/{q}") for q in config.data.question_types}
         log_confusion(tracker, metrics)
         tracker.log_table({"question_type": list(per_type), "accuracy": list(per_type.values()),
@@ -147,7 +148,7 @@ SUMMARY_METRICS = ("accuracy", "no_image_accuracy", "majority_accuracy", "f1", "
 
 # ---------------------------------------------------------------------------------------------- model and data
 def build_vlm(config: TrafficConfig) -> TrafficVLM:
-    m, tokenizer = config.model, build_tokenizer()
+    m, tokenizer = config.model, build_traffic_tokenizer()
     vision = None if m.vision_path else tiny_vision_config(
         image_size=m.image_size, patch_size=m.patch_size, hidden_size=m.vision_hidden_size, layers=m.vision_layers,
         heads=m.vision_heads)
@@ -160,8 +161,6 @@ def build_vlm(config: TrafficConfig) -> TrafficVLM:
 
 def data_hash(config: TrafficConfig) -> str:
     """`synthetic:<hash>` of what decides the scenes (as stage 0's needles), so two runs on the same data match."""
-    import hashlib
-    import json
 
     d = config.data
     key = json.dumps([d.train_scenes, d.heldout_scenes, d.heldout_fraction, d.question_types, config.model.image_size])
@@ -178,7 +177,7 @@ def collate(rows: dict[str, Any], image_size: int) -> dict[str, torch.Tensor]:
             "labels": torch.tensor([0 if a == "yes" else 1 for a in rows["answer"]])}
 
 
-def collate_packed(rows: dict[str, Any], image_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+def collate_scene_questions(rows: dict[str, Any], image_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
     """Columns png, scene_questions, scene_answers -> one row per scene asking all of its questions at once, in an
     order shuffled by `rng`: input_ids (B, T) of the questions one after another, each `[BOS] words`; position_ids
     restarting at 0 for each (and for the [PAD] tail); answer_positions (B, Q) of each question's last token;
@@ -211,7 +210,7 @@ def collate_packed(rows: dict[str, Any], image_size: int, rng: np.random.Generat
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer():
-    return build_tokenizer()
+    return build_traffic_tokenizer()
 
 
 @functools.lru_cache(maxsize=2)

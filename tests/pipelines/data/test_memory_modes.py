@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, prompt_memory, top_chunks
-from pipelines.data.streams import collate_memory_mode
 from pipelines.data.packing import PackingSpec
+from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import BOS, EQ, PROMPT_LEN, NeedleSpec, make_example, needle_batch
 
 SPEC = NeedleSpec()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.corpora.rows import IGNORE
+from pipelines.corpora.rows import IGNORE
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, PROMPT_LEN, SEP, NeedleSpec, make_batch, make_example
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.data.tokenizer import UL2_SENTINELS, UL2_SPECIALS, load_tokenizer, ul2_vocab, write_byte_tokenizer
+from pipelines.corpora.tokenizer import UL2_SENTINELS, UL2_SPECIALS, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.data.ul2 import MIXTURES, Denoiser, denoise, prefix_lm, span_corruption
 
 

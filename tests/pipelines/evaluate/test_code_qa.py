@@ -16,20 +16,21 @@ import pytest
 import torch
 
 from models import PAIRS, write_random_checkpoints
-from pipelines.data.corpora import build, tasks
+from pipelines.corpora import build, tasks
+from pipelines.corpora.shards import shard_record
+from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.data.memory_modes import MemoryMode, read_system
-from pipelines.data.shards import shard_record
+from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.data.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
-from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_indices, held_out_rows, prompt_inputs,
-                                        read_compliance, score_answer, score_rows)
+from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_indices, held_out_rows, read_compliance,
+                                        score_answer, score_rows)
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
 from pipelines.train.config import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
-from tests.pipelines.data.corpora.test_code_qa import SHOP, SHOP_SETTINGS
+from tests.pipelines.corpora.test_code_qa import SHOP, SHOP_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[3]
 QA_KINDS = {"defines", "params", "method_of", "returns", "raises", "callers", "constant", "section", "definition"}

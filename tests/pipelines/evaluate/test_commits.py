@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.data.corpora import build, commits
-from pipelines.data.corpora.build import BuildConfig
-from pipelines.data.corpora.commits import CorpusError
-from pipelines.data.corpora.tasks import Stage0Settings
+from pipelines.corpora import build, commits
+from pipelines.corpora.build import BuildConfig
+from pipelines.corpora.commits import CorpusError, write_parent_tree
+from pipelines.corpora.shards import MANIFEST
+from pipelines.corpora.tasks import Stage0Settings
 from pipelines.data.memory_modes import MemoryMode, read_system
-from pipelines.data.shards import MANIFEST
+from pipelines.data.streams import prompt_inputs
 from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic_compliance, commits_metrics,
-                                        diff_similarity, edited_file, file_diff, generate_answers, system_inputs,
-                                        write_parent_tree)
+                                        diff_similarity, edited_file, file_diff, generate_answers)
 from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.train.config import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
-from tests.pipelines.data.corpora.test_commits import commit, sh
+from tests.pipelines.corpora.test_commits import commit, sh
 
 ROOT = Path(__file__).resolve().parents[3]
 BUGGY = "def add(a, b):\n    return a + b\n\n\ndef clamp(x, low, high):\n    return max(low, x)\n"
@@ -203,18 +203,18 @@ def text_export(tmp_path: Path, checkpoint_root: Path, memory: str) -> Path:
 
 def test_systems_read_the_memory_as_they_trained(evaluation, tmp_path, checkpoint_root):
     from models import AwarenessModel
-    from pipelines.data.tokenizer import cached_tokenizer
+    from pipelines.corpora.tokenizer import cached_tokenizer
 
     row = next(r for r in evaluation.rows if r["variant"] == "planning")
     prompt = len([label for label in row["labels"] if label == -100])
-    gca = system_inputs(row, MemoryMode("gca"))
+    gca = prompt_inputs(row, MemoryMode("gca"))
     assert gca["input_ids"][0].tolist() == row["input_ids"][:prompt]
     assert gca["memory_input_ids"].shape[:2] == (1, len(row["memory_input_ids"]))
     assert gca["memory_attention_mask"].sum() == sum(map(len, row["memory_input_ids"]))
-    in_context = system_inputs(row, MemoryMode("in_context"))
+    in_context = prompt_inputs(row, MemoryMode("in_context"))
     assert in_context["input_ids"].shape[1] == prompt + sum(map(len, row["memory_input_ids"]))
     assert set(in_context) == {"input_ids"}
-    assert system_inputs(row, MemoryMode("none"))["input_ids"][0].tolist() == row["input_ids"][:prompt]
+    assert prompt_inputs(row, MemoryMode("none"))["input_ids"][0].tolist() == row["input_ids"][:prompt]
 
     export = text_export(tmp_path, checkpoint_root, "gca")
     model = AwarenessModel.from_pretrained(export).eval()

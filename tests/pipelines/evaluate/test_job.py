@@ -16,7 +16,6 @@ from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
 
-
 ROOT = Path(__file__).resolve().parents[3]
 SPEC = NeedleSpec()
 

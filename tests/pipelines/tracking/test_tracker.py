@@ -105,7 +105,14 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
     import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+    from pipelines.train.config import (
+        ModelConfig,
+        NeedleConfig,
+        RunSettings,
+        StageConfig,
+        TrackingSettings,
+        TrainConfig,
+    )
     from pipelines.train.driver import run_stage
 
     config = StageConfig(

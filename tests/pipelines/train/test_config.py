@@ -1,10 +1,16 @@
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from pipelines.cli import parse_config
-from pipelines.train.config import ModelConfig, StageConfig, TrainConfig
+from pipelines.cli import parse_config, schema
+from pipelines.evaluate.job import EvaluateConfig
+from pipelines.train.config import ModelConfig, StageConfig, TrafficConfig, TrainConfig, Ul2Config
+from pipelines.tune.sweep import SweepJob
 
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = StageConfig(model=ModelConfig(pair="tiny"), train=TrainConfig(max_steps=10))
 
 
@@ -95,6 +101,28 @@ def test_fusion_is_validated_with_the_reason(capsys):
     assert "train the decoder with model.decoder lora or full" in err and "model.fusion merged has none" in err
     for fusion in ("cross", "merged"):
         assert parse_config(["--model.fusion", fusion], DEFAULT).model.fusion == fusion
+
+
+@pytest.mark.parametrize("config", [StageConfig, Ul2Config, TrafficConfig, SweepJob, EvaluateConfig],
+                         ids=lambda c: c.__name__)
+def test_every_field_of_every_job_config_says_what_it_does_in_help(config):
+    """`--help` prints each field's `# comment`: a field without one shows only its default."""
+    undocumented = [key for key, (_, doc, _) in schema(config).items() if not doc]
+    assert not undocumented, f"{config.__name__}: give these fields a trailing # comment: {undocumented}"
+
+
+
+@pytest.mark.parametrize("job, config", [("build_corpus", "BuildJob"), ("curriculum", "CurriculumConfig"),
+                                         ("encode_memory", "EncodeMemoryConfig"), ("generate", "GenerateArgs"),
+                                         ("plan", "PlanInput"), ("register", "RegisterArgs"),
+                                         ("stage3_data", "Stage3Job")])
+def test_every_other_job_says_what_each_flag_does(job, config, monkeypatch):
+    spec = importlib.util.spec_from_file_location(f"job_{job}", ROOT / "jobs" / f"{job}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    undocumented = [key for key, (_, doc, _) in schema(getattr(module, config)).items() if not doc]
+    assert not undocumented, f"jobs/{job}.py: give these fields a trailing # comment: {undocumented}"
 
 
 def test_needle_size_and_mixture_flags_parse_and_are_validated(capsys):

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pipelines.cli import ConfigError
+from pipelines.corpora.shards import load_split, rank_units
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
-from pipelines.data.shards import load_split, rank_units
-from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig, TrackingSettings,
-                                    TrainConfig)
-from tests.pipelines.data.test_shards import write_manifest
+from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
+                                    TrackingSettings, TrainConfig)
+from tests.pipelines.corpora.test_shards import write_manifest
 from tests.pipelines.train import faults
 
 E = 8  # examples per step

@@ -17,8 +17,7 @@ from models import AwarenessModel
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate.in_training import evaluate_corpus
-
-from tests.pipelines.data.corpora.test_commits import body, commit, sh
+from tests.pipelines.corpora.test_commits import body, commit, sh
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -152,9 +152,10 @@ def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server, capsy
 
 
 def test_sweep_config_collects_every_problem():
-    from pipelines.tune.sweep import SweepConfig, default_base
+    from pipelines.train.presets import sweep_base
+    from pipelines.tune.sweep import SweepConfig
 
-    base = default_base("tiny", 0)
+    base = sweep_base("tiny", 0)
     sweep = SweepConfig(num_samples=0, lora_ranks=[0], placements=["last:9"], lr_min=1e-2, lr_max=1e-3, trial_cpus=1,
                         fusions=["gca", "concat"])
     problems = "\n".join(sweep.problems(dataclasses_replace_decoder(base, "full")))
@@ -167,19 +168,20 @@ def test_sweep_config_collects_every_problem():
 
 def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
     from pipelines.train.presets import STAGE1, STAGE2
-    from pipelines.tune.sweep import SweepConfig, default_base
+    from pipelines.train.presets import sweep_base
+    from pipelines.tune.sweep import SweepConfig
 
     for stage, job in ((1, STAGE1), (2, STAGE2)):
-        base = default_base(None, stage)
+        base = sweep_base(None, stage)
         assert base.stage == stage and base.model.pair == job.model.pair == "tiny-text" and base.model.decoder == "lora"
         assert base.train == job.train and base.data == job.data  # the job's schedule and data budget, not a copy
         assert (base.scaling.num_workers, base.scaling.cpus_per_worker) == (1, 0.4)
         assert "jobs/build_corpus.py --stage 2" in "\n".join(base.problems())  # no corpus given yet
     with pytest.raises(ValueError, match="512 token ids.*tiny-text"):
-        default_base("tiny", 1)  # the needle vocabulary cannot hold a commit corpus's Qwen3 ids
+        sweep_base("tiny", 1)  # the needle vocabulary cannot hold a commit corpus's Qwen3 ids
     shards = tmp_path / "train"
     shards.mkdir()
-    base = default_base(None, 1)
+    base = sweep_base(None, 1)
     with_train = dataclasses_replace_data(base, train_path=str(shards))
     assert SweepConfig().for_base(with_train).metric == "val_loss"
     assert "--data.val_path" in "\n".join(SweepConfig().problems(with_train))
@@ -189,9 +191,10 @@ def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
 def test_concurrency_counts_what_a_trial_reserves(monkeypatch, tmp_path):
     import ray
 
-    from pipelines.tune.sweep import SweepConfig, default_base, max_concurrent_trials
+    from pipelines.train.presets import sweep_base
+    from pipelines.tune.sweep import SweepConfig, max_concurrent_trials
 
-    needles, corpus = default_base("tiny", 0), dataclasses_replace_data(default_base(None, 1), train_path=str(tmp_path))
+    needles, corpus = sweep_base("tiny", 0), dataclasses_replace_data(sweep_base(None, 1), train_path=str(tmp_path))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     assert max_concurrent_trials(SweepConfig(), needles) == 2  # 2 / (0.1 + 0.9)
     assert max_concurrent_trials(SweepConfig(), corpus) == 4  # 2 / (0.1 + 0.4): workers read shards on their own CPUs

@@ -15,18 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.corpora.rows import IGNORE
+from pipelines.corpora.rows import IGNORE
+from pipelines.corpora.shards import load_split
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.packing import PackingSpec, pack_examples
-from pipelines.data.shards import load_split
 from pipelines.data.streams import CorpusStream
-from pipelines.data.teacher_logits import TeacherEntries, TeacherLogitsConfig, read_scored
+from pipelines.data.teacher_targets import TeacherEntries, read_scored
+from pipelines.teachers.logits import TeacherLogitsConfig
 from pipelines.train.config import (DistillConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
                                     TrackingSettings, TrainConfig)
 from pipelines.train.recipes import model_loss
 from pipelines.train.recipes.stage import STAGE, prepare_distillation
-from tests.pipelines.data.test_shards import write_split
-from tests.pipelines.data.test_teacher_logits import corpus_rows, run_in_process
+from tests.pipelines.corpora.test_shards import write_split
+from tests.pipelines.teachers.test_logits import corpus_rows, run_in_process
 
 ROOT = Path(__file__).resolve().parents[4]
 K = 8

@@ -18,11 +18,11 @@ from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_
 
 from pipelines.cli import parse_config
 from pipelines.data.traffic_scenes import QUESTION_TYPES, QUESTIONS, make_row, scene_seeds, split_of
+from pipelines.data.traffic_tokenizer import build_traffic_tokenizer
 from pipelines.evaluate import plots
 from pipelines.train.config import TrafficConfig
 from pipelines.train.presets import TRAFFIC_VLM
-from pipelines.data.traffic_tokenizer import build_tokenizer
-from pipelines.train.recipes.traffic import collate, collate_packed, count_outcomes, metrics_from_counts
+from pipelines.train.recipes.traffic import collate, collate_scene_questions, count_outcomes, metrics_from_counts
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -102,10 +102,10 @@ def test_collate_reads_the_rows_as_the_model_does():
 def test_collate_packed_asks_every_question_of_a_scene_in_a_shuffled_order():
     rows = [make_row(s) for s in scene_seeds("train", 4)]
     columns = {k: np.array([r[k] for r in rows], dtype=object) for k in ("png", "scene_questions", "scene_answers")}
-    batch = collate_packed(columns, 64, np.random.default_rng(0))
+    batch = collate_scene_questions(columns, 64, np.random.default_rng(0))
     assert batch["pixel_values"].shape == (4, 3, 64, 64) and "attention_mask" not in batch
     assert batch["answer_positions"].shape == batch["labels"].shape == (4, len(QUESTION_TYPES))
-    tokenizer = build_tokenizer()
+    tokenizer = build_traffic_tokenizer()
     orders = set()
     for b, row in enumerate(rows):
         ids, positions = batch["input_ids"][b].tolist(), batch["position_ids"][b].tolist()

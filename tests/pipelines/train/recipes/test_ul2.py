@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipelines.cli import parse_config
-from pipelines.data.tokenizer import load_tokenizer
+from pipelines.corpora.tokenizer import load_tokenizer
 from pipelines.data.ul2 import Ul2DataConfig, source_files
 from pipelines.train.config import Ul2Config
 

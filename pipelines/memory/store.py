@@ -1,0 +1,272 @@
+"""A memory store: a repository's memory chunks encoded once (jobs/encode_memory.py), then read by any model with the
+same encoder, so a query pays the decoder only.
+
+    STORE/store.json            the manifest: format version, the encoder's identity, the tokenizer, every chunk
+                                (name, path, index, lines, tokens, and the shard and key of its states), the files
+                                seen, used and rejected (by reason), the sources
+    STORE/chunks.jsonl          one line per chunk, in store order: its name and text (header included)
+    STORE/states-*.safetensors  each chunk's encoder states (tokens, H_enc), unpadded, in the encoder's dtype
+
+What is stored is the encoder's output (`AwarenessModel.encode_memory`), taken before the memory projection: it
+depends on the encoder alone (its checkpoint, the encoder weights an export trained on top of it, its attention),
+never on the decoder, the GCA blocks or the projection, which go on training. So every model built on that encoder
+reads the same store, and a model whose encoder differs is refused (`StoreMismatch`, naming both identities and the
+fix). Safetensors and JSON only: reading a store never unpickles anything.
+
+A reader gets the chunks' states packed end to end, (1, sum of chunk lengths, H_enc) with an all-true mask: GCA puts
+no position on memory keys (models/gca.py), so this is the memory the encoder gives for the same chunks padded to
+(1, C * L_max, H_enc), without the padding.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.awareness import CONFIG_NAME, WEIGHTS_NAME, AwarenessConfig
+
+MANIFEST = "store.json"
+CHUNKS = "chunks.jsonl"
+FORMAT_VERSION = 1
+ENCODER_PREFIX = "memory_encoder."  # the encoder's parameters inside an export's awareness.safetensors
+FIX = "re-encode the repository with this model: python jobs/encode_memory.py --model EXPORT --sources REPO --out STORE"
+
+
+class StoreMismatch(ValueError):
+    """The store was encoded by another encoder than the reading model's."""
+
+
+@dataclass(frozen=True)
+class EncoderIdentity:
+    """What the stored states depend on. Two identities match when every field but `checkpoint` and `dtype` is
+    equal: a moved copy of the same files is the same encoder, and a reader casts the states to its own dtype."""
+
+    checkpoint: str  # the base encoder checkpoint directory
+    config_sha256: str  # of its config.json
+    weights_sha256: str  # of its *.safetensors files, in name order
+    trained_sha256: str | None  # of the encoder weights an export trained on top (LoRA or full); None: frozen
+    attention: str  # causal | bidirectional (models.memory.MemoryEncoder)
+    hidden_size: int  # H_enc, the states' width
+    dtype: str  # the dtype the encoder ran in (informational)
+
+    INFORMATIONAL = ("checkpoint", "dtype")
+
+    def differences(self, other: "EncoderIdentity") -> list[str]:
+        return [f.name for f in fields(self) if f.name not in self.INFORMATIONAL
+                and getattr(self, f.name) != getattr(other, f.name)]
+
+    def describe(self) -> str:
+        trained = f", trained encoder weights {self.trained_sha256[:12]}" if self.trained_sha256 else ""
+        return (f"{self.checkpoint} (config {self.config_sha256[:12]}, weights {self.weights_sha256[:12]}{trained}, "
+                f"{self.attention}, hidden {self.hidden_size}, {self.dtype})")
+
+
+# ---------------------------------------------------------------------------------------------- identity
+@dataclass(frozen=True)
+class EncoderSource:
+    """Where a model path's encoder comes from: its base checkpoint, attention, and (for an export) whether the
+    export carries trained encoder weights."""
+
+    checkpoint: Path
+    attention: str
+    export: Path | None = None
+    trained: bool = False
+
+
+def encoder_source(model: str | Path, attention: str = "causal") -> EncoderSource:
+    """An export directory (AwarenessModel.save_pretrained: its encoder and attention as it names them) or an
+    encoder checkpoint directory (with `attention`)."""
+    path = Path(model).expanduser().resolve()
+    if not (path / CONFIG_NAME).is_file():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{str(model)!r} is neither an export (no {CONFIG_NAME}) nor an encoder checkpoint "
+                                    f"directory (no config.json)")
+        return EncoderSource(path, attention)
+    config = AwarenessConfig.load(path)
+    checkpoint = Path(config.encoder).expanduser()
+    checkpoint = checkpoint if checkpoint.is_absolute() else path / checkpoint
+    return EncoderSource(checkpoint, config.encoder_attention, path, bool(_trained_encoder_keys(path)))
+
+
+def encoder_identity(model: str | Path, *, dtype: torch.dtype | str, attention: str = "causal") -> EncoderIdentity:
+    """The identity of the encoder a model path reads its memory with (see `encoder_source`). Hashes the encoder's
+    files once per process (cached by their sizes and modification times)."""
+    source = encoder_source(model, attention)
+    config_sha, weights_sha = checkpoint_digests(source.checkpoint)
+    hidden = json.loads((source.checkpoint / "config.json").read_text())["hidden_size"]
+    trained = _trained_digest(source.export) if source.trained else None
+    return EncoderIdentity(str(source.checkpoint), config_sha, weights_sha, trained, source.attention, int(hidden),
+                           str(dtype).removeprefix("torch."))
+
+
+def checkpoint_digests(directory: Path) -> tuple[str, str]:
+    """sha256 of config.json and of the *.safetensors files (name and bytes, in name order)."""
+    files = [directory / "config.json", *sorted(directory.glob("*.safetensors"))]
+    if not files[0].is_file() or len(files) == 1:
+        raise FileNotFoundError(f"encoder checkpoint {str(directory)!r} needs config.json and *.safetensors to be "
+                                f"identified (a memory store names the exact encoder that made it)")
+    stamps = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _digests(stamps)
+
+
+@functools.lru_cache(maxsize=16)
+def _digests(stamps: tuple[tuple[str, int, int], ...]) -> tuple[str, str]:
+    config = hashlib.sha256(Path(stamps[0][0]).read_bytes()).hexdigest()
+    weights = hashlib.sha256()
+    for name, _, _ in stamps[1:]:
+        weights.update(Path(name).name.encode() + b"\0")
+        with open(name, "rb") as f:
+            while block := f.read(1 << 24):
+                weights.update(block)
+    return config, weights.hexdigest()
+
+
+def _trained_encoder_keys(export: Path) -> list[str]:
+    path = export / WEIGHTS_NAME
+    if not path.is_file():
+        return []
+    with safe_open(str(path), framework="pt") as f:
+        return sorted(k for k in f.keys() if k.startswith(ENCODER_PREFIX))
+
+
+def _trained_digest(export: Path) -> str:
+    digest = hashlib.sha256()
+    with safe_open(str(export / WEIGHTS_NAME), framework="pt") as f:
+        for key in _trained_encoder_keys(export):
+            tensor = f.get_tensor(key).contiguous()
+            digest.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}\0".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def chunk_entry(*, path: str, index: int, start_line: int = 0, end_line: int = 0, tokens: int, shard: str,
+                key: str) -> dict[str, Any]:
+    """One chunk of the manifest; `name` is its header line, what a `<read>` names (chunking.chunk_name)."""
+    return {"name": f"### {path} [chunk {index}]", "path": path, "index": int(index), "start_line": int(start_line),
+            "end_line": int(end_line), "tokens": int(tokens), "shard": shard, "key": key}
+
+
+def write_shard(directory: str | Path, states: dict[str, torch.Tensor]) -> str:
+    """Chunk states {key: (tokens, H_enc)} as one safetensors file under `directory` (a Ray actor's batch, or a
+    whole small store); returns its name. Names are unique, so actors write side by side."""
+    name = f"states-{uuid.uuid4().hex[:12]}.safetensors"
+    save_file({k: v.detach().contiguous().cpu() for k, v in states.items()}, str(Path(directory) / name))
+    return name
+
+
+def clear(directory: str | Path) -> Path:
+    """An empty store directory: a rewrite replaces, never mixes with, an older store."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in [*directory.glob("states-*.safetensors"), directory / MANIFEST, directory / CHUNKS]:
+        old.unlink(missing_ok=True)
+    return directory
+
+
+def write_manifest(directory: str | Path, chunks: list[dict[str, Any]], texts: list[str], identity: EncoderIdentity,
+                   **about: Any) -> dict[str, Any]:
+    """store.json and chunks.jsonl for chunks in store order (their shards already written); `about` adds the
+    tokenizer, the sources, the files seen and rejected, ... Returns the manifest."""
+    directory = Path(directory)
+    with open(directory / CHUNKS, "w") as f:
+        for entry, text in zip(chunks, texts, strict=True):
+            f.write(json.dumps({"name": entry["name"], "text": text}) + "\n")
+    manifest = {"format_version": FORMAT_VERSION, "encoder": asdict(identity), "chunks": chunks,
+                "tokens": sum(c["tokens"] for c in chunks), **about}
+    partial = directory / f"{MANIFEST}.{os.getpid()}.tmp"  # the manifest appears last and whole: a store is complete
+    partial.write_text(json.dumps(manifest, indent=1))
+    partial.replace(directory / MANIFEST)
+    return manifest
+
+
+def write(directory: str | Path, chunks: Iterable[tuple[str, int, str]], states: Iterable[torch.Tensor],
+          identity: EncoderIdentity, **about: Any) -> dict[str, Any]:
+    """A whole store in this process: chunks as (path, index, text), each one's states (tokens, H_enc) as
+    `encode_memory` returns them for that chunk alone, unpadded. For stores too large for one process, see
+    pipelines.memory.encoding (Ray Data)."""
+    directory = clear(directory)
+    entries, texts, tensors = [], [], {}
+    for (path, index, text), state in zip(chunks, states, strict=True):
+        key = f"{len(entries)}"
+        tensors[key] = state
+        entries.append(chunk_entry(path=path, index=index, tokens=state.shape[0], shard="", key=key))
+        texts.append(text)
+    shard = write_shard(directory, tensors)
+    for entry in entries:
+        entry["shard"] = shard
+    return write_manifest(directory, entries, texts, identity, **about)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+class MemoryStore:
+    """An opened store: its manifest, its chunks' names and texts, and their states as a model's memory."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory).expanduser()
+        path = self.directory / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{str(self.directory)!r} is not a memory store (no {MANIFEST}): make one with "
+                                    f"python jobs/encode_memory.py --model EXPORT --sources REPO --out STORE")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: store format {self.manifest.get('format_version')}, this code reads "
+                             f"{FORMAT_VERSION}; {FIX}")
+        self.identity = EncoderIdentity(**self.manifest["encoder"])
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return self.manifest["chunks"]
+
+    def names(self) -> list[str]:
+        return [c["name"] for c in self.chunks]
+
+    def texts(self) -> list[str]:
+        with open(self.directory / CHUNKS) as f:
+            return [json.loads(line)["text"] for line in f]
+
+    def check(self, identity: EncoderIdentity) -> None:
+        """Refuses a reader whose encoder is not the one that made the store, naming both and the fix."""
+        different = self.identity.differences(identity)
+        if different:
+            raise StoreMismatch(
+                f"memory store {str(self.directory)!r} was encoded by another encoder ({', '.join(different)} differ): "
+                f"the store's encoder is {self.identity.describe()}; this model's is {identity.describe()}. States "
+                f"from another encoder mean nothing to this model's GCA: {FIX}")
+
+    def states(self) -> list[torch.Tensor]:
+        """Each chunk's states (tokens, H_enc), in store order."""
+        by_shard: dict[str, list[int]] = {}
+        for i, chunk in enumerate(self.chunks):
+            by_shard.setdefault(chunk["shard"], []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(self.chunks)
+        for shard, positions in by_shard.items():
+            with safe_open(str(self.directory / shard), framework="pt") as f:
+                for i in positions:
+                    out[i] = f.get_tensor(self.chunks[i]["key"])
+        return out  # type: ignore[return-value]
+
+    def memory(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        """memory_states (1, M, H_enc) and memory_states_mask (1, M): every chunk's states end to end."""
+        if not self.chunks:
+            raise ValueError(f"memory store {str(self.directory)!r} holds no chunks")
+        states = torch.cat(self.states())[None].to(device=device, dtype=dtype)  # (1, sum L_i, H_enc)
+        return states, torch.ones(states.shape[:2], dtype=torch.bool, device=device)
+
+
+def read(directory: str | Path, identity: EncoderIdentity, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype | None = None):
+    """The store's memory (`MemoryStore.memory`) for a model whose encoder has `identity`; StoreMismatch otherwise."""
+    store = MemoryStore(directory)
+    store.check(identity)
+    return store.memory(device=device, dtype=dtype)
