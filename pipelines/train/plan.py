@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
-from pipelines.data.synthetic_needles import PROMPT_LEN
 
 GIB = 1024**3
 CUDA_OVERHEAD_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, MemoryMode
 from pipelines.data.synthetic_needles import EOS, NeedleSpec
 from pipelines.evaluate.in_training import score_needles
