@@ -402,8 +402,9 @@ def _real_tokens(attn_mask: torch.Tensor | None, m: int) -> torch.Tensor:
 
 
 def _logn_factor(tokens: torch.Tensor, base: int, dtype: torch.dtype) -> torch.Tensor:
-    """max(1, log n / log n_train): 1 exactly up to the trained length."""
-    return (tokens.float().clamp_min(1.0).log() / math.log(base)).clamp_min(1.0).to(dtype)
+    """max(1, log n / log n_train): exactly 1 up to the trained length (n <= n_train), whatever the rounding."""
+    tokens = tokens.float()
+    return torch.where(tokens > base, tokens.clamp_min(1.0).log() / math.log(base), 1.0).to(dtype)
 
 
 def _per_query_head(factor: torch.Tensor, heads: int) -> torch.Tensor:
