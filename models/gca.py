@@ -465,10 +465,13 @@ def gca_parameter_count(
     encoder_hidden_size: int,
     attention_bias: bool = False,
     mlp_intermediate_size: int | None = None,
+    router: bool = False,
 ) -> int:
-    """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks plus the shared projection."""
+    """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks (with chunk routers when `router`,
+    memory_top_k > 0) plus the shared projection."""
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     attention = hidden_size + hidden_size * q + 2 * hidden_size * kv + q * hidden_size + 2 * head_dim + 1
+    attention += hidden_size * kv + head_dim if router else 0
     if attention_bias:
         attention += q + 2 * kv + hidden_size
     mlp = hidden_size + 3 * hidden_size * mlp_intermediate_size + 1 if mlp_intermediate_size else 0

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, set_trainable
+from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, gca_parameter_count, set_trainable
 from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, memory_probabilities
 from models.gca import _routing_loss as routing_loss
 from tests.conftest import random_ids
@@ -335,6 +335,22 @@ def test_chunked_memory_states_route_as_memory_ids_do(checkpoint_root):
         torch.testing.assert_close(routed(input_ids=ids, **chunked).logits, logits(routed, ids, mem, mask))
         with pytest.raises(ValueError, match=r"\(B, C, L, H_enc\)"):
             routed(input_ids=ids, memory_states=states, memory_states_mask=states_mask)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_routers_add_one_small_projection_per_block(fusion):
+    """k/v-sized: hidden x (kv heads x head_dim) and an RMSNorm per block; the closed form counts them."""
+    added = {}
+    for k in (0, 4):
+        model = build_pair("proto1", device="meta", fusion=fusion, memory_top_k=k)
+        added[k] = sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n
+                       or n.startswith("memory_projection."))
+    d = model.decoder.config
+    shape = dict(hidden_size=d.hidden_size, num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads,
+                 head_dim=d.head_dim, num_gca_layers=len(model.gca_layers), encoder_hidden_size=d.hidden_size)
+    assert added[4] - added[0] == gca_parameter_count(**shape, router=True) - gca_parameter_count(**shape)
+    assert added[4] - added[0] == len(model.gca_layers) * (d.hidden_size * d.num_key_value_heads * d.head_dim
+                                                           + d.head_dim)
 
 
 def test_refusals(checkpoint_root):
