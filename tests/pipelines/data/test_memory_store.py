@@ -131,11 +131,12 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
                                                                                      tmp_path):
     """memory_top_k 2 of the store's chunks: read chunked (each chunk padded to the longest), the stored states route
     and read as the chunk texts encoded on the fly do; the pyfunc answers alike from both."""
-    from pipelines.tracking.pyfunc import AwarenessPyfunc
+    from pipelines.tracking.pyfunc import AwarenessPyfunc, ensure_tokenizer
 
     torch.manual_seed(0)
     model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half", memory_top_k=2))
     routed_export = model.save_pretrained(tmp_path / "routed")  # the same encoder as the store's: it reads it
+    ensure_tokenizer(model.config.decoder)  # the served model's tokenizer.json
     model.eval()
     opened = MemoryStore(store)
     states, mask = memory_store.read(store, encoder_identity(routed_export, dtype=torch.float32), chunked=True)
