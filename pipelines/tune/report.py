@@ -19,7 +19,7 @@ def format_table(rows: list[dict[str, Any]], metric: str, accuracy: str = "needl
                "stopped_early", "seconds", "cpu_seconds", "trial_id"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in sorted(rows, key=lambda r: (_fusion(r), r["lora_rank"], r["placement"])):
-        r = {**r, "fusion": _fusion(r)}
+        r = {**r, "fusion": _fusion(r), "memory_top_k": r.get("memory_top_k") or 0}  # older rows: no routing
         cells = [f"{r.get(c):.3g}" if isinstance(r.get(c), float) and c not in ("seconds", "cpu_seconds")
                  else str(r.get(c)) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
