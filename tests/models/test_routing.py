@@ -123,9 +123,9 @@ def test_routing_loss_is_the_kl_from_full_attentions_chunk_mass():
                 heads = query[m, i, g * NH // NKV:(g + 1) * NH // NKV]
                 teacher = torch.zeros(C)
                 for head in heads:
-                    lse = torch.tensor([torch.logsumexp(torch.stack(
-                        [head @ memory.key[m, g, p] / math.sqrt(HD) for p in range(c * L, (c + 1) * L) if mask[m, p]]), 0)
-                        for c in readable])
+                    token_logits = [[head @ memory.key[m, g, p] / math.sqrt(HD) for p in range(c * L, (c + 1) * L)
+                                     if mask[m, p]] for c in readable]
+                    lse = torch.stack([torch.logsumexp(torch.stack(chunk), 0) for chunk in token_logits])
                     teacher[readable] += lse.softmax(-1) / len(heads)
                 scores = torch.tensor([float(heads.mean(0) @ summary[m, g, c]) / math.sqrt(HD) for c in readable])
                 total += float((teacher[readable] * (teacher[readable].log() - scores.log_softmax(-1))).sum())
