@@ -2,6 +2,7 @@
 query reading its top-k chunks (`memory_top_k`, models/gca.py) against full attention over the whole memory.
 
     python benchmarks/memory_routing.py [--quick] [--top-k 4] [--chunk-len 128] [--tokens 1024 4096 16384 65536]
+                                        [--threads N]
 
 One model, the tiny pair (random weights, fp32), built with routers; full attention is the same model with
 memory_top_k set to 0, so both sides have the same weights. The memory is given as encoder states (as a memory store
@@ -59,7 +60,11 @@ def main() -> None:
     parser.add_argument("--fusion", default="gca", choices=["gca", "cross"])
     parser.add_argument("--gca-layers", default="every_k:1", help="gca placement (default: all 4 layers read)")
     parser.add_argument("--repeats", type=int, default=30, help="decoding steps timed per side and size")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier "
+                        "on a machine shared with other work")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes, repeats = ([1024, 4096], 5) if args.quick else (args.tokens, args.repeats)
     torch.set_grad_enabled(False)
     model = build(args.top_k, args.fusion, args.gca_layers)

@@ -367,8 +367,12 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     if memory.logn_base:
         read = mask.sum(-1, keepdim=True) if mask is not None else torch.tensor(float(k * length))
         grouped = grouped * _logn_factor(read, memory.logn_base, grouped.dtype)
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-    return out.transpose(2, 3).reshape(b_mem, h, q, hd)
+    # one (query, kv head) per batch row: 4-D, so SDPA takes its fused kernels (5-D falls back to the math path)
+    rows = b_mem * n_kv * q
+    out = F.scaled_dot_product_attention(grouped.reshape(rows, 1, group, hd), key.view(rows, 1, k * length, hd),
+                                         value.view(rows, 1, k * length, hd), dropout_p=dropout_p, scale=scale,
+                                         attn_mask=None if mask is None else mask.view(rows, 1, 1, k * length))
+    return out.view(b_mem, n_kv, q, group, hd).transpose(2, 3).reshape(b_mem, h, q, hd)
 
 
 def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.Tensor:
