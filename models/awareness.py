@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
-from models.fusion import CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion
-from models.gca import GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer
+from models.fusion import (CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion,
+                           check_memory_reading)
+from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer, chunk_mask,
+                        chunk_summary_states)
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
@@ -38,6 +40,9 @@ class AwarenessConfig:
     encoder_attention: str = "causal"
     gca_mlp: bool = False
     fusion: str = "gca"  # gca | cross | merged (models/fusion.py); files from before the field read as gca
+    memory_top_k: int = 0  # chunks each query reads (models/gca.py, chunk routing; > 0 adds the routers); 0: all
+    memory_logn_scale: int = 0  # n_train of the length-aware scale max(1, log n / log n_train); 0: off
+    memory_routing_loss: float = 1.0  # weight of the auxiliary routing loss in training (with memory_top_k > 0)
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -72,6 +77,7 @@ class AwarenessOutput(ModelOutput):
     cache: Any = None
     gca_memory: GCAMemory | None = None
     aux_loss: torch.Tensor | None = None  # the MoE router's load-balancing loss, when the decoder reports it
+    routing_loss: torch.Tensor | None = None  # chunk routing's loss (mean over layers), in training; in `loss` weighted
 
 
 class AwarenessModel(nn.Module):
@@ -84,6 +90,11 @@ class AwarenessModel(nn.Module):
     `fusion` chooses how the decoder reads the memory (models/fusion.py): `gca` (blocks in `gca_layers`), `cross`
     (a cross-attention in every layer, o_proj at 0, trained as the GCA group) or `merged` (every layer's own
     attention reads it too); for the last two `gca_layers` is every layer.
+    `memory_top_k` > 0 (gca, cross) routes each query to its top-k memory chunks and adds a router to every
+    memory-reading block, trained by the routing loss (weight `memory_routing_loss`, added to `loss` in training);
+    `memory_logn_scale` = n_train > 0 scales queries by max(1, log n / log n_train) (models/gca.py). Both can be
+    changed on a built model for evaluation (`model.memory_top_k = 8`; k > 0 needs a model built with routers); what
+    is saved is what it was built with.
     """
 
     def __init__(
@@ -94,6 +105,9 @@ class AwarenessModel(nn.Module):
         *,
         gca_mlp: bool = False,
         fusion: str = "gca",
+        memory_top_k: int = 0,
+        memory_logn_scale: int = 0,
+        memory_routing_loss: float = 1.0,
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -104,6 +118,10 @@ class AwarenessModel(nn.Module):
         self.fusion = check_fusion(fusion)
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
+        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss)
+        self._routers = memory_top_k > 0
+        self._memory_top_k = memory_top_k
+        self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
         every_layer = list(range(dcfg.num_hidden_layers))
         self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers) if fusion == "gca" else every_layer
         self.config = config or AwarenessConfig(
@@ -115,6 +133,8 @@ class AwarenessModel(nn.Module):
             fusion=fusion,
         )
         self.config.gca_layers, self.config.fusion = self.gca_layers, fusion
+        self.config.memory_top_k, self.config.memory_logn_scale = memory_top_k, memory_logn_scale
+        self.config.memory_routing_loss = memory_routing_loss
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -123,9 +143,9 @@ class AwarenessModel(nn.Module):
                 else nn.Identity()
             )
             if fusion == "gca":
-                blocks = {i: _build_gca(dcfg, gca_mlp) for i in self.gca_layers}
+                blocks = {i: _build_gca(dcfg, gca_mlp, router=self._routers) for i in self.gca_layers}
             elif fusion == "cross":
-                blocks = {i: FusedCrossAttention(dcfg, i) for i in self.gca_layers}
+                blocks = {i: FusedCrossAttention(dcfg, i, router=self._routers) for i in self.gca_layers}
             else:
                 blocks = {}
         self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02), partitioner=partitioner,
@@ -152,6 +172,9 @@ class AwarenessModel(nn.Module):
         encoder_attention: EncoderAttention = "causal",
         gca_mlp: bool = False,
         fusion: str = "gca",
+        memory_top_k: int = 0,
+        memory_logn_scale: int = 0,
+        memory_routing_loss: float = 1.0,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -171,7 +194,8 @@ class AwarenessModel(nn.Module):
             gca_mlp=gca_mlp,
             fusion=fusion,
         )
-        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, config=config,
+        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
+                   memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss, config=config,
                    partitioner=partitioner)
 
     @staticmethod
@@ -188,6 +212,18 @@ class AwarenessModel(nn.Module):
                             nn.init.zeros_(sub.bias)
 
     # -------------------------------------------------------------------------------------------- inspection
+    @property
+    def memory_top_k(self) -> int:
+        """Chunks each query reads (chunk routing); 0: the whole memory."""
+        return self._memory_top_k
+
+    @memory_top_k.setter
+    def memory_top_k(self, k: int) -> None:
+        if k < 0 or (k and not self._routers):
+            raise ValueError(f"memory_top_k {k}: routing needs the routers of a model built with memory_top_k > 0 "
+                             f"(build_pair(..., memory_top_k=K), --model.memory_top_k K); 0 reads the whole memory")
+        self._memory_top_k = k
+
     def gca_blocks(self) -> dict[int, GatedCrossAttention]:
         """The gated blocks by layer; none unless fusion is gca (gates, probes and plots are GCA's)."""
         if self.fusion != "gca":
@@ -259,14 +295,20 @@ class AwarenessModel(nn.Module):
 
         Packed rows (several examples in one decoder row) pass `segment_ids` (B, T), the example each token belongs
         to, and `memory_segment_ids` (B, C) per chunk (or (B, M) per memory position): a token then reads only its
-        own example's chunks. Ids < 0 mark padding."""
+        own example's chunks. Ids < 0 mark padding.
+
+        The chunk length (routing needs it) comes with the memory: memory_input_ids (B, C, L), or memory_states
+        (B, C, L, H_enc) with memory_states_mask (B, C, L) (`MemoryStore.memory(chunked=True)`); flat memory_states
+        (B, M, H_enc) have none, which only full attention accepts."""
         if memory_input_ids is not None and memory_states is not None:
             raise ValueError("pass either memory_input_ids or memory_states, not both")
         if memory_input_ids is None and memory_states is None:
             return None
         if memory_input_ids is not None:
+            chunk_len = memory_input_ids.shape[-1]
             states, mask = self.memory_encoder(memory_input_ids, memory_attention_mask)
         else:
+            chunk_len = memory_states.shape[2] if memory_states.dim() == 4 else None
             states, mask = self._check_memory_states(memory_states, memory_states_mask)
         projected = self.memory_projection(states.to(self.memory_projection_dtype))  # (B, M, H_dec)
         if (segment_ids is None) != (memory_segment_ids is None):
@@ -275,19 +317,46 @@ class AwarenessModel(nn.Module):
             padding = MemoryPadding.from_mask(mask)
         else:
             padding = MemoryPadding.packed(mask, _per_memory_position(memory_segment_ids, mask), segment_ids)
-        layers = {i: reader.project_memory(projected, padding) for i, reader in self.memory_readers().items()}
-        return GCAMemory(layers=layers, states=projected, mask=mask)
+        readers = self.memory_readers()
+        layers = {i: reader.project_memory(projected, padding) for i, reader in readers.items()}
+        for kv in layers.values():
+            kv.logn_base = self.memory_logn_scale
+        if self.memory_top_k:
+            self._route(layers, readers, projected, mask, padding, chunk_len)
+        return GCAMemory(layers=layers, states=projected, mask=mask, chunk_len=chunk_len)
+
+    def _route(self, layers, readers, projected: torch.Tensor, mask: torch.Tensor, padding: MemoryPadding,
+               chunk_len: int | None) -> None:
+        """Each layer's chunk routing: its router's summary keys of the chunks' last real tokens (detached: the
+        routing loss trains the router alone), which chunks each query may read, and whether to compute the loss."""
+        if chunk_len is None:
+            raise ValueError("memory_top_k routes over chunks, and flat memory_states (B, M, H_enc) do not say where "
+                             "chunks end: pass them as (B, C, L, H_enc) with a (B, C, L) mask "
+                             "(MemoryStore.memory(chunked=True)), or memory_input_ids (B, C, L)")
+        summary_states = chunk_summary_states(projected.detach(), mask, chunk_len)  # (B, C, H_dec)
+        readable = chunk_mask(padding, chunk_len)  # (B, 1, 1 or T, C) or None
+        train = self.training and self.memory_routing_loss > 0 and torch.is_grad_enabled()
+        for i, kv in layers.items():
+            kv.routing = ChunkRouting(summary=readers[i].router(summary_states), chunk_len=chunk_len,
+                                      top_k=self.memory_top_k, chunk_mask=readable, train=train)
 
     @property
     def memory_projection_dtype(self) -> torch.dtype:
         return self.decoder.get_input_embeddings().weight.dtype
 
     def _check_memory_states(self, states: torch.Tensor, mask: torch.Tensor | None):
-        if states.dim() != 3 or states.shape[-1] != self.memory_encoder.hidden_size:
+        if states.dim() not in (3, 4) or states.shape[-1] != self.memory_encoder.hidden_size:
             raise ValueError(
                 f"memory_states must be (batch, memory_len, {self.memory_encoder.hidden_size}) encoder states as "
-                f"returned by encode_memory, got shape {tuple(states.shape)}"
+                f"returned by encode_memory, or (batch, chunks, chunk_len, {self.memory_encoder.hidden_size}), got "
+                f"shape {tuple(states.shape)}"
             )
+        if states.dim() == 4:  # chunked: flattened as the encoder flattens (B, C, L) chunks
+            if mask is not None and mask.shape != states.shape[:3]:
+                raise ValueError(f"memory_states_mask must be (batch, chunks, chunk_len) = {tuple(states.shape[:3])} "
+                                 f"for chunked memory_states, got {tuple(mask.shape)}")
+            states = states.flatten(1, 2)
+            mask = mask.flatten(1, 2) if mask is not None else None
         if mask is None:
             mask = torch.ones(states.shape[:2], dtype=torch.bool, device=states.device)
         mask = mask.bool()
@@ -328,12 +397,16 @@ class AwarenessModel(nn.Module):
         out = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
         )
+        loss, routing_loss = out.loss, _routing_loss(gca_memory)
+        if loss is not None and routing_loss is not None:
+            loss = loss + self.memory_routing_loss * routing_loss
         return AwarenessOutput(
-            loss=out.loss,
+            loss=loss,
             logits=out.logits,
             cache=out.cache,
             gca_memory=gca_memory,
             aux_loss=getattr(out, "aux_loss", None),
+            routing_loss=routing_loss,
         )
 
     @torch.no_grad()
@@ -412,6 +485,9 @@ class AwarenessModel(nn.Module):
             encoder_attention=config.encoder_attention,  # type: ignore[arg-type]
             gca_mlp=config.gca_mlp,
             fusion=config.fusion,
+            memory_top_k=config.memory_top_k,
+            memory_logn_scale=config.memory_logn_scale,
+            memory_routing_loss=config.memory_routing_loss,
             dtype=dtype,
             device=device,
         )
@@ -461,7 +537,14 @@ def _memory_keyword_accepted(decoder: nn.Module):
         del decoder._validate_model_kwargs
 
 
-def _build_gca(dcfg, gca_mlp: bool) -> GatedCrossAttention:
+def _routing_loss(gca_memory: GCAMemory | None) -> torch.Tensor | None:
+    """The mean over layers of the routing losses this forward left in the memory (training with routing), or None."""
+    losses = [kv.routing.loss for kv in (gca_memory.layers.values() if gca_memory is not None else ())
+              if kv.routing is not None and kv.routing.train and kv.routing.loss is not None]
+    return torch.stack(losses).mean() if losses else None
+
+
+def _build_gca(dcfg, gca_mlp: bool, router: bool = False) -> GatedCrossAttention:
     return GatedCrossAttention(
         hidden_size=dcfg.hidden_size,
         num_heads=dcfg.num_attention_heads,
@@ -471,6 +554,7 @@ def _build_gca(dcfg, gca_mlp: bool) -> GatedCrossAttention:
         attention_bias=getattr(dcfg, "attention_bias", False),
         mlp_intermediate_size=dcfg.intermediate_size if gca_mlp else None,
         hidden_act=dcfg.hidden_act,
+        router=router,
     )
 
 

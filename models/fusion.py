@@ -28,7 +28,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNor
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from models.cross_attention import MemoryCrossAttention, self_cross_mlp
-from models.gca import GCAMemory, MemoryKV, MemoryPadding
+from models.gca import ChunkRouter, GCAMemory, MemoryKV, MemoryPadding
 from models.seq2seq.model import merged_attention, self_queries_keys_values
 
 FUSIONS = ("gca", "cross", "merged")
@@ -41,14 +41,34 @@ def check_fusion(fusion: str) -> str:
     return fusion
 
 
+def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
+                         memory_routing_loss: float) -> None:
+    """Chunk routing and the length-aware scale (models/gca.py) belong to the fusions that read the memory in an
+    attention of their own (gca, cross). Merged attention shares one softmax between the decoder's own tokens and the
+    memory, where neither fits without changing the pretrained attention: refused."""
+    if memory_top_k < 0:
+        raise ValueError(f"memory_top_k must be 0 (full attention) or the chunks each query reads, got {memory_top_k}")
+    if memory_logn_scale < 0 or memory_logn_scale == 1:
+        raise ValueError(f"memory_logn_scale must be 0 (off) or the memory length trained at (n_train >= 2), got "
+                         f"{memory_logn_scale}")
+    if memory_routing_loss < 0:
+        raise ValueError(f"memory_routing_loss must be >= 0, got {memory_routing_loss}")
+    if fusion == "merged" and (memory_top_k or memory_logn_scale):
+        raise ValueError("memory_top_k and memory_logn_scale route and scale a memory-only attention (fusion gca or "
+                         "cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "
+                         "fusion gca or cross")
+
+
 class FusedCrossAttention(MemoryCrossAttention):
     """The cross-attention block `fusion="cross"` adds to a pretrained layer: the residual update
     `o(attn(q(norm(x)), k(mem), v(mem)))`, Qwen3Attention's projections, QK-norm and GQA, no RoPE, no gate; o_proj
-    starts at zero (AwarenessModel's init)."""
+    starts at zero (AwarenessModel's init). With `router` it also has chunk routing's summary keys (models/gca.py)."""
 
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, router: bool = False):
         super().__init__(config, layer_idx)
         self.input_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        kv_heads = config.num_key_value_heads
+        self.router = ChunkRouter(config.hidden_size, kv_heads, self.head_dim, config.rms_norm_eps) if router else None
 
     def project_memory(self, memory_states: torch.Tensor, padding: MemoryPadding) -> MemoryKV:
         """memory_states (B, M, d) projected to the decoder's width -> this layer's keys and values."""

@@ -12,10 +12,51 @@ Design (after Flamingo, Mllama and torchtune's `FusionLayer`/`TanhGate`):
 * A gated MLP after the cross-attention (Flamingo/Mllama) is optional and off by default: the wrapped layer's own
   MLP follows immediately, the extra MLP would add 3·d·d_ff parameters per layer (1.8B for the 8B pair's 12 GCA
   layers), and in our needle runs its gate stayed below 0.02 (shared/notes/needle-feasibility.md).
+
+**Chunk-routed memory attention** (`memory_top_k` > 0; shared by GCA blocks and the `cross` fusion through
+`attend_memory`). The memory is C chunks of L tokens, flattened to C*L; read in full, a query's softmax mass on the
+right chunk is diluted by every other chunk as the memory grows (trained at 1x, the right chunk's mass fell from 0.73
+to 0.48 at 16x while it stayed the most attended one 95% of the time). Routing keeps each query's top-k chunks and
+attends to their tokens only:
+
+* **Selection, then exact attention over the union.** A query scores every chunk against one summary key per chunk
+  (per kv head), keeps the k highest, and runs ordinary softmax attention over the real tokens of those chunks. With k
+  at least the number of chunks this *is* full attention (no approximation, whatever the weights), and within the
+  kept chunks the token attention is the trained one. Not Grouped Cross Attention's fusion (Hu et al. 2024: one
+  softmax per retrieved chunk, outputs mixed by the softmax of the retrieval scores, so the answer loss trains the
+  retriever) nor Landmark Attention's grouped softmax (a landmark token's score gates its block): both change the
+  attention itself, so a model trained without routing would read differently at any k.
+* **Summary key: a learned projection (`ChunkRouter`: Linear + RMSNorm per kv head, like k_proj + k_norm) of the
+  projected memory state of each chunk's last real token.** The memory encoder is causal by default, so the last
+  token is the only one that has seen its whole chunk, and it is what Qwen3-Embedding pools as the chunk's
+  embedding; a mean of the chunk's keys would dilute a single needle by 1/L. The block's own k_proj is not reused:
+  the routing loss would then pull the token keys that the answer depends on.
+* **Training signal: an auxiliary routing loss**, KL(teacher || router) per query and kv head, where the teacher is
+  full attention's chunk mass (softmax over chunks of the logsumexp of each chunk's token logits, averaged over the
+  kv head's query heads, no gradient) and the router's distribution is the softmax over its chunk scores. It is
+  computed in training, where memories are short and the full logits affordable (and also when k >= C: the router
+  learns at 1x what it must do at 64x). The queries and the summarised states are detached in it, so it trains the
+  router's parameters only and the answer path is exactly what it would be without routing.
+* **GQA: one selection per kv head**, scored with the mean of its query heads' queries (the mean of their scores):
+  the group's heads then share one gathered key/value set, as they share keys in GQA, so memory traffic per token is
+  k*L per kv head; per query head selection would gather G times as much.
+* **Padding**: a chunk with no token the query may read (all padding, or, packed, another example's) scores -inf and
+  is never selected while any readable chunk is left; a row (or packed token) with no memory reads nothing, as before.
+* **Cost**: summary keys are computed once per forward or generation, like keys and values. A decoding step scores C
+  summaries and attends over k*L gathered tokens (`gathered` path); long query blocks (training, prefill of long
+  prompts) attend over the whole memory with the unselected chunks masked (`masked` path), which is the cheaper form
+  when queries * k exceeds the chunk count. Both give the same result.
+
+**Length-aware scale** (`memory_logn_scale` = n_train > 0): queries are multiplied by max(1, log n / log n_train), n
+the real memory tokens in the query's softmax (per row; with routing, in its selected chunks): Qwen's logn scaling
+(Scalable-Softmax's s log n with s fixed at 1 / log n_train). Chosen over SSMax's learned per-head s because it needs
+no training and is exactly the identity up to the trained length, so a model trained at 1x is unchanged there and
+only sharpens where the memory outgrew it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +73,32 @@ class MemoryKV:
     key: torch.Tensor  # (B_mem, n_kv_heads, M, head_dim)
     value: torch.Tensor  # (B_mem, n_kv_heads, M, head_dim)
     padding: "MemoryPadding"
+    routing: "ChunkRouting | None" = None  # chunk-routed attention (memory_top_k > 0); None: full attention
+    logn_base: int = 0  # n_train of the length-aware scale (memory_logn_scale); 0: off
+
+
+@dataclass
+class ChunkRouting:
+    """What routing needs besides keys and values: the memory's chunk length, one summary key per chunk and kv head,
+    which chunks a query may read, and k. `loss` is written by attend_memory when `train` (the auxiliary routing
+    loss of this layer and forward)."""
+
+    summary: torch.Tensor  # (B_mem, n_kv_heads, C, head_dim), from ChunkRouter
+    chunk_len: int  # L: the memory is C chunks of L positions, M = C * L
+    top_k: int
+    chunk_mask: torch.Tensor | None  # (B_mem, 1, 1 or T, C) bool: the chunk holds a token the query may read
+    train: bool = False  # compute the routing loss (training)
+    path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
+    loss: torch.Tensor | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return self.summary.shape[2]
+
+    @property
+    def selects(self) -> bool:
+        """False when k keeps every chunk: attention is then exactly full attention."""
+        return self.top_k < self.num_chunks
 
 
 @dataclass
@@ -79,6 +146,7 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         attention_bias: bool = False,
         mlp_intermediate_size: int | None = None,
         hidden_act: str = "silu",
+        router: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -92,10 +160,12 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.q_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.gate = nn.Parameter(torch.zeros(1))
+        # chunk routing's summary keys (memory_top_k > 0): models/gca.py's docstring says why a projection of its own
+        self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
         self.probe_entropy = False  # when set, forward also records the attention entropy over the memory
         self.last_entropy: torch.Tensor | None = None
         self.probe_attention = False  # when set, forward also keeps the attention over the memory (evaluation)
-        self.last_attention: torch.Tensor | None = None  # (B_mem, H, r*T, M)
+        self.last_attention: torch.Tensor | None = None  # (B_mem, H, r*T, M); routed: unselected chunks at 0
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -138,11 +208,7 @@ class GatedCrossAttention(GradientCheckpointingLayer):
     def _probabilities(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
         """The attention over memory tokens (B_mem, H, r*T, M) that SDPA computed without keeping it: materialised
         only when probed (logging steps, evaluation)."""
-        key = memory.key.detach().repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B_mem, H, M, hd)
-        scores = (query @ key.transpose(-1, -2)).float() * self.head_dim**-0.5  # (B_mem, H, r*T, M)
-        if memory.padding.attn_mask is not None:
-            scores = scores.masked_fill(~memory.padding.attn_mask, float("-inf"))
-        return scores.softmax(-1)
+        return memory_probabilities(query, memory, scale=self.head_dim**-0.5)
 
 
 def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None,
@@ -150,7 +216,9 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     """Queries (B, T, H, hd), QK-normed, over one memory-reading layer's keys/values -> (B, T, H*hd), and the queries
     as attended, (B_mem, H, r*T, hd). B may be r * B_mem (beams, several questions per memory): row i reads memory
     i // r, by folding the r rows into the query length instead of copying the memory r times. A row whose memory is
-    all padding reads nothing (zeros, not NaN). Shared by GCA blocks and the cross-attention layers."""
+    all padding reads nothing (zeros, not NaN). Shared by GCA blocks and the cross-attention layers. With
+    `memory.routing` each query reads only its top-k chunks (and in training the routing loss is left in
+    `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train)."""
     b, t, h, hd = query.shape
     b_mem = memory.key.shape[0]
     if b % b_mem:
@@ -160,12 +228,192 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     if r != 1 and padding.attn_mask is not None and padding.attn_mask.shape[2] != 1:
         raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
     folded = query.reshape(b_mem, r * t, h, hd).transpose(1, 2)  # (B_mem, H, r*T, hd)
-    out = F.scaled_dot_product_attention(folded, memory.key, memory.value, attn_mask=padding.attn_mask,
-                                         dropout_p=dropout_p, scale=scale,
-                                         enable_gqa=h != memory.key.shape[1])  # (B_mem, H, r*T, hd)
+    routing = memory.routing
+    if routing is None or not routing.selects:
+        if routing is not None and routing.train:
+            routing.loss = _routing_loss(folded, memory, scale or hd**-0.5)
+        attended = folded
+        if memory.logn_base:
+            attended = folded * _logn_factor(_real_tokens(padding.attn_mask, memory.key.shape[2]), memory.logn_base,
+                                             folded.dtype)
+        out = F.scaled_dot_product_attention(attended, memory.key, memory.value, attn_mask=padding.attn_mask,
+                                             dropout_p=dropout_p, scale=scale,
+                                             enable_gqa=h != memory.key.shape[1])  # (B_mem, H, r*T, hd)
+    else:
+        out = _attend_routed(folded, memory, scale or hd**-0.5, dropout_p)  # (B_mem, H, r*T, hd)
     if padding.has_memory is not None:
         out = out * padding.has_memory.to(out.dtype)
     return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
+
+
+def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float) -> torch.Tensor:
+    """The attention (B_mem, H, Q, M) that `attend_memory` gives the folded queries (B_mem, H, Q, hd) over every
+    memory token, in float32 (probes: entropy, evidence mass, top chunk). Routed, the unselected chunks' tokens are
+    at 0 and the selected ones' sum to 1, as the routed softmax reads them."""
+    query, key = query.detach(), memory.key.detach()
+    b_mem, h, q, hd = query.shape
+    n_kv, m = key.shape[1], key.shape[2]
+    routing = memory.routing
+    if routing is not None and routing.selects:
+        chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
+        mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
+        if memory.logn_base:
+            query = query * _per_query_head(_logn_factor(mask.sum(-1, keepdim=True), memory.logn_base, query.dtype), h)
+    else:
+        mask = memory.padding.attn_mask  # (B_mem, 1, 1 or Q, M) or None
+        if mask is not None:
+            mask = mask.expand(b_mem, n_kv, q, m)
+        if memory.logn_base:
+            query = query * _logn_factor(_real_tokens(memory.padding.attn_mask, m), memory.logn_base, query.dtype)
+    grouped = query.view(b_mem, n_kv, h // n_kv, q, hd)  # (B_mem, H_kv, G, Q, hd)
+    scores = (grouped @ key[:, :, None].transpose(-1, -2)).float() * scale  # (B_mem, H_kv, G, Q, M)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    return scores.softmax(-1).reshape(b_mem, h, q, m)
+
+
+class ChunkRouter(nn.Module):
+    """One summary key per chunk and kv head: RMSNorm(W x) per head, x the projected memory state of the chunk's
+    last real token (models/gca.py's docstring says why). Added to a memory-reading layer when `memory_top_k` > 0;
+    trained by the routing loss alone."""
+
+    def __init__(self, hidden_size: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float = 1e-6):
+        super().__init__()
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
+
+    def forward(self, chunk_states: torch.Tensor) -> torch.Tensor:
+        """chunk_states (B, C, hidden) -> summary keys (B, n_kv_heads, C, head_dim)."""
+        b, c, _ = chunk_states.shape
+        return self.norm(self.proj(chunk_states).view(b, c, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+
+
+def chunk_summary_states(states: torch.Tensor, mask: torch.Tensor, chunk_len: int) -> torch.Tensor:
+    """The memory (B, C*L, hidden) and its mask (B, C*L) -> each chunk's last real token's state (B, C, hidden)
+    (position 0's, zeroed, for an all-padding chunk: it is never selected)."""
+    b, m, d = states.shape
+    if m % chunk_len:
+        raise ValueError(f"a memory of {m} positions is not made of chunks of {chunk_len}")
+    c = m // chunk_len
+    positions = torch.arange(chunk_len, device=mask.device)
+    last = torch.where(mask.view(b, c, chunk_len), positions, -1).amax(-1).clamp_min(0)  # (B, C)
+    return states.view(b, c, chunk_len, d).gather(2, last[:, :, None, None].expand(b, c, 1, d)).squeeze(2)
+
+
+def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
+    """Which chunks each query may read, (B_mem, 1, 1 or T, C), from the memory's padding; None: all of them."""
+    if padding.attn_mask is None:
+        return None
+    b, _, rows, m = padding.attn_mask.shape
+    return padding.attn_mask.view(b, 1, rows, m // chunk_len, chunk_len).any(-1)
+
+
+def _router_scores(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
+    """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
+    not read the chunk. The queries are detached: the scores train the summary keys only."""
+    b_mem, h, q, hd = query.shape
+    n_kv = routing.summary.shape[1]
+    grouped = query.detach().view(b_mem, n_kv, h // n_kv, q, hd).mean(2)  # (B_mem, H_kv, Q, hd)
+    scores = (grouped @ routing.summary.transpose(-1, -2)).float() * scale  # (B_mem, H_kv, Q, C)
+    if routing.chunk_mask is not None:
+        scores = scores.masked_fill(~routing.chunk_mask, float("-inf"))
+    return scores
+
+
+def _select(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
+    """The top-k chunks of each query and kv head, (B_mem, H_kv, Q, k) indices. A query with fewer readable chunks
+    than k also gets unreadable ones, whose tokens its padding mask then hides."""
+    with torch.no_grad():
+        return _router_scores(query, routing, scale).topk(routing.top_k, dim=-1).indices
+
+
+def _selected_tokens(chosen: torch.Tensor, routing: ChunkRouting, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Chunk indices (B_mem, H_kv, Q, k) -> the memory tokens each query reads, (B_mem, H_kv, Q, M) bool."""
+    selected = torch.zeros(*chosen.shape[:-1], routing.num_chunks, dtype=torch.bool, device=chosen.device)
+    tokens = selected.scatter_(-1, chosen, True).repeat_interleave(routing.chunk_len, dim=-1)  # (B_mem, H_kv, Q, M)
+    return tokens if attn_mask is None else tokens & attn_mask
+
+
+def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_p: float) -> torch.Tensor:
+    """Folded queries (B_mem, H, Q, hd) over the tokens of their top-k chunks -> (B_mem, H, Q, hd)."""
+    routing = memory.routing
+    b_mem, h, q, hd = query.shape
+    n_kv, group, k, length = memory.key.shape[1], h // memory.key.shape[1], routing.top_k, routing.chunk_len
+    if routing.train:
+        routing.loss = _routing_loss(query, memory, scale)
+    chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
+    gathered = routing.path == "gathered" or (routing.path == "auto" and q * k <= routing.num_chunks)
+    if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
+        mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
+        if memory.logn_base:
+            query = query * _per_query_head(_logn_factor(mask.sum(-1, keepdim=True), memory.logn_base, query.dtype), h)
+        mask = mask.repeat_interleave(group, dim=1) if group > 1 else mask  # (B_mem, H, Q, M)
+        return F.scaled_dot_product_attention(query, memory.key, memory.value, attn_mask=mask, dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=group > 1)
+    # each query's k chunks gathered: O(Q * k * L), what a decoding step pays whatever the memory's length
+    c = routing.num_chunks
+    index = chosen[..., None, None].expand(b_mem, n_kv, q, k, length, hd)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (B_mem, H_kv, M, hd) -> (B_mem, H_kv, Q, k*L, hd)
+        chunks = x.view(b_mem, n_kv, 1, c, length, hd).expand(b_mem, n_kv, q, c, length, hd)
+        return chunks.gather(3, index).reshape(b_mem, n_kv, q, k * length, hd)
+
+    key, value, mask = gather(memory.key), gather(memory.value), None
+    if memory.padding.attn_mask is not None:
+        tokens = memory.padding.attn_mask.view(b_mem, 1, -1, c, length).expand(b_mem, n_kv, q, c, length)
+        mask = tokens.gather(3, chosen[..., None].expand(b_mem, n_kv, q, k, length)).reshape(b_mem, n_kv, q, 1, -1)
+    grouped = query.view(b_mem, n_kv, group, q, hd).transpose(2, 3)  # (B_mem, H_kv, Q, G, hd)
+    if memory.logn_base:
+        read = mask.sum(-1, keepdim=True) if mask is not None else torch.tensor(float(k * length))
+        grouped = grouped * _logn_factor(read, memory.logn_base, grouped.dtype)
+    # one (query, kv head) per batch row: 4-D, so SDPA takes its fused kernels (5-D falls back to the math path)
+    rows = b_mem * n_kv * q
+    out = F.scaled_dot_product_attention(grouped.reshape(rows, 1, group, hd), key.view(rows, 1, k * length, hd),
+                                         value.view(rows, 1, k * length, hd), dropout_p=dropout_p, scale=scale,
+                                         attn_mask=None if mask is None else mask.view(rows, 1, 1, k * length))
+    return out.view(b_mem, n_kv, q, group, hd).transpose(2, 3).reshape(b_mem, h, q, hd)
+
+
+def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.Tensor:
+    """KL(full attention's chunk mass || the router's chunk distribution), per query and kv head, averaged over the
+    queries that read a memory. The teacher is computed without gradient from full attention's logits (as unrouted
+    attention would scale them); only the summary keys get gradients."""
+    routing, padding = memory.routing, memory.padding
+    b_mem, h, q, hd = query.shape
+    n_kv, m, c = memory.key.shape[1], memory.key.shape[2], routing.num_chunks
+    with torch.no_grad():
+        full = query.detach()
+        if memory.logn_base:
+            full = full * _logn_factor(_real_tokens(padding.attn_mask, m), memory.logn_base, full.dtype)
+        grouped = full.view(b_mem, n_kv, h // n_kv, q, hd)  # (B_mem, H_kv, G, Q, hd)
+        logits = (grouped @ memory.key.detach()[:, :, None].transpose(-1, -2)).float() * scale  # (B_mem,H_kv,G,Q,M)
+        if padding.attn_mask is not None:
+            logits = logits.masked_fill(~padding.attn_mask[:, :, None], float("-inf"))
+        mass = logits.view(*logits.shape[:-1], c, routing.chunk_len).logsumexp(-1).softmax(-1)  # (.., G, Q, C)
+        teacher = mass.mean(2)  # (B_mem, H_kv, Q, C)
+        weight = torch.ones(b_mem, 1, q, device=query.device)
+        if padding.has_memory is not None:
+            weight = weight * padding.has_memory[:, :, :, 0].float().expand(b_mem, 1, q)
+    log_router = _router_scores(query, routing, scale).log_softmax(-1).masked_fill(teacher == 0, 0.0)
+    kl = (teacher * (teacher.clamp_min(1e-30).log() - log_router)).sum(-1)  # (B_mem, H_kv, Q)
+    return (kl * weight).sum() / (weight.sum() * n_kv).clamp_min(1.0)
+
+
+def _real_tokens(attn_mask: torch.Tensor | None, m: int) -> torch.Tensor:
+    """Real memory tokens each query reads without routing: (B_mem, 1, 1 or T, 1), or M when nothing is padded."""
+    return torch.tensor(float(m)) if attn_mask is None else attn_mask.sum(-1, keepdim=True)
+
+
+def _logn_factor(tokens: torch.Tensor, base: int, dtype: torch.dtype) -> torch.Tensor:
+    """max(1, log n / log n_train): exactly 1 up to the trained length (n <= n_train), whatever the rounding."""
+    tokens = tokens.float()
+    return torch.where(tokens > base, tokens.clamp_min(1.0).log() / math.log(base), 1.0).to(dtype)
+
+
+def _per_query_head(factor: torch.Tensor, heads: int) -> torch.Tensor:
+    """A per-kv-head factor (B_mem, H_kv, Q, 1) -> per query head (B_mem, H, Q, 1)."""
+    return factor.repeat_interleave(heads // factor.shape[1], dim=1)
 
 
 @dataclass
@@ -204,6 +452,7 @@ class GCAMemory:
     layers: dict[int, MemoryKV]
     states: torch.Tensor  # (B_mem, M, decoder hidden): the projected memory, kept for inspection and logging
     mask: torch.Tensor  # (B_mem, M) bool
+    chunk_len: int | None = None  # L when the memory is C chunks of L positions (routing needs it); None: unknown
 
     @property
     def batch_size(self) -> int:
@@ -220,10 +469,13 @@ def gca_parameter_count(
     encoder_hidden_size: int,
     attention_bias: bool = False,
     mlp_intermediate_size: int | None = None,
+    router: bool = False,
 ) -> int:
-    """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks plus the shared projection."""
+    """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks (with chunk routers when `router`,
+    memory_top_k > 0) plus the shared projection."""
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     attention = hidden_size + hidden_size * q + 2 * hidden_size * kv + q * hidden_size + 2 * head_dim + 1
+    attention += hidden_size * kv + head_dim if router else 0
     if attention_bias:
         attention += q + 2 * kv + hidden_size
     mlp = hidden_size + 3 * hidden_size * mlp_intermediate_size + 1 if mlp_intermediate_size else 0

@@ -188,6 +188,9 @@ def build_pair(
     encoder_attention: str | None = None,
     gca_mlp: bool = False,
     fusion: str = "gca",
+    memory_top_k: int = 0,
+    memory_logn_scale: int = 0,
+    memory_routing_loss: float = 1.0,
     dtype: torch.dtype | None = None,
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
@@ -207,16 +210,19 @@ def build_pair(
       UL2-trained Qwen3ForSeq2SeqLM (`Qwen3EncoderModel.from_seq2seq(model).save_pretrained(dir)`); it was trained
       bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
     - fusion: how the decoder reads the memory, gca | cross | merged (models/fusion.py).
+    - memory_top_k, memory_logn_scale, memory_routing_loss: chunk routing and the length-aware scale (models/gca.py).
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
     spec = get_pair(name)
+    reading = dict(memory_top_k=memory_top_k, memory_logn_scale=memory_logn_scale,
+                   memory_routing_loss=memory_routing_loss)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if torch.device(device).type == "meta" or random_init:
         if partitioner is not UNPARTITIONED:
             raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
-                                   gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed)
+                                   gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed, reading=reading)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
     if spec.random_weights:
         decoder_dir, encoder_dir = write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
@@ -231,12 +237,12 @@ def build_pair(
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
-        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner,
+        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner, **reading,
     )
 
 
 def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention, gca_mlp, fusion, dtype,
-                        seed) -> AwarenessModel:
+                        seed, reading: dict[str, Any]) -> AwarenessModel:
     """The pair from its configs on `device`: shapes only on meta, randomly initialised elsewhere."""
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
@@ -251,7 +257,7 @@ def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention
     if spec.encoder_from_decoder and not on_meta:
         _initialise_from(encoder, decoder.model)
     return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp,
-                          fusion=fusion)
+                          fusion=fusion, **reading)
 
 
 def added_parameters(name: str, fusion: str) -> int:

@@ -176,8 +176,8 @@ def set_trainable(
 ) -> dict[str, int]:
     """Sets requires_grad for every parameter and returns the trainable count per group.
 
-    `lora` trains a group's LoRA adapters (for GCA also its gates, which must open); `full` trains its base
-    weights (not its adapters); `frozen` trains nothing of it.
+    `lora` trains a group's LoRA adapters (for GCA also its gates, which must open, and its chunk routers); `full`
+    trains its base weights (not its adapters); `frozen` trains nothing of it.
     """
     modes = {"decoder": decoder, "encoder": encoder, "gca": gca}
     for group, mode in modes.items():
@@ -214,9 +214,10 @@ def trainable_modes(model: nn.Module) -> dict[str, TrainMode]:
 
 
 def _trains(name: str, group: str, mode: TrainMode) -> bool:
-    """`full` trains the base weights, `lora` the adapters (and GCA's gates), `frozen` nothing."""
+    """`full` trains the base weights, `lora` the adapters (and GCA's gates and chunk routers: new, small, and with no
+    pretrained behaviour to keep), `frozen` nothing."""
     is_lora = "lora_" in name
-    gate = group == "gca" and name.endswith("gate")
+    gate = group == "gca" and (name.endswith("gate") or ".router." in name)
     return (mode == "full" and not is_lora) or (mode == "lora" and (is_lora or gate))
 
 

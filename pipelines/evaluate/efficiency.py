@@ -96,15 +96,16 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
     with PeakRss() as rss, tempfile.TemporaryDirectory(prefix="memory-store-") as store:
         if mode.kind == "gca":
             row["encode_s"], identity = write_filler_store(system, memory, store)
+            chunked = bool(model.memory_top_k)  # a routing model reads the store's chunks as chunks
 
             def first_token():
-                states, mask = memory_store.read(store, identity, device=device)
+                states, mask = memory_store.read(store, identity, device=device, chunked=chunked)
                 gca_memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
                 logits = model(input_ids=prompt, gca_memory=gca_memory).logits
                 return logits[:, -1].argmax(-1)
 
             prompt = torch.tensor([question], device=device)
-            states, mask = memory_store.read(store, identity, device=device)
+            states, mask = memory_store.read(store, identity, device=device, chunked=chunked)
             generate_kwargs = {"memory_states": states, "memory_states_mask": mask}
         else:
             def first_token():

@@ -15,7 +15,11 @@ fix). Safetensors and JSON only: reading a store never unpickles anything.
 
 A reader gets the chunks' states packed end to end, (1, sum of chunk lengths, H_enc) with an all-true mask: GCA puts
 no position on memory keys (models/gca.py), so this is the memory the encoder gives for the same chunks padded to
-(1, C * L_max, H_enc), without the padding.
+(1, C * L_max, H_enc), without the padding. A model that routes its memory over chunks (memory_top_k > 0) reads
+`memory(chunked=True)` instead: (1, C, L_max, H_enc) and its (1, C, L_max) mask, each chunk's states right-padded to
+the longest, which is what routing needs and all it needs: the chunks' boundaries, and each chunk's last real state,
+from which every layer's router makes its summary key once per query (not stored: the routers keep training while
+the store stays valid). A decoding step then pays C summary scores and k * L_max tokens.
 """
 
 from __future__ import annotations
@@ -256,17 +260,24 @@ class MemoryStore:
                     out[i] = f.get_tensor(self.chunks[i]["key"])
         return out  # type: ignore[return-value]
 
-    def memory(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-        """memory_states (1, M, H_enc) and memory_states_mask (1, M): every chunk's states end to end."""
+    def memory(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, chunked: bool = False):
+        """memory_states (1, M, H_enc) and memory_states_mask (1, M): every chunk's states end to end; `chunked`:
+        (1, C, L_max, H_enc) and (1, C, L_max), each chunk right-padded to the longest (chunk routing)."""
         if not self.chunks:
             raise ValueError(f"memory store {str(self.directory)!r} holds no chunks")
+        if chunked:
+            chunks = self.states()
+            lengths = torch.tensor([len(c) for c in chunks], device=device)
+            states = torch.nn.utils.rnn.pad_sequence(chunks, batch_first=True)[None].to(device=device, dtype=dtype)
+            mask = torch.arange(states.shape[2], device=device) < lengths[:, None]  # (C, L_max)
+            return states, mask[None]
         states = torch.cat(self.states())[None].to(device=device, dtype=dtype)  # (1, sum L_i, H_enc)
         return states, torch.ones(states.shape[:2], dtype=torch.bool, device=device)
 
 
 def read(directory: str | Path, identity: EncoderIdentity, *, device: str | torch.device = "cpu",
-         dtype: torch.dtype | None = None):
+         dtype: torch.dtype | None = None, chunked: bool = False):
     """The store's memory (`MemoryStore.memory`) for a model whose encoder has `identity`; StoreMismatch otherwise."""
     store = MemoryStore(directory)
     store.check(identity)
-    return store.memory(device=device, dtype=dtype)
+    return store.memory(device=device, dtype=dtype, chunked=chunked)

@@ -115,7 +115,7 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         if key not in self.stores:
             store = MemoryStore(directory)
             store.check(self.identity)
-            self.stores = {key: store.memory(device=self.model.device)}
+            self.stores = {key: store.memory(device=self.model.device, chunked=bool(self.model.memory_top_k))}
         states, mask = self.stores[key]
         return {"memory_states": states, "memory_states_mask": mask}
 

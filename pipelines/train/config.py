@@ -79,6 +79,16 @@ class ModelConfig:
     fusion: str = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
     gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
+    # Chunk routing (gca and cross; models/gca.py): each query reads only the memory chunks its top-k summary keys
+    # score highest, exact attention over their tokens; > 0 adds a small router per block, trained by the routing loss.
+    # 0: the whole memory (full attention)
+    memory_top_k: int = 0
+    # Weight of the routing loss (KL from full attention's chunk mass to the router's), added in training with
+    # memory_top_k > 0; it reaches the routers only. 0: the routers do not learn
+    memory_routing_loss: float = 1.0
+    # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
+    # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
+    memory_logn_scale: int = 0
     decoder: str = "lora"  # frozen | lora | full
     encoder: str = "frozen"  # frozen | lora | full
     gca: str = "full"  # full | lora
@@ -315,6 +325,19 @@ class StageConfig(JobConfig):
             if m.fusion == "merged" and m.decoder == "frozen":
                 p.append("model.fusion merged adds no attention weights (the decoder's own attention reads the memory): "
                          "train the decoder with model.decoder lora or full")
+        if m.memory_top_k < 0:
+            p.append(f"model.memory_top_k must be 0 (full attention) or the chunks a query reads, got {m.memory_top_k}")
+        if m.memory_logn_scale < 0 or m.memory_logn_scale == 1:
+            p.append(f"model.memory_logn_scale must be 0 (off) or the memory length trained at (>= 2), got "
+                     f"{m.memory_logn_scale}")
+        if m.memory_routing_loss < 0:
+            p.append(f"model.memory_routing_loss must be >= 0, got {m.memory_routing_loss}")
+        if (m.memory_top_k or m.memory_logn_scale) and m.fusion == "merged":
+            p.append("model.memory_top_k and model.memory_logn_scale route and scale a memory-only attention: use "
+                     "model.fusion gca or cross (merged reads the memory in the decoder's own softmax)")
+        if (m.memory_top_k or m.memory_logn_scale) and m.memory != "gca":
+            p.append(f"model.memory_top_k and model.memory_logn_scale apply to the encoder's memory; model.memory "
+                     f"{m.memory} puts it in the prompt (or leaves it out): set them to 0")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
         targets = m.lora_targets

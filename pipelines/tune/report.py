@@ -13,12 +13,13 @@ import numpy as np  # noqa: E402
 
 def format_table(rows: list[dict[str, Any]], metric: str, accuracy: str = "needle_accuracy") -> str:
     """Markdown, one line per trial, sorted by fusion, rank, then placement; no_memory_val_loss beside the metric says
-    what reading the memory is worth. gca_layers: the layers that read the memory (all of them for cross, merged)."""
-    columns = ["fusion", "lora_rank", "placement", "gca_layers", "lr", metric, accuracy, "no_memory_val_loss", "steps",
-               "stopped_early", "seconds", "cpu_seconds", "trial_id"]
+    what reading the memory is worth. gca_layers: the layers that read the memory (all of them for cross, merged);
+    memory_top_k: the chunks each query read (0: all)."""
+    columns = ["fusion", "lora_rank", "placement", "gca_layers", "memory_top_k", "lr", metric, accuracy,
+               "no_memory_val_loss", "steps", "stopped_early", "seconds", "cpu_seconds", "trial_id"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in sorted(rows, key=lambda r: (_fusion(r), r["lora_rank"], r["placement"])):
-        r = {**r, "fusion": _fusion(r)}
+        r = {**r, "fusion": _fusion(r), "memory_top_k": r.get("memory_top_k") or 0}  # older rows: no routing
         cells = [f"{r.get(c):.3g}" if isinstance(r.get(c), float) and c not in ("seconds", "cpu_seconds")
                  else str(r.get(c)) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")

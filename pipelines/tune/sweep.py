@@ -42,6 +42,9 @@ class SweepConfig:
     # how the decoder reads the memory (gca cross merged); None: the base config's model.fusion alone. Placement
     # applies to gca; cross and merged read in every layer whatever the trial's placement says
     fusions: list[str] | None = None
+    # chunks each query reads (model.memory_top_k, e.g. 0 4 8; 0: the whole memory); None: the base config's alone.
+    # Routing applies to gca and cross; merged trials read the whole memory whatever the trial's k
+    memory_top_ks: list[int] | None = None
     lr_min: float = 1e-4  # learning rate, log-uniform in [lr_min, lr_max]
     lr_max: float = 3e-3  # (see lr_min)
     metric: str | None = None  # reported at every evaluation (train.eval_every); None: validation_metric(base)
@@ -70,6 +73,8 @@ class SweepConfig:
         unknown = sorted(set(self.fusions or ()) - set(FUSIONS))
         if unknown or self.fusions == []:
             p.append(f"sweep.fusions must name some of {FUSIONS}, got {self.fusions}")
+        if self.memory_top_ks == [] or any(k < 0 for k in self.memory_top_ks or ()):
+            p.append(f"sweep.memory_top_ks must be integers >= 0 (0: the whole memory), got {self.memory_top_ks}")
         if self.num_samples <= 0:
             p.append(f"sweep.num_samples must be positive, got {self.num_samples}")
         if not self.lora_ranks or any(r <= 0 for r in self.lora_ranks):
@@ -94,6 +99,9 @@ class SweepConfig:
 
     def fusion_choices(self, base: StageConfig) -> list[str]:
         return list(self.fusions) if self.fusions else [base.model.fusion]
+
+    def memory_top_k_choices(self, base: StageConfig) -> list[int]:
+        return list(self.memory_top_ks) if self.memory_top_ks else [base.model.memory_top_k]
 
     def placement_specs(self, base: StageConfig) -> list[str]:
         if self.placements:
@@ -143,8 +151,10 @@ def train_trial(trial: dict[str, Any]) -> None:
 
 
 def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, trial_id: str) -> StageConfig:
+    fusion = str(params.get("fusion", base.model.fusion))
+    top_k = 0 if fusion == "merged" else int(params.get("memory_top_k", base.model.memory_top_k))  # gca, cross only
     model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]),
-                                fusion=str(params.get("fusion", base.model.fusion)))
+                                fusion=fusion, memory_top_k=top_k)
     train = dataclasses.replace(base.train, lr=float(params["lr"]))
     run = dataclasses.replace(base.run, name=f"{sweep_name}-{trial_id}")
     return dataclasses.replace(base, model=model, train=train, run=run).validate()
@@ -175,6 +185,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     concurrency = max_concurrent_trials(sweep, base)
     space = {
         "fusion": ray.tune.choice(sweep.fusion_choices(base)),
+        "memory_top_k": ray.tune.choice(sweep.memory_top_k_choices(base)),
         "lora_rank": ray.tune.choice(sweep.lora_ranks),
         "gca_layers": ray.tune.choice(sweep.placement_specs(base)),
         "lr": ray.tune.loguniform(sweep.lr_min, sweep.lr_max),
@@ -227,7 +238,9 @@ def max_concurrent_trials(sweep: SweepConfig, base: StageConfig) -> int:
 
 def open_sweep_run(sweep: SweepConfig, base: StageConfig, tracking_uri: str) -> Tracker:
     config = {"sweep": dataclasses.asdict(sweep) | {"placements": sweep.placement_specs(base),
-                                                    "fusions": sweep.fusion_choices(base)}, "base": base.to_dict()}
+                                                    "fusions": sweep.fusion_choices(base),
+                                                    "memory_top_ks": sweep.memory_top_k_choices(base)},
+              "base": base.to_dict()}
     tags = {"sweep": "true", "pair": base.model.pair, "stage": str(base.stage), "git.commit": git_commit(),
             **system_info()}
     return Tracker.start(tracking_uri, base.tracking.experiment, sweep.name, config, tags)
@@ -248,6 +261,7 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         rows.append({
             "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"], "lora_rank": c["lora_rank"],
             "placement": c["gca_layers"], "gca_layers": memory_layers(c["fusion"], c["gca_layers"], depth), "lr": c["lr"],
+            "memory_top_k": 0 if c["fusion"] == "merged" else c.get("memory_top_k", base.model.memory_top_k),
             sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
             "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,
             "stopped_early": steps < base.train.max_steps and result.error is None,

@@ -53,8 +53,16 @@ class Loss(NamedTuple):
 
 
 def model_loss(engine, batch: dict[str, torch.Tensor]) -> Loss:
-    """Today's loss for every recipe: the model's own (transformers' causal-LM cross-entropy on `labels`)."""
-    return Loss(engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss, {})
+    """Today's loss for every recipe: the model's own (transformers' causal-LM cross-entropy on `labels`, plus the
+    weighted routing loss of a model that routes its memory, whose unweighted value is logged as `routing_loss`)."""
+    out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+    return Loss(out.loss, routing_part(out))
+
+
+def routing_part(out) -> dict[str, torch.Tensor]:
+    """{"routing_loss": ...} when the model's output carries chunk routing's loss (models/gca.py), else {}."""
+    routing = getattr(out, "routing_loss", None)
+    return {"routing_loss": routing.detach()} if routing is not None else {}
 
 
 class Recipe(Protocol):

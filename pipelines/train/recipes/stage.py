@@ -31,7 +31,7 @@ from pipelines.train.distill import distillation_loss
 from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
-from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
+from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, routing_part, trainable_groups
 from pipelines.train.streams import make_stream, packing_spec
 
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
@@ -71,10 +71,12 @@ class StageRecipe:
             return model_loss(engine, batch)
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         ids, logprobs, labels = batch.pop("teacher_ids"), batch.pop("teacher_logprobs"), batch.pop("labels")
-        logits = engine(**batch).logits  # (B, T, V); no labels: the CE is computed once, below
+        out = engine(**batch)  # no labels: the CE is computed once, below
         d = config.distill
-        parts = distillation_loss(logits, labels, ids, logprobs, d.alpha, d.temperature)
-        return Loss(parts.total, {"kl": parts.kl.detach(), "ce": parts.ce.detach()})
+        parts = distillation_loss(out.logits, labels, ids, logprobs, d.alpha, d.temperature)  # logits (B, T, V)
+        routing = routing_part(out)  # a routing model's own loss, which no teacher gives
+        total = parts.total + engine.module.memory_routing_loss * out.routing_loss if routing else parts.total
+        return Loss(total, {"kl": parts.kl.detach(), "ce": parts.ce.detach(), **routing})
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross

@@ -127,6 +127,38 @@ def test_stored_states_give_the_logits_of_encoding_the_chunks_on_the_fly(store, 
     assert states.shape[1] == int(chunk_mask.sum()) < on_the_fly.shape[1]  # the store keeps no padding
 
 
+def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_the_fly(store, export, pair_root,
+                                                                                     tmp_path):
+    """memory_top_k 2 of the store's chunks: read chunked (each chunk padded to the longest), the stored states route
+    and read as the chunk texts encoded on the fly do; the pyfunc answers alike from both."""
+    from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
+
+    torch.manual_seed(0)
+    model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half", memory_top_k=2))
+    routed_export = model.save_pretrained(tmp_path / "routed")  # the same encoder as the store's: it reads it
+    ensure_tokenizer(model.config.decoder)  # the served model's tokenizer.json
+    model.eval()
+    opened = MemoryStore(store)
+    states, mask = memory_store.read(store, encoder_identity(routed_export, dtype=torch.float32), chunked=True)
+    lengths = [c["tokens"] for c in opened.chunks]
+    assert states.shape[:3] == (1, len(lengths), max(lengths)) and mask.sum(-1).tolist() == [lengths]
+    assert len(lengths) > model.memory_top_k  # routing selects
+    ids, chunk_mask = padded(model, opened.texts())
+    prompt = torch.tensor([[11, 2001, 30, 4099, 12]])
+    with torch.no_grad():
+        stored = model(input_ids=prompt, memory_states=states, memory_states_mask=mask).logits
+        fresh = model(input_ids=prompt, memory_input_ids=ids, memory_attention_mask=chunk_mask).logits
+        model.memory_top_k = len(lengths)
+        every_chunk = model(input_ids=prompt, memory_states=states, memory_states_mask=mask).logits
+    torch.testing.assert_close(stored, fresh)
+    assert (stored - every_chunk).abs().max() > 1e-4  # two chunks of the store read otherwise than all of them
+    pyfunc = AwarenessPyfunc()
+    pyfunc.load_context(SimpleNamespace(artifacts={"export": str(routed_export)}, model_config={"max_new_tokens": 4}))
+    question = "Which function returns x * 7?"
+    assert (pyfunc.predict(None, [{"question": question, "memory_store": str(store)}])
+            == pyfunc.predict(None, [{"question": question, "memory": opened.texts()}]))
+
+
 def test_a_store_from_another_encoder_is_refused(store, export, pair_root, tmp_path):
     spec = PAIRS["tiny-text"]
     _, other_encoder = write_random_checkpoints(spec, tmp_path / "other", seed=7)  # same shapes, other weights

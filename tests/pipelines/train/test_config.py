@@ -148,3 +148,32 @@ def test_needle_size_and_mixture_flags_parse_and_are_validated(capsys):
         assert stop.value.code == 2
         assert expected in capsys.readouterr().err, flags
     assert parse_config(["--needle.questions_per_row", "8"], DEFAULT).needle.questions_per_row == 8  # gca: no row shares
+
+
+def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(capsys, tmp_path):
+    """--model.memory_top_k / memory_logn_scale / memory_routing_loss: documented in --help, refused where they cannot
+    apply, built into the model and written into its export's config."""
+    from models import AwarenessModel
+    from pipelines.train.model import build_model
+
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], DEFAULT)
+    shown = " ".join(capsys.readouterr().out.split())
+    for flag, doc in (("--model.memory_top_k", "0: the whole memory"), ("--model.memory_logn_scale", "0: off"),
+                      ("--model.memory_routing_loss", "the routers do not learn")):
+        assert flag in shown and doc in shown
+    with pytest.raises(SystemExit):
+        parse_config(["--model.fusion", "merged", "--model.decoder", "full", "--model.memory_top_k", "4",
+                      "--model.memory_logn_scale", "1", "--model.memory_routing_loss", "-1"], DEFAULT)
+    err = capsys.readouterr().err
+    for expected in ("use model.fusion gca or cross", "model.memory_logn_scale must be 0 (off)",
+                     "model.memory_routing_loss must be >= 0"):
+        assert expected in err
+    with pytest.raises(SystemExit):
+        parse_config(["--model.memory", "rag", "--model.memory_top_k", "4"], DEFAULT)
+    assert "apply to the encoder's memory" in capsys.readouterr().err
+    config = parse_config(["--model.memory_top_k", "2", "--model.memory_logn_scale", "512"], DEFAULT)
+    model = build_model(config.model)
+    assert (model.memory_top_k, model.memory_logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
+    loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "export"))
+    assert (loaded.memory_top_k, loaded.memory_logn_scale, loaded.memory_routing_loss) == (2, 512, 1.0)

@@ -166,6 +166,19 @@ def test_sweep_config_collects_every_problem():
     assert SweepConfig().for_base(base).metric == "needle_val_loss"
 
 
+def test_memory_top_k_is_a_choice_of_the_search_space():
+    """sweep.memory_top_ks: each trial's model.memory_top_k; merged trials (they cannot route) read the whole memory."""
+    from pipelines.tune.sweep import SweepConfig, default_base, trial_config
+
+    base = default_base("tiny", 0)
+    assert SweepConfig().memory_top_k_choices(base) == [0]
+    assert SweepConfig(memory_top_ks=[0, 4]).memory_top_k_choices(base) == [0, 4]
+    assert "sweep.memory_top_ks" in "\n".join(SweepConfig(memory_top_ks=[-1]).problems(base))
+    params = {"lora_rank": 8, "gca_layers": "last:1", "lr": 1e-3, "memory_top_k": 4}
+    assert trial_config(base, {**params, "fusion": "cross"}, "s", "t1").model.memory_top_k == 4
+    assert trial_config(base, {**params, "fusion": "merged"}, "s", "t2").model.memory_top_k == 0
+
+
 def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):
     from pipelines.train.presets import STAGE1, STAGE2
     from pipelines.train.presets import sweep_base
@@ -219,7 +232,8 @@ def test_table_and_best_trial():
     best = best_row(rows, SweepConfig(metric="needle_val_loss"))
     assert best["trial_id"] == "a"  # b is lower but was stopped: nothing to register
     lines = format_table(rows, "needle_val_loss").splitlines()  # rows without a fusion were GCA's
-    assert lines[2].startswith("| gca | 8 | last:1 | [3] |") and lines[3].startswith("| gca | 16 | upper_half | [2, 3] |")
+    assert lines[2].startswith("| gca | 8 | last:1 | [3] | 0 |")
+    assert lines[3].startswith("| gca | 16 | upper_half | [2, 3] |")
     rows.append({**rows[0], "trial_id": "c", "fusion": "cross", "lora_rank": 8, "gca_layers": [0, 1, 2, 3]})
     lines = format_table(rows, "needle_val_loss").splitlines()
     assert lines[-1].startswith("| gca | 16 |") and lines[2].startswith("| cross | 8 | upper_half | [0, 1, 2, 3] |")

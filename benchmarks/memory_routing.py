@@ -1,0 +1,93 @@
+"""What chunk routing saves when the memory grows: per-token decoding time over 1k to 64k memory tokens with each
+query reading its top-k chunks (`memory_top_k`, models/gca.py) against full attention over the whole memory.
+
+    python benchmarks/memory_routing.py [--quick] [--top-k 4] [--chunk-len 128] [--tokens 1024 4096 16384 65536]
+                                        [--threads N]
+
+One model, the tiny pair (random weights, fp32), built with routers; full attention is the same model with
+memory_top_k set to 0, so both sides have the same weights. The memory is given as encoder states (as a memory store
+gives it), chunked (1, C, L, H_enc); its keys, values and (routed) summary keys are prepared once, then each decoding
+step is timed, full and routed in turns (benchmarks/timing.py), medians taken. Ratios are each side's time at N over
+its own time at the smallest memory: full attention's grows with N, routing's with C (the summary scores) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from models import build_pair
+from timing import timed_side_by_side
+
+
+def build(top_k: int, fusion: str, gca_layers: str):
+    torch.manual_seed(0)
+    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, memory_top_k=top_k).eval()
+    if fusion == "gca":
+        model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)
+    return model
+
+
+class Decoder:
+    """One side of the comparison: a prefilled prompt over a memory prepared with memory_top_k = top_k (the prepared
+    memory carries the routing, so later steps need no setting), advanced one token per call."""
+
+    def __init__(self, model, top_k: int, states: torch.Tensor, mask: torch.Tensor, prompt: torch.Tensor):
+        self.model = model
+        before, model.memory_top_k = model.memory_top_k, top_k
+        try:
+            started = time.perf_counter()
+            self.memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
+            self.prepare_s = time.perf_counter() - started
+        finally:
+            model.memory_top_k = before
+        out = model(input_ids=prompt, gca_memory=self.memory, use_cache=True)
+        self.cache, self.token = out.cache, out.logits[:, -1:].argmax(-1)
+
+    def step(self) -> None:
+        out = self.model(input_ids=self.token, gca_memory=self.memory, cache=self.cache, use_cache=True)
+        self.cache, self.token = out.cache, out.logits[:, -1:].argmax(-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, fewer repeats (a smoke run)")
+    parser.add_argument("--top-k", type=int, default=4, help="chunks each query reads when routed")
+    parser.add_argument("--chunk-len", type=int, default=128, help="tokens per memory chunk")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="memory sizes")
+    parser.add_argument("--fusion", default="gca", choices=["gca", "cross"])
+    parser.add_argument("--gca-layers", default="every_k:1", help="gca placement (default: all 4 layers read)")
+    parser.add_argument("--repeats", type=int, default=30, help="decoding steps timed per side and size")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier "
+                        "on a machine shared with other work")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes, repeats = ([1024, 4096], 5) if args.quick else (args.tokens, args.repeats)
+    torch.set_grad_enabled(False)
+    model = build(args.top_k, args.fusion, args.gca_layers)
+    width = model.memory_encoder.hidden_size
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; tiny pair, fusion {args.fusion}, "
+          f"{len(model.gca_layers)} memory-reading layers, chunks of {args.chunk_len}, routed top-{args.top_k}")
+    print(f"| {'memory tokens':>13} | {'chunks':>6} | {'full (ms)':>9} | {'routed (ms)':>11} | {'full t/t0':>9} | "
+          f"{'routed t/t0':>11} | {'full / routed':>13} | {'prepare full / routed (ms)':>26} |")
+    print("|" + "|".join("-" * (w + 2) for w in (13, 6, 9, 11, 9, 11, 13, 26)) + "|")
+    first = None
+    prompt = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    for tokens in sizes:
+        chunks = max(tokens // args.chunk_len, 1)
+        generator = torch.Generator().manual_seed(tokens)
+        states = torch.randn(1, chunks, args.chunk_len, width, generator=generator)
+        mask = torch.ones(1, chunks, args.chunk_len, dtype=torch.bool)
+        full, routed = (Decoder(model, k, states, mask, prompt) for k in (0, args.top_k))
+        t_full, t_routed = timed_side_by_side([full.step, routed.step], repeats)
+        first = first or (t_full, t_routed)
+        print(f"| {chunks * args.chunk_len:>13,} | {chunks:>6} | {t_full * 1e3:9.2f} | {t_routed * 1e3:11.2f} | "
+              f"{t_full / first[0]:9.2f} | {t_routed / first[1]:11.2f} | {t_full / t_routed:13.2f} | "
+              f"{f'{full.prepare_s * 1e3:.1f} / {routed.prepare_s * 1e3:.1f}':>26} |")
+
+
+if __name__ == "__main__":
+    main()
