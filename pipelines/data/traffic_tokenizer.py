@@ -49,7 +49,7 @@ def vocabulary() -> list[str]:
     return words
 
 
-def build_tokenizer() -> Tokenizer:
+def build_traffic_tokenizer() -> Tokenizer:
     """The WordLevel tokenizer; `encode(text).ids` starts with [BOS]."""
     vocab = {word: i for i, word in enumerate(vocabulary())}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
@@ -61,15 +61,15 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(directory: str | Path) -> Path:
+def save_traffic_tokenizer(directory: str | Path) -> Path:
     """Write `tokenizer.json` into `directory`; returns its path."""
     path = Path(directory) / "tokenizer.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(path))
+    build_traffic_tokenizer().save(str(path))
     return path
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_traffic_tokenizer(path: str | Path) -> Tokenizer:
     """A saved tokenizer: a `tokenizer.json` file or the directory holding it."""
     path = Path(path)
     return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))

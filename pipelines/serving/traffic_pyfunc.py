@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
+import torch
+from mlflow.models import ModelSignature
+from mlflow.types.schema import ColSpec, DataType, Schema
 
+from models.traffic_vlm import TrafficVLM
+from pipelines.data.traffic_scenes import pixel_values
+from pipelines.data.traffic_tokenizer import load_traffic_tokenizer
 from pipelines.tracking.registry import log_pyfunc, pinned_requirements, register_version
 from pipelines.tracking.tracker import Tracker
 
@@ -23,19 +29,12 @@ class TrafficPyfunc(mlflow.pyfunc.PythonModel):
     """predict(rows of {image, question}) -> ["yes" | "no", ...]: the [YES]/[NO] logits at the question's last token."""
 
     def load_context(self, context) -> None:
-        from models.traffic_vlm import TrafficVLM
-        from pipelines.data.traffic_tokenizer import load_tokenizer
-
         export = context.artifacts["export"]
         self.model = TrafficVLM.from_pretrained(export).eval()
-        self.tokenizer = load_tokenizer(export)
+        self.tokenizer = load_traffic_tokenizer(export)
         self.image_size = int(self.model.vision.config.image_size)
 
     def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
-        import torch
-
-        from pipelines.data.traffic_scenes import pixel_values
-
         rows = _rows(model_input)
         if not rows:
             return []
@@ -73,9 +72,6 @@ def _png(image, i: int) -> bytes:
 
 
 def signature():
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, DataType, Schema
-
     return ModelSignature(inputs=Schema([ColSpec(DataType.binary, "image"), ColSpec(DataType.string, "question")]),
                           outputs=Schema([ColSpec(DataType.string)]))
 

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from pipelines.data.traffic_scenes import QUESTIONS
-from pipelines.data.traffic_tokenizer import (
-    MAX_VOCAB,
-    SPECIAL_TOKENS,
-    build_traffic_tokenizer,
-    load_traffic_tokenizer,
-    save_traffic_tokenizer,
-)
+from pipelines.data.traffic_tokenizer import (MAX_VOCAB, SPECIAL_TOKENS, build_traffic_tokenizer,
+                                              load_traffic_tokenizer, save_traffic_tokenizer)
 
 
 def test_special_tokens_at_fixed_ids_and_vocab_bound():
