@@ -31,7 +31,7 @@ from timing import timed_side_by_side
 
 from models import build_pair, training_flops
 from models.flops import PARTS, flop_counter
-from pipelines.train.config import ModelConfig
+from pipelines.train.configs.stage import ModelConfig
 from pipelines.train.model import prepare_model
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0  # H200 too; H100 PCIe: 756; A100: 312

@@ -15,7 +15,8 @@ import time
 import torch
 
 from pipelines.data.synthetic_needles import PROMPT_LEN, make_batch
-from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
+from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
 
 

@@ -17,7 +17,9 @@ from ray.train.torch import TorchTrainer
 from pipelines.cli import ConfigError
 from pipelines.tracking.checkpoints import CheckpointRecorder
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
-from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
+from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker

@@ -22,7 +22,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from models import UNPARTITIONED, AwarenessModel, Partitioner
 from pipelines.tracking.checkpoints import EXPORT_DIR
-from pipelines.train.config import StageConfig, TrainConfig, Ul2Config
+from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.prebuild import clear_stale_build_lock
 
 ENGINE_TAG = "engine"

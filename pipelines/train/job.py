@@ -14,7 +14,9 @@ import yaml
 from pipelines.cli import ConfigError, parse_config
 from pipelines.corpora.shards import ShardError
 from pipelines.tracking.tracker import resolve_tracking_uri, summary_json
-from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
+from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.recipes.jobs import job_for
 
 

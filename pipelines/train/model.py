@@ -7,7 +7,7 @@ from pathlib import Path
 from models import (UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, Partitioner, apply_lora, build_pair,
                     set_trainable)
 from models.awareness import WEIGHTS_NAME
-from pipelines.train.config import ModelConfig
+from pipelines.train.configs.stage import ModelConfig
 
 
 def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:

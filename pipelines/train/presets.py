@@ -8,8 +8,10 @@ import dataclasses
 from models import PAIRS, get_pair
 from pipelines.corpora.tokenizer import VOCAB_SIZE
 from pipelines.data.ul2 import Ul2DataConfig
-from pipelines.train.config import (DataConfig, DeepSpeedSettings, DistillConfig, ModelConfig, NeedleConfig,
-                                    RunSettings, ScalingSettings, StageConfig, TrafficConfig, TrainConfig, Ul2Config)
+from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
+from pipelines.train.configs.stage import DataConfig, DistillConfig, ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
 
 # Stage 0 (`make demo`): a tiny random pair learns needle retrieval from scratch, so everything trains in full.
 # Its encoder starts from its decoder (as Qwen3-Embedding starts from Qwen3), and attends bidirectionally, so a

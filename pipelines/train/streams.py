@@ -12,7 +12,8 @@ from pipelines.corpora.shards import load_split
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import CorpusStream, NeedleStream
 from pipelines.data.teacher_targets import TeacherEntries
-from pipelines.train.config import StageConfig, TrainConfig
+from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.stage import StageConfig
 
 
 def packing_spec(config: StageConfig) -> PackingSpec:

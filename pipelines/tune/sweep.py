@@ -22,7 +22,7 @@ from models.placement import resolve_gca_layers
 from pipelines.serving.register import register_run
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
-from pipelines.train.config import StageConfig
+from pipelines.train.configs.stage import StageConfig
 from pipelines.train.presets import sweep_base, vocab_problem
 from pipelines.tune.report import format_table, plot_sweep
 

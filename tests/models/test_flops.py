@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, build_pair
 from models.flops import flop_counter, training_flops
-from pipelines.train.config import ModelConfig
+from pipelines.train.configs.stage import ModelConfig
 from pipelines.train.model import prepare_model
 
 B, T, C, L = 2, 24, 3, 16  # decoder rows x tokens, memory chunks x chunk length

@@ -10,7 +10,9 @@ from typing import Any
 
 from models.pairs import default_tiny_root, get_pair
 from pipelines.corpora.shards import check_splits
-from pipelines.train.config import StageConfig, TrafficConfig, Ul2Config
+from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Job, Recipe
 

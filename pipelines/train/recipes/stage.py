@@ -26,7 +26,7 @@ from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, ne
 from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
-from pipelines.train.config import StageConfig
+from pipelines.train.configs.stage import StageConfig
 from pipelines.train.distill import distillation_loss
 from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model

@@ -25,7 +25,7 @@ from models.pairs import default_tiny_root
 from pipelines.corpora.shards import MANIFEST, write_corpus
 from pipelines.data.synthetic_needles import noisy_copy_rows
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
-from pipelines.train.config import StageConfig
+from pipelines.train.configs.stage import StageConfig
 from pipelines.train.driver import init_ray, run_stage
 
 ROLE_TAG = "stage4.role"  # teacher | student | baseline, on each of the job's MLflow runs

@@ -26,7 +26,7 @@ from pipelines.evaluate import plots
 from pipelines.serving.traffic_pyfunc import log_traffic_pyfunc
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker
-from pipelines.train.config import TrafficConfig
+from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 from pipelines.train.streams import DatasetStream
 

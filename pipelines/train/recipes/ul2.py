@@ -21,7 +21,7 @@ from pipelines.corpora.rows import IGNORE
 from pipelines.corpora.tokenizer import TOKENIZER_FILE, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.data.ul2 import collate, ul2_dataset
 from pipelines.tracking.tracker import Tracker
-from pipelines.train.config import Ul2Config
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 from pipelines.train.streams import DatasetStream
 

@@ -27,7 +27,7 @@ from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_i
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
-from pipelines.train.config import DataConfig, ModelConfig, StageConfig
+from pipelines.train.configs.stage import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
 from tests.pipelines.corpora.test_code_qa import SHOP, SHOP_SETTINGS

@@ -24,7 +24,7 @@ from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, agentic
                                         diff_similarity, edited_file, file_diff, generate_answers)
 from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
-from pipelines.train.config import ModelConfig, StageConfig
+from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
 from tests.pipelines.corpora.test_commits import commit, sh

@@ -12,7 +12,7 @@ import pytest
 
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.evaluate.job import EvaluateConfig
-from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
 

@@ -191,7 +191,7 @@ def test_probes_with_hard_distractors_and_two_token_keys(tmp_path, checkpoint_ro
     count = lambda probe: int((probe.memory == EQ).sum())  # noqa: E731
     free = 4 * SPEC.chunks * SPEC.facts_per_chunk - SPEC.facts
     assert count(plain) == SPEC.facts and count(hard) == SPEC.facts + free // 2
-    from pipelines.train.config import ModelConfig, NeedleConfig, StageConfig
+    from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
     from pipelines.train.model import build_model
     from pipelines.train.recipes.stage import write_system
 

@@ -26,7 +26,7 @@ from pipelines.teachers.improve import (OUTPUT_SCHEMA, REASONS, ParentTreeJudge,
                                         UnitVerifier, improve_corpus, read_unit, stage3_manifest, verify, verify_rows,
                                         work_items)
 from pipelines.teachers.logits import teacher_identity
-from pipelines.train.config import ModelConfig, StageConfig
+from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
 from tests.pipelines.evaluate.test_commits import (BUGGY, FIXED, ROOT, build_commit_corpus, fixture_repository,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.tracking.checkpoints import LATEST_TAG, RECORDS, record_name, step_tag
-from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
+from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 
 pytestmark = pytest.mark.ray  # starts Ray
 

@@ -105,14 +105,8 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
     import ray
     from mlflow.tracking import MlflowClient
 
-    from pipelines.train.config import (
-        ModelConfig,
-        NeedleConfig,
-        RunSettings,
-        StageConfig,
-        TrackingSettings,
-        TrainConfig,
-    )
+    from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
+    from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
     from pipelines.train.driver import run_stage
 
     config = StageConfig(

@@ -17,8 +17,8 @@ import torch
 from pipelines.cli import ConfigError
 from pipelines.corpora.shards import load_split, rank_units
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
-from pipelines.train.config import (DataConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
-                                    TrackingSettings, TrainConfig)
+from pipelines.train.configs.common import RunSettings, ScalingSettings, TrackingSettings, TrainConfig
+from pipelines.train.configs.stage import DataConfig, ModelConfig, StageConfig
 from tests.pipelines.corpora.test_shards import write_manifest
 from tests.pipelines.train import faults
 

@@ -1,7 +1,8 @@
 import pytest
 
 from jobs.plan import main as plan_main
-from pipelines.train.config import ModelConfig, ScalingSettings, StageConfig
+from pipelines.train.configs.common import ScalingSettings
+from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.plan import GIB, PlanInput, plan_memory
 
 

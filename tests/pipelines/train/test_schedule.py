@@ -8,7 +8,8 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from models import set_trainable
-from pipelines.train.config import TrainConfig, Ul2Config, Ul2ModelConfig
+from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.ul2 import Ul2Config, Ul2ModelConfig
 from pipelines.train.engine import lr_scheduler
 from pipelines.train.recipes.stage import STAGE
 from pipelines.train.recipes.ul2 import UL2, prepare_checkpoint

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from models import AwarenessModel
 from models.awareness import WEIGHTS_NAME
 from pipelines.evaluate.in_training import score_needles
-from pipelines.train.config import ModelConfig, NeedleConfig, RunSettings, StageConfig, TrackingSettings, TrainConfig
+from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
+from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from tests.pipelines.train import faults
 
 pytestmark = pytest.mark.ray  # every test here starts Ray

@@ -22,7 +22,7 @@ from models import PAIRS, write_random_checkpoints
 from models.awareness import WEIGHTS_NAME
 from models.pairs import PairSpec, _embedding, _qwen3
 from models.trainable import is_added_parameter
-from pipelines.train.config import StageConfig
+from pipelines.train.configs.stage import StageConfig
 from pipelines.train.engine import deepspeed_config, quiet_known_warnings
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import STAGE

@@ -22,8 +22,8 @@ from pipelines.data.packing import PackingSpec, pack_examples
 from pipelines.data.streams import CorpusStream
 from pipelines.data.teacher_targets import TeacherEntries, read_scored
 from pipelines.teachers.logits import TeacherLogitsConfig
-from pipelines.train.config import (DistillConfig, ModelConfig, RunSettings, ScalingSettings, StageConfig,
-                                    TrackingSettings, TrainConfig)
+from pipelines.train.configs.common import RunSettings, ScalingSettings, TrackingSettings, TrainConfig
+from pipelines.train.configs.stage import DistillConfig, ModelConfig, StageConfig
 from pipelines.train.recipes import model_loss
 from pipelines.train.recipes.stage import STAGE, prepare_distillation
 from tests.pipelines.corpora.test_shards import write_split

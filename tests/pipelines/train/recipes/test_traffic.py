@@ -20,7 +20,7 @@ from pipelines.cli import parse_config
 from pipelines.data.traffic_scenes import QUESTION_TYPES, QUESTIONS, make_row, scene_seeds, split_of
 from pipelines.data.traffic_tokenizer import build_traffic_tokenizer
 from pipelines.evaluate import plots
-from pipelines.train.config import TrafficConfig
+from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.presets import TRAFFIC_VLM
 from pipelines.train.recipes.traffic import collate, collate_scene_questions, count_outcomes, metrics_from_counts
 

@@ -14,7 +14,7 @@ import torch
 from pipelines.cli import parse_config
 from pipelines.corpora.tokenizer import load_tokenizer
 from pipelines.data.ul2 import Ul2DataConfig, source_files
-from pipelines.train.config import Ul2Config
+from pipelines.train.configs.ul2 import Ul2Config
 
 ROOT = Path(__file__).resolve().parents[4]
 

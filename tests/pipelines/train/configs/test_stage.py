@@ -7,10 +7,13 @@ import pytest
 
 from pipelines.cli import parse_config, schema
 from pipelines.evaluate.job import EvaluateConfig
-from pipelines.train.config import ModelConfig, StageConfig, TrafficConfig, TrainConfig, Ul2Config
+from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.stage import ModelConfig, StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.tune.sweep import SweepJob
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 DEFAULT = StageConfig(model=ModelConfig(pair="tiny"), train=TrainConfig(max_steps=10))
 
 
@@ -49,7 +52,7 @@ def test_unknown_keys_and_wrong_types_are_named(tmp_path, capsys):
 
 
 def test_data_and_start_points_that_do_not_exist_are_named(tmp_path):
-    from pipelines.train.config import DataConfig
+    from pipelines.train.configs.stage import DataConfig
 
     config = StageConfig(stage=1, model=ModelConfig(encoder_checkpoint=str(tmp_path / "no-encoder"),
                                                     init_from=str(tmp_path / "no-export")),

@@ -1,0 +1,105 @@
+"""What every training job's config shares: the JobConfig protocol (the dict it crosses the Ray Train boundary as,
+its parsing, a validation that collects every problem into one message) and the sections every job has: the
+schedule, DeepSpeed, the workers, the run and its tracking."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from pipelines.cli import ConfigError, from_typed_dict
+
+
+class JobConfig:
+    """What every training job's typed config shares: the dict it crosses the Ray Train boundary as, its parsing,
+    and a validation that raises every problem at once (each subclass lists its own in `problems`)."""
+
+    KIND: ClassVar[str] = "config"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        return from_typed_dict(cls, data)
+
+    def problems(self) -> list[str]:
+        raise NotImplementedError
+
+    def validate(self):
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"invalid {self.KIND}:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepSpeedSettings") -> list[str]:
+    """The checks of the sections every training job has: the schedule, the workers, DeepSpeed."""
+    p = [f"train.{name} must be positive, got {getattr(t, name)}" for name in
+         ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every")
+         if getattr(t, name) <= 0]
+    if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
+        p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+    if scaling.num_workers <= 0:
+        p.append("scaling.num_workers must be positive")
+    elif t.memories_per_step % (scaling.num_workers * t.grad_accum):
+        p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
+                 f"({scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
+    if deepspeed.zero_stage not in (0, 1, 2, 3):
+        p.append(f"deepspeed.zero_stage must be 0-3, got {deepspeed.zero_stage}")
+    if deepspeed.precision not in ("auto", "bf16", "fp32"):
+        p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {deepspeed.precision!r}")
+    if deepspeed.offload_params and deepspeed.zero_stage != 3:
+        p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
+    return p
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000  # optimizer steps; the schedule's length
+    memories_per_step: int = 16  # global batch, in memories (each carries needle.questions questions)
+    grad_accum: int = 1  # micro-batches per optimizer step (memories_per_step is split over workers and these)
+    lr: float = 2e-4  # peak learning rate (AdamW), reached after warmup_steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30  # linear warm-up from 0 to lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    grad_clip: float = 1.0  # gradient norm clipped to this (0: no clipping)
+    frozen_decoder_steps: int = 0  # the plan's warm-up phase: decoder updates start after this many steps
+    log_every: int = 20  # steps between progress lines and logged metrics
+    eval_every: int = 200  # steps between validation evaluations (and one at the end)
+    checkpoint_every: int = 200  # steps between checkpoints (and one at the end); a resumed run starts from the last
+    seed: int = 0  # model initialisation and data order
+
+
+@dataclass
+class DeepSpeedSettings:
+    zero_stage: int = 3  # ZeRO stage: 3 partitions parameters, gradients and optimizer states; 2 all but parameters
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
+    offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)
+
+
+@dataclass
+class ScalingSettings:
+    num_workers: int = 2  # Ray Train workers (one per GPU on a GPU cluster)
+    use_gpu: bool = False  # one GPU per worker, NCCL and bf16 (deepspeed.precision auto)
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
+    gpus_per_node: int = 8  # for the memory plan a GPU run checks first
+    gpu_memory_gib: float = 80.0  # each GPU's memory, for the memory plan a GPU run checks first
+
+
+@dataclass
+class RunSettings:
+    name: str = "awareness-stage0"  # a rerun with the same name and storage_path resumes
+    storage_path: str = "outputs/ray"  # relative paths are made absolute on the driver
+    max_failures: int = 2  # worker failures survived by restarting from the last checkpoint
+    keep_checkpoints: int = 2  # the newest checkpoints Ray Train keeps on storage_path (older ones are deleted)
+    export_every_checkpoint: bool = True  # every checkpoint carries export/ (register.py --step); false: the final one
+    verbose: bool = False  # the workers' and Ray's own output (report dicts, progress bars) on the console too
+
+
+@dataclass
+class TrackingSettings:
+    enabled: bool = True  # log params, metrics, plots, checkpoints and the export to MLflow
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
+    experiment: str = "awareness"  # the MLflow experiment the run is logged under
