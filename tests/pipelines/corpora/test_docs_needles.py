@@ -8,7 +8,7 @@ import re
 
 from pipelines.corpora import docs
 from pipelines.corpora.needles import DEPTHS, VARIANTS
-from tests.pipelines.corpora.test_code_qa import build_rows
+from tests.pipelines.corpora.test_tasks import build_rows
 
 MARKDOWN = """# Tidewater
 

@@ -30,7 +30,7 @@ from pipelines.evaluate.metrics import evidence_reading
 from pipelines.train.configs.stage import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
-from tests.pipelines.corpora.test_code_qa import SHOP, SHOP_SETTINGS
+from tests.pipelines.corpora.test_tasks import SHOP, SHOP_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[3]
 QA_KINDS = {"defines", "params", "method_of", "returns", "raises", "callers", "constant", "section", "definition"}
