@@ -1,6 +1,7 @@
-"""Code Q&A on real code nobody here wrote (the installed requests and click packages): every answer is re-read
-from its evidence span in the file; the memory holds the evidence; token columns match the text columns. On a
-small repository cut into small chunks, every row's answer stands in its evidence chunks, per kind (issue 14)."""
+"""Stage-0 rows (pipelines/corpora/tasks.py). Code Q&A on real code nobody here wrote (the installed requests and
+click packages): every answer is re-read from its evidence span in the file; the memory holds the evidence; token
+columns match the text columns. On a small repository cut into small chunks, every row's answer stands in its
+evidence chunks, per kind (issue 14). Chunk boundaries themselves: test_chunking.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora import chunking, syntax, tasks
+from pipelines.corpora import tasks
 from pipelines.corpora.rows import IGNORE
 from pipelines.corpora.sources import walk_files
 from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS
@@ -91,59 +92,6 @@ def test_token_columns_match_text(rows, tokenizer):
         assert [tokenizer.encode_text(m) for m in row["memory"]] == [list(map(int, m)) for m in row["memory_input_ids"]]
         if "<read>" in row["target"]:
             assert SPECIAL_IDS["<read>"] in row["input_ids"][n_prompt:]
-
-
-def test_chunks_cover_files_and_cut_at_syntax(package_roots, tokenizer):
-    path = package_roots["requests"] / "sessions.py"
-    text = path.read_text()
-    cuts = syntax.boundaries(syntax.parse("python", text.encode()))
-    chunks = chunking.chunk_file("sessions.py", text, tokenizer, boundaries=cuts)
-    assert "".join(c.text.split("\n", 1)[1] for c in chunks) == text  # nothing lost, nothing repeated
-    assert all(c.ids.tolist() == tokenizer.encode_text(c.text) for c in chunks)
-    assert all(len(c.ids) <= 512 for c in chunks) and sum(len(c.ids) for c in chunks) / len(chunks) > 250
-    lines = text.splitlines(keepends=True)
-    assert all("".join(lines[c.start_line - 1 : c.end_line]) == c.text.split("\n", 1)[1] for c in chunks)
-    starts = [c.start_line - 1 for c in chunks[1:]]
-    assert sum(cuts.get(s, 0) > 0 for s in starts) >= 0.8 * len(starts)  # mostly at syntax boundaries
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("boundaries", [{1: 2}, {}])
-def test_long_lines_are_split_and_terminate(tokenizer, boundaries):
-    """Dense long lines (generated code: one token per digit, so the size estimate is off 3x): pieces split down
-    to lines, then characters, and the loop ends; nothing is lost."""
-    digits = "".join(str(i % 10) for i in range(800))
-    text = f"x = {digits}\ny = {digits}\n" + "z = '" + "ab cd " * 2000 + "'\n"
-    chunks = chunking.chunk_file("gen.py", text, tokenizer, boundaries=boundaries)
-    assert "".join(c.text.split("\n", 1)[1] for c in chunks) == text
-    assert all(len(c.ids) <= 512 for c in chunks) and len(chunks) > 5
-    assert all(tokenizer.decode(c.ids) == c.text for c in chunks)
-
-
-def test_chunk_ids_are_the_texts_tokens_at_awkward_seams(tokenizer):
-    """Line breaks at the start, CRLF, blank runs, trailing spaces, non-NFC text and a multi-byte line longer than a
-    chunk: ids always decode to the text; where the cut is at a line (all but the long line), they are exactly
-    what re-tokenizing the text gives."""
-    import unicodedata
-
-    lines = ["\n", "\r\n", "def f():  \r\n", "    return 'cafe\u0301'\n", "\n\n\n", "x = 1   \n", "  \n"]
-    text = "".join(lines * 60) + "s = '" + "日本語のテキスト" * 300 + "'\n" + "".join(lines * 20)
-    chunks = chunking.chunk_file("a.py", text, tokenizer, chunk_tokens=64)
-    assert "".join(c.text.split("\n", 1)[1] for c in chunks) == unicodedata.normalize("NFC", text)
-    assert all(tokenizer.decode(c.ids) == c.text and len(c.ids) <= 64 for c in chunks)
-    at_lines = [c for c in chunks if "日本" not in c.text]
-    assert len(at_lines) > 10 and all(c.ids.tolist() == tokenizer.encode_text(c.text) for c in at_lines)
-
-
-
-@pytest.mark.parametrize("path", ["a.py", "docs/ÜBER café.md", "x/Makefile", "v1.2/3", "weird/name ", "tabs\t",
-                                  "it's", "a+b++", "ends.in.dot.", "日本/語.txt", "e\u0301"])
-def test_chunk_headers_are_their_texts_tokens_for_any_path(path, tokenizer):
-    """Header ids are built from a path part and a cached ` [chunk k]` part; whatever the path ends in, every
-    chunk's ids are still what re-tokenizing its text gives."""
-    chunks = chunking.chunk_file(path, "x = 1\n\n" * 400, tokenizer, chunk_tokens=64)
-    assert len(chunks) > 10
-    assert all(c.ids.tolist() == tokenizer.encode_text(c.text) for c in chunks)
 
 
 LANGS = {
