@@ -1,13 +1,11 @@
-"""Document Q&A (Markdown, HTML, JSONL) is extractive from its evidence; needles stand once per key at their
-recorded depth."""
+"""Document Q&A facts (pipelines/corpora/docs.py): extractive from their evidence in Markdown, HTML and JSONL, with
+hand-checked spans; HTML keeps its lines. Needles: test_needles.py."""
 
 from __future__ import annotations
 
 import json
-import re
 
 from pipelines.corpora import docs
-from pipelines.corpora.needles import DEPTHS, VARIANTS
 from tests.pipelines.corpora.test_tasks import build_rows
 
 MARKDOWN = """# Tidewater
@@ -54,30 +52,24 @@ def test_doc_facts_are_extractive(tmp_path, tokenizer):
         assert docs.answer_in_span(text, ev["start_line"], ev["end_line"], row["answer"]), row
 
 
-def test_needles_once_per_key_at_recorded_depth(package_roots, tokenizer):
-    rows = [r for r in build_rows(package_roots["click"], tokenizer, "click", needles_per_unit=50)
-            if r["task"] == "needle"]
-    assert {r["variant"] for r in rows} == set(VARIANTS) and {r["depth"] for r in rows} == set(DEPTHS)
-    assert {r["memory_chunks"] for r in rows} == {4, 8, 16}
-    for row in rows:
-        memory = "".join(row["memory"])
-        keys = set(re.findall(r"(?:for|VAR) ([a-z]+-[a-z]+-\d+|[A-Z]+_[A-Z]+_\d+)", memory))
-        asked = re.search(r"(?:for|VAR) (\S+?)[?]? (?:hold\?|$)", row["prompt"].strip() + " ")
-        assert asked and asked.group(1).rstrip("?") in keys
-        for key in keys:
-            lines = [l for l in memory.splitlines() if key in l and (l.startswith("VAR") or "magic number" in l)]
-            defining = [l for l in lines if l.startswith(f"VAR {key} =") or f"for {key} is" in l]
-            expected = 3 if row["variant"] == "multivalue" else 1
-            assert len(defining) == expected, (key, lines)
-        n = row["memory_chunks"]
-        holder = round(row["depth"] * (n - 1))
-        first_needle = row["memory"][holder].split("\n")[1]
-        assert asked.group(1).rstrip("?") in first_needle  # the asked needle sits in the chunk at `depth`
-        if row["variant"] in ("single", "multikey"):
-            assert f"is: {row['answer']}." in first_needle
-        assert [tokenizer.encode_text(m) for m in row["memory"]] == [list(map(int, m)) for m in row["memory_input_ids"]]
-
-
 def test_html_entities_are_decoded_and_lines_kept():
     html = "<h2>T&amp;C</h2>\n<p>a&nbsp;b &lt;x&gt; &eacute;&#x27;&#39; &NewLine;</p>\n<p>end</p>"
     assert docs.html_to_text(html) == "## T&C\na b <x> é'' &NewLine;\nend"
+
+
+def test_section_and_definition_facts_on_a_hand_read_document():
+    """A section's evidence is its heading line and its first paragraph; a wrapped sentence is answered on one line;
+    a paragraph whose first sentence is under 20 characters makes no section fact."""
+    text = MARKDOWN + "\n## Short\n\nToo short.\n"
+    facts = {(f["kind"], f["name"]): f for f in docs.doc_facts(text, "g.md")}
+    assert set(facts) == {("section", "Tidewater"), ("definition", "Tidewater"), ("section", "Installation"),
+                          ("section", "Queues"), ("definition", "A queue")}
+    assert facts[("section", "Installation")]["spans"] == [[5, 5], [7, 7]]
+    queues = facts[("section", "Queues")]
+    assert queues["spans"] == [[9, 9], [11, 12]] and (queues["start_line"], queues["end_line"]) == (9, 12)
+    assert queues["answer"] == "A queue is a named list of jobs that share one priority and one quota."
+    assert queues["question"] == 'In g.md, what does the section "Queues" begin by saying?'
+    assert facts[("definition", "Tidewater")]["spans"] == [[3, 3]]
+    assert docs.answer_in_span(text, 11, 12, queues["answer"]) and not docs.answer_in_span(text, 11, 11, queues["answer"])
+    assert docs.first_sentence("Too short.") is None and docs.first_sentence("x" * 301 + ".") is None
+    assert docs.first_sentence("A sentence that\nwraps over lines. More.") == "A sentence that wraps over lines."
