@@ -70,6 +70,7 @@ def test_section_and_definition_facts_on_a_hand_read_document():
     assert queues["answer"] == "A queue is a named list of jobs that share one priority and one quota."
     assert queues["question"] == 'In g.md, what does the section "Queues" begin by saying?'
     assert facts[("definition", "Tidewater")]["spans"] == [[3, 3]]
-    assert docs.answer_in_span(text, 11, 12, queues["answer"]) and not docs.answer_in_span(text, 11, 11, queues["answer"])
+    assert docs.answer_in_span(text, 11, 12, queues["answer"])
+    assert not docs.answer_in_span(text, 11, 11, queues["answer"])  # the sentence wraps onto line 12
     assert docs.first_sentence("Too short.") is None and docs.first_sentence("x" * 301 + ".") is None
     assert docs.first_sentence("A sentence that\nwraps over lines. More.") == "A sentence that wraps over lines."

@@ -20,7 +20,7 @@ from pipelines.corpora.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS
                                          cached_tokenizer)
 from pipelines.data.memory_modes import memory_into_prompt
 from pipelines.data.streams import prompt_length
-from pipelines.repos.agentic import FormatError, parse_trajectory
+from pipelines.repos.agentic import parse_trajectory
 from pipelines.repos.parent_trees import ParentTrees
 from pipelines.teachers.improve import (OUTPUT_SCHEMA, REASONS, ParentTreeJudge, Stage3Config, TrajectoryTeacher,
                                         UnitVerifier, improve_corpus, read_unit, stage3_manifest, verify, verify_rows,
@@ -65,24 +65,6 @@ def judge():
 
 def row_of(rows, sha: str, variant: str = "planning") -> dict:
     return next(r for r in rows if r["origin"]["commit"] == sha and r["variant"] == variant)
-
-
-def test_the_format_is_read_from_control_tokens():
-    assert parse_trajectory(candidate(reads=(CALC, "### README.md [chunk 0]")), TOKENIZER).reads == [
-        CALC, "### README.md [chunk 0]"]
-    cases = {
-        "cut at max_new_tokens": candidate()[:-1],
-        "empty plan": candidate(plan="  "),
-        "not <plan>": TOKENIZER.encode_parts([PLAN, "Fix.", END_PLAN, EDIT, FIXED, END_EDIT]) + [SPECIAL_IDS[EOS]],
-        "text outside": candidate()[:-1] + TOKENIZER.encode_text(" and more") + [SPECIAL_IDS[EOS]],
-    }
-    for expected, ids in cases.items():
-        with pytest.raises(FormatError, match=expected):
-            parse_trajectory(ids, TOKENIZER)
-    # the tags written as text (what a file may contain) are not tags
-    spelled = TOKENIZER.encode_text(f"<plan>Fix.</plan><read>{CALC}</read><edit>{FIXED}</edit>")
-    with pytest.raises(FormatError, match="no tags"):
-        parse_trajectory(spelled + [SPECIAL_IDS[EOS]], TOKENIZER)
 
 
 def test_each_candidate_gets_its_verdict(rows, corpus, judge):
