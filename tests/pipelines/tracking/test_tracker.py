@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.tracking.lineage import data_manifest_hash, system_info
 from pipelines.tracking.tracker import REDACTED, Tracker, for_other_nodes, redact, redact_tree
 
 FAKE_TOKEN = "hf_FAKEtoken0123456789abcdef"
@@ -76,23 +75,6 @@ def test_secrets_are_redacted_from_params_and_config():
     assert logged["train.lr"] == 0.1 and logged["tracking.experiment"] == "awareness"
     nested = redact_tree({"tracking": {"tracking_uri": flat["tracking.tracking_uri"]}, "hub": {"token": FAKE_TOKEN}})
     assert FAKE_TOKEN not in str(nested) and nested["hub"]["token"] == REDACTED
-
-
-def test_system_info_holds_no_environment(monkeypatch):
-    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
-    info = system_info()
-    assert FAKE_TOKEN not in str(info) and {"sys.python", "sys.torch", "sys.ray", "sys.mlflow"} <= info.keys()
-
-
-def test_data_manifest_hash(tmp_path):
-    synthetic = data_manifest_hash(None, {"facts": 8})
-    assert synthetic.startswith("synthetic:") and synthetic == data_manifest_hash(None, {"facts": 8})
-    assert synthetic != data_manifest_hash(None, {"facts": 4})
-    (tmp_path / "train").mkdir()
-    (tmp_path / "manifest.json").write_text('{"shards": 1}')
-    first = data_manifest_hash(str(tmp_path / "train"), {})
-    (tmp_path / "manifest.json").write_text('{"shards": 2}')
-    assert data_manifest_hash(str(tmp_path / "train"), {}) != first
 
 
 @pytest.mark.slow
