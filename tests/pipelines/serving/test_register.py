@@ -1,5 +1,6 @@
 """The registry and its pyfunc model without a sweep: an export saved directly, registered against a real
-`mlflow server`, loaded by alias, answering text questions exactly as AwarenessModel.generate does."""
+`mlflow server`, loaded by alias, answering text questions exactly as AwarenessModel.generate does. The pyfunc's
+tokenizers and inputs without a registry: test_pyfunc.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from models import build_pair
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.data.needle_tokenizer import needle_tokenizer
-from pipelines.serving.pyfunc import ensure_tokenizer
 from pipelines.serving.register import register_run
 from pipelines.tracking.registry import promote
+from tests.pipelines.serving.test_pyfunc import needle_questions
 
 NAME = "awareness-registry-test"
 
@@ -39,30 +40,6 @@ def registered(tmp_path_factory, checkpoint_root, mlflow_server):
     client.log_artifacts(run.info.run_id, str(tmp / "export"), "export")
     version = register_run(run.info.run_id, tracking_uri=mlflow_server.uri, name=NAME)
     return model, version, run.info.run_id
-
-
-def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) -> tuple[list[dict], list[str]]:
-    """Stage-0 needle questions as served text: rows of {question, memory} and each question's true value."""
-    tokenizer = needle_tokenizer()
-    rows, values = [], []
-    for index in range(memories):
-        example = make_example(spec, seed=seed, index=index)
-        memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
-        for question in example["input_ids"]:
-            rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
-            values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
-    return rows, values
-
-
-def test_needle_tokenizer_maps_text_to_the_training_ids():
-    tokenizer = needle_tokenizer()
-    example = make_example(NeedleSpec(), seed=7, index=3)
-    for chunk in example["memory"]:
-        text = tokenizer.decode(chunk.tolist())
-        assert tokenizer.encode(text, add_special_tokens=False).ids == chunk.tolist()
-    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
-    assert tokenizer.encode(tokenizer.decode(prompt[1:])).ids == prompt
-    assert tokenizer.decode([1, 117, 2, 14, 10, 17, 3, 4], skip_special_tokens=True) == "k117 = 4 0 7 ;"
 
 
 def test_version_has_lineage_and_the_candidate_alias(registered, mlflow_server, checkpoint_root):
@@ -152,30 +129,6 @@ def test_registering_a_run_without_an_export_says_so(mlflow_server):
         register_run(run.info.run_id, tracking_uri=mlflow_server.uri, name=NAME)
 
 
-def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):
-    (tmp_path / "Qwen3-0.6B").mkdir()
-    with pytest.raises(FileNotFoundError, match="copy the checkpoint's tokenizer.json"):
-        ensure_tokenizer(tmp_path / "Qwen3-0.6B")
-
-
-def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
-    """tiny-text holds Qwen3's ids: the Qwen3 tokenizer (the corpora's, as tokenizer.json); the needle pairs the
-    needle words."""
-    from tokenizers import Tokenizer
-
-    from models import PAIRS, write_random_checkpoints
-    from pipelines.corpora.tokenizer import SPECIAL_IDS, VOCAB_SIZE, QwenTokenizer
-
-    text_decoder, _ = write_random_checkpoints(PAIRS["tiny-text"], tmp_path)
-    needle_decoder, _ = write_random_checkpoints(PAIRS["tiny"], tmp_path)
-    qwen = Tokenizer.from_file(str(ensure_tokenizer(text_decoder)))
-    assert qwen.get_vocab_size() == VOCAB_SIZE and qwen.token_to_id("<|im_end|>") == SPECIAL_IDS["<|im_end|>"]
-    question = "Grow a.py to 9 functions\nFile: a.py\n"
-    assert qwen.encode(question).ids == QwenTokenizer().encode_text(question)
-    needle = Tokenizer.from_file(str(ensure_tokenizer(needle_decoder)))
-    assert needle.encode("k117 = 4 0 7 ;").ids == [1, 117, 2, 14, 10, 17, 3]
-
-
 def documented_registry_example() -> tuple[list[str], list[str], list[str]]:
     """The documented pyfunc example (docs/tracking.md): its memory (the example's own two lines, run), questions and
     commented answers."""
@@ -247,37 +200,3 @@ def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_p
     here = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate").predict(rows)
     assert served == here and len(served) == len(rows)
     assert len(limited[0].split()) <= 1  # request params reach predict
-
-
-@pytest.mark.parametrize("memory", ["in_context", "rag", "none"])
-def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_root, memory):
-    """A registered baseline's pyfunc puts the memory in the prompt (or drops it) exactly as training did, and answers
-    with the model's greedy continuation of those ids; a memory store is refused (a baseline has no encoder to read)."""
-    import types
-
-    from models import AwarenessConfig, AwarenessModel
-    from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
-    from pipelines.serving.pyfunc import AwarenessPyfunc
-    from tests.pipelines.evaluate.test_job import export_of
-
-    export = export_of(tmp_path, checkpoint_root, memory)
-    ensure_tokenizer(AwarenessConfig.load(export).decoder)
-    served = AwarenessPyfunc()
-    served.load_context(types.SimpleNamespace(artifacts={"export": str(export)},
-                                              model_config={"max_new_tokens": 4, "eos_token": "<eos>"}))
-    rows, _ = needle_questions(seed=3, memories=1)
-    tokenizer = needle_tokenizer()
-    example = make_example(NeedleSpec(), seed=3, index=0)
-    question = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
-    expected = prompt_memory(example["memory"].tolist(), question, system_mode(read_system(export))) + question
-    inputs = served.encode(rows[0]["question"], rows[0]["memory"])
-    assert inputs["input_ids"][0].tolist() == expected and "memory_input_ids" not in inputs
-    assert len(expected) == {"in_context": NeedleSpec().chunks * NeedleSpec().chunk_len + 2,
-                             "rag": 2 * NeedleSpec().chunk_len + 2, "none": 2}[memory]
-    model = AwarenessModel.from_pretrained(export).eval()
-    out = model.generate(torch.tensor([expected]), max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
-    answer = out[0, len(expected):].tolist()
-    answer = answer[: answer.index(EOS)] if EOS in answer else answer
-    assert served.predict(None, rows[:1]) == [tokenizer.decode(answer, skip_special_tokens=True)]
-    with pytest.raises(ValueError, match="not through an encoder"):
-        served.predict(None, [{"question": rows[0]["question"], "memory_store": str(tmp_path)}])

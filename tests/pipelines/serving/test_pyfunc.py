@@ -1,0 +1,136 @@
+"""The served pyfunc's own parts (pipelines/serving/pyfunc.py), without a registry: the tokenizers it writes for
+random-weight checkpoints, how rows of text become model inputs (gca right-pads the memory chunks; a baseline puts
+them in its prompt), the row formats it accepts, and where an answer ends. Registered and served:
+test_register.py."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from pipelines.corpora.tokenizer import text_tokenizer
+from pipelines.data.memory_modes import GCA
+from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
+from pipelines.data.needle_tokenizer import needle_tokenizer
+from pipelines.serving.pyfunc import AwarenessPyfunc, _rows, ensure_tokenizer, signature
+
+
+def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) -> tuple[list[dict], list[str]]:
+    """Stage-0 needle questions as served text: rows of {question, memory} and each question's true value."""
+    tokenizer = needle_tokenizer()
+    rows, values = [], []
+    for index in range(memories):
+        example = make_example(spec, seed=seed, index=index)
+        memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
+        for question in example["input_ids"]:
+            rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
+            values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
+    return rows, values
+
+
+def test_needle_tokenizer_maps_text_to_the_training_ids():
+    tokenizer = needle_tokenizer()
+    example = make_example(NeedleSpec(), seed=7, index=3)
+    for chunk in example["memory"]:
+        text = tokenizer.decode(chunk.tolist())
+        assert tokenizer.encode(text, add_special_tokens=False).ids == chunk.tolist()
+    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
+    assert tokenizer.encode(tokenizer.decode(prompt[1:])).ids == prompt
+    assert tokenizer.decode([1, 117, 2, 14, 10, 17, 3, 4], skip_special_tokens=True) == "k117 = 4 0 7 ;"
+
+
+def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    with pytest.raises(FileNotFoundError, match="copy the checkpoint's tokenizer.json"):
+        ensure_tokenizer(tmp_path / "Qwen3-0.6B")
+
+
+def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
+    """tiny-text holds Qwen3's ids: the Qwen3 tokenizer (the corpora's, as tokenizer.json); the needle pairs the
+    needle words."""
+    from tokenizers import Tokenizer
+
+    from models import PAIRS, write_random_checkpoints
+    from pipelines.corpora.tokenizer import SPECIAL_IDS, VOCAB_SIZE, QwenTokenizer
+
+    text_decoder, _ = write_random_checkpoints(PAIRS["tiny-text"], tmp_path)
+    needle_decoder, _ = write_random_checkpoints(PAIRS["tiny"], tmp_path)
+    qwen = Tokenizer.from_file(str(ensure_tokenizer(text_decoder)))
+    assert qwen.get_vocab_size() == VOCAB_SIZE and qwen.token_to_id("<|im_end|>") == SPECIAL_IDS["<|im_end|>"]
+    question = "Grow a.py to 9 functions\nFile: a.py\n"
+    assert qwen.encode(question).ids == QwenTokenizer().encode_text(question)
+    needle = Tokenizer.from_file(str(ensure_tokenizer(needle_decoder)))
+    assert needle.encode("k117 = 4 0 7 ;").ids == [1, 117, 2, 14, 10, 17, 3]
+
+
+@pytest.mark.parametrize("memory", ["in_context", "rag", "none"])
+def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_root, memory):
+    """A registered baseline's pyfunc puts the memory in the prompt (or drops it) exactly as training did, and answers
+    with the model's greedy continuation of those ids; a memory store is refused (a baseline has no encoder to read)."""
+    import types
+
+    from models import AwarenessConfig, AwarenessModel
+    from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
+    from pipelines.serving.pyfunc import AwarenessPyfunc
+    from tests.pipelines.evaluate.test_job import export_of
+
+    export = export_of(tmp_path, checkpoint_root, memory)
+    ensure_tokenizer(AwarenessConfig.load(export).decoder)
+    served = AwarenessPyfunc()
+    served.load_context(types.SimpleNamespace(artifacts={"export": str(export)},
+                                              model_config={"max_new_tokens": 4, "eos_token": "<eos>"}))
+    rows, _ = needle_questions(seed=3, memories=1)
+    tokenizer = needle_tokenizer()
+    example = make_example(NeedleSpec(), seed=3, index=0)
+    question = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
+    expected = prompt_memory(example["memory"].tolist(), question, system_mode(read_system(export))) + question
+    inputs = served.encode(rows[0]["question"], rows[0]["memory"])
+    assert inputs["input_ids"][0].tolist() == expected and "memory_input_ids" not in inputs
+    assert len(expected) == {"in_context": NeedleSpec().chunks * NeedleSpec().chunk_len + 2,
+                             "rag": 2 * NeedleSpec().chunk_len + 2, "none": 2}[memory]
+    model = AwarenessModel.from_pretrained(export).eval()
+    out = model.generate(torch.tensor([expected]), max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    answer = out[0, len(expected):].tolist()
+    answer = answer[: answer.index(EOS)] if EOS in answer else answer
+    assert served.predict(None, rows[:1]) == [tokenizer.decode(answer, skip_special_tokens=True)]
+    with pytest.raises(ValueError, match="not through an encoder"):
+        served.predict(None, [{"question": rows[0]["question"], "memory_store": str(tmp_path)}])
+
+
+def needle_pyfunc(**settings) -> AwarenessPyfunc:
+    """The pyfunc's text side as load_context sets it up for a gca needle export, without loading a model."""
+    pyfunc = AwarenessPyfunc()
+    pyfunc.tokenizer, pyfunc.text_tokenizer = needle_tokenizer(), text_tokenizer(needle_tokenizer())
+    pyfunc.mode, pyfunc.pad_token_id = GCA, 0
+    pyfunc.eos_token_id, pyfunc.skip_special_tokens = settings.get("eos", EOS), True
+    return pyfunc
+
+
+def test_gca_inputs_right_pad_each_chunk_and_mask_the_padding():
+    inputs = needle_pyfunc().encode("k117", ["k117 = 4 0 7 ;", "w300 w301"])
+    assert inputs["input_ids"].tolist() == [[1, 117]]  # <bos> key: the training prompt
+    assert inputs["memory_input_ids"].tolist() == [[[117, 2, 14, 10, 17, 3], [300, 301, 0, 0, 0, 0]]]
+    assert inputs["memory_attention_mask"].tolist() == [[[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]]
+    bare = needle_pyfunc().encode("k117", [])  # no memory given: no memory tensors
+    assert list(bare) == ["input_ids"] and torch.equal(bare["input_ids"], torch.tensor([[1, 117]]))
+
+
+def test_an_answer_ends_at_the_first_end_token():
+    assert needle_pyfunc().decode([14, 10, 17, EOS, 15]) == "4 0 7"
+    assert needle_pyfunc(eos=[3, EOS]).decode([14, 3, 10]) == "4"  # a list of end tokens (generation_config's)
+    assert needle_pyfunc().decode([14, 10]) == "4 0"  # cut at max_new_tokens: all of it
+
+
+def test_rows_come_as_a_dataframe_a_dict_or_a_list():
+    one = {"question": "k117", "memory": ["k117 = 4 0 7 ;"]}
+    assert _rows(one) == [("k117", ["k117 = 4 0 7 ;"], None)]
+    assert _rows([one, {"question": "k118", "memory_store": "/stores/repo"}]) == [
+        ("k117", ["k117 = 4 0 7 ;"], None), ("k118", [], "/stores/repo")]
+    frame = pd.DataFrame([one, {"question": "k119", "memory_store": "/s"}])  # a missing cell reads as NaN
+    assert _rows(frame) == [("k117", ["k117 = 4 0 7 ;"], None), ("k119", [], "/s")]
+    with pytest.raises(ValueError, match=r"needs a 'question'.*got \['memory'\]"):
+        _rows({"memory": []})
+    inputs = signature().inputs.to_dict()
+    assert [c["name"] for c in inputs] == ["question", "memory", "memory_store"]
+    assert [c.get("required", True) for c in inputs] == [True, False, False]
