@@ -217,28 +217,14 @@ def test_concurrency_counts_what_a_trial_reserves(monkeypatch, tmp_path):
     assert max_concurrent_trials(SweepConfig(num_samples=20), corpus) == 16  # 8 / 0.5
 
 
-def test_table_and_best_trial():
-    from pipelines.tune.report import plot_sweep
-    from pipelines.tune.sweep import SweepConfig, best_row, format_table
+def test_best_trial_is_the_best_that_ran_to_the_end():
+    from pipelines.tune.sweep import SweepConfig, best_row
+    from tests.pipelines.tune.test_report import ROWS
 
-    rows = [
-        {"trial_id": "a", "lora_rank": 16, "placement": "upper_half", "gca_layers": [2, 3], "lr": 1e-3,
-         "needle_val_loss": 2.0, "needle_accuracy": 0.5, "steps": 8, "stopped_early": False, "seconds": 10.0,
-         "cpu_seconds": 10.0, "export": "/x", "error": None, "mlflow_run_id": "r1"},
-        {"trial_id": "b", "lora_rank": 8, "placement": "last:1", "gca_layers": [3], "lr": 1e-3,
-         "needle_val_loss": 1.0, "needle_accuracy": 0.1, "steps": 4, "stopped_early": True, "seconds": 5.0,
-         "cpu_seconds": 5.0, "export": None, "error": None, "mlflow_run_id": "r2"},
-    ]
-    best = best_row(rows, SweepConfig(metric="needle_val_loss"))
+    best = best_row(ROWS, SweepConfig(metric="needle_val_loss"))
     assert best["trial_id"] == "a"  # b is lower but was stopped: nothing to register
-    lines = format_table(rows, "needle_val_loss").splitlines()  # rows without a fusion were GCA's
-    assert lines[2].startswith("| gca | 8 | last:1 | [3] | 0 |")
-    assert lines[3].startswith("| gca | 16 | upper_half | [2, 3] |")
-    rows.append({**rows[0], "trial_id": "c", "fusion": "cross", "lora_rank": 8, "gca_layers": [0, 1, 2, 3]})
-    lines = format_table(rows, "needle_val_loss").splitlines()
-    assert lines[-1].startswith("| gca | 16 |") and lines[2].startswith("| cross | 8 | upper_half | [0, 1, 2, 3] |")
-    figure = plot_sweep(rows, "needle_val_loss")  # a column per GCA placement, one for cross
-    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == ["last:1", "upper_half", "cross (every layer)"]
+    assert best_row(ROWS, SweepConfig(metric="needle_accuracy", mode="max"))["trial_id"] == "a"
+    assert best_row([{**ROWS[0], "export": None}], SweepConfig(metric="needle_val_loss")) is None
 
 
 def dataclasses_replace_decoder(base, decoder: str):
