@@ -1,10 +1,9 @@
 """The traffic VLM job's parts without Ray: config errors collected with their fixes, --dry-run and a wrong flag as a
-user meets them, the held-out metrics against scikit-learn's, the training batch as the model reads it, the
-figures. The job through Ray Train is tests/jobs/test_traffic_vlm_job.py."""
+user meets them, the held-out metrics against scikit-learn's, the training batch as the model reads it. Its
+figures: tests/pipelines/evaluate/test_plots.py. The job through Ray Train is tests/jobs/test_traffic_vlm_job.py."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -13,13 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from sklearn.metrics import confusion_matrix, f1_score, precision_score, recall_score
 
 from pipelines.cli import parse_config
 from pipelines.data.traffic_scenes import QUESTION_TYPES, QUESTIONS, make_row, scene_seeds, split_of
 from pipelines.data.traffic_tokenizer import build_traffic_tokenizer
-from pipelines.evaluate import plots
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.presets import TRAFFIC_VLM
 from pipelines.train.recipes.traffic import collate, collate_scene_questions, count_outcomes, metrics_from_counts
@@ -123,14 +120,3 @@ def test_collate_packed_asks_every_question_of_a_scene_in_a_shuffled_order():
         tail = max(batch["answer_positions"][b].tolist()) + 1
         assert set(ids[tail:]) <= {0} and positions[tail:] == list(range(len(ids) - tail))  # [PAD] tail
     assert len(orders) > 1  # shuffled row by row
-
-
-def test_figures_draw(tmp_path):
-    image = np.asarray(Image.open(io.BytesIO(make_row(0)["png"])), dtype=np.float32) / 255
-    for name, figure in (("confusion.png", plots.confusion_figure(np.array([[5, 1], [2, 4]]), ["YES", "NO"])),
-                         ("grid.png", plots.scene_grid_figure([image] * 3, ["a", "b", "c"], [True, False, True])),
-                         ("attention.png", plots.attention_overlay_figure([image] * 2, np.full((2, 196), 1 / 196),
-                                                                          ["q1", "q2"]))):
-        figure.savefig(tmp_path / name)
-        plots.close(figure)
-        assert Image.open(tmp_path / name).size[0] > 100
