@@ -1,5 +1,7 @@
-"""The optimizer's parameter groups and learning-rate schedule, per recipe: transformers' warmup + cosine at every
-step, the decoder group held at 0 for train.frozen_decoder_steps, and nothing else frozen (the UL2 model included)."""
+"""pipelines/train/engine.py: the optimizer's parameter groups and learning-rate schedule, per recipe: transformers'
+warmup + cosine at every step, the decoder group held at 0 for train.frozen_decoder_steps, and nothing else frozen
+(the UL2 model included); the DeepSpeed config a run's settings make, and ZeRO-3 loading switched on for a build only.
+ZeRO-3 builds on two ranks: test_zero3_loading.py."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from models import set_trainable
-from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.common import DeepSpeedSettings, TrainConfig
+from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.ul2 import Ul2Config, Ul2ModelConfig
-from pipelines.train.engine import lr_scheduler
+from pipelines.train.engine import Zero3Partitioner, deepspeed_config, lr_scheduler, zero3_loading
 from pipelines.train.recipes.stage import STAGE
 from pipelines.train.recipes.ul2 import UL2, prepare_checkpoint
 
@@ -69,3 +72,27 @@ def test_ul2_parameters_are_their_own_group_and_never_wait(tmp_path):
     lrs = trajectory(groups, t)["seq2seq"]
     assert lrs[0] > 0.99 * t.lr  # step 0: (nearly) the full rate, nothing frozen
     assert lrs == pytest.approx(transformers_trajectory(t))
+
+
+def test_the_deepspeed_config_of_a_runs_settings():
+    config = StageConfig(train=TrainConfig(memories_per_step=16, grad_accum=2, grad_clip=0.5),
+                         deepspeed=DeepSpeedSettings(zero_stage=3, precision="bf16", offload_optimizer=True))
+    ds = deepspeed_config(config, world=4)
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 2  # 16 / (4 x 2)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    fp32 = deepspeed_config(StageConfig(deepspeed=DeepSpeedSettings(precision="fp32", offload_params=True)), world=1)
+    assert fp32["bf16"] == {"enabled": False}
+    assert fp32["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
+
+
+def test_zero3_loading_is_on_for_a_zero3_build_only():
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from models import UNPARTITIONED
+
+    with zero3_loading(deepspeed_config(StageConfig(deepspeed=DeepSpeedSettings(zero_stage=2)), 1)) as partitioner:
+        assert partitioner is UNPARTITIONED and not is_deepspeed_zero3_enabled()
+    with zero3_loading(deepspeed_config(StageConfig(), 1)) as partitioner:  # ZeRO-3: DeepSpeedSettings' default
+        assert isinstance(partitioner, Zero3Partitioner) and is_deepspeed_zero3_enabled()
+    assert not is_deepspeed_zero3_enabled()  # nothing after the build sees it
