@@ -1,0 +1,51 @@
+"""The jobs' embedded defaults (pipelines/train/presets.py): every preset validates as it stands (stages 1 and 2 ask
+only for their corpus, and validate once given one), crosses the Ray Train boundary as a dict unchanged, and the
+sweepable stages are the stage jobs' own presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipelines.train import presets
+from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
+
+READY = {"STAGE0": STAGE0, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM}
+
+
+@pytest.mark.parametrize("name", sorted(READY))
+def test_presets_that_need_no_corpus_validate(name):
+    preset = READY[name]
+    assert preset.problems() == []
+    assert preset.validate() is preset
+    assert type(preset).from_dict(preset.to_dict()) == preset  # as the workers receive it
+
+
+@pytest.mark.parametrize("preset", [STAGE1, STAGE2], ids=["stage1", "stage2"])
+def test_corpus_stages_ask_only_for_their_corpus(preset, tmp_path):
+    (problem,) = preset.problems()
+    assert problem.startswith(f"stage {preset.stage} trains on commit shards") and "--data.train_path" in problem
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    given = dataclasses.replace(preset, data=dataclasses.replace(preset.data, train_path=str(tmp_path / "train"),
+                                                                 val_path=str(tmp_path / "val")))
+    assert given.problems() == []
+    assert type(preset).from_dict(preset.to_dict()) == preset
+
+
+@pytest.mark.xfail(strict=True, reason="StageConfig.problems tells stages 1 and 2 to run `jobs/build_corpus.py "
+                   "--stage 2 --source REPO`, but the flag is --sources (the parser refuses --source: allow_abbrev "
+                   "is off)")
+def test_the_corpus_stages_fix_names_a_flag_build_corpus_takes():
+    (problem,) = STAGE1.problems()
+    assert "--sources REPO" in problem
+
+
+def test_the_sweepable_stages_are_the_stage_jobs_presets():
+    assert STAGES == {0: STAGE0, 1: STAGE1, 2: STAGE2}
+    assert all(preset.stage == stage for stage, preset in STAGES.items()) and STAGE4.stage == 4
+    names = [p.run.name for p in (STAGE0, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM)]
+    assert len(set(names)) == len(names)  # each job's runs under its own name
+    assert {k for k, v in vars(presets).items() if k.isupper() and hasattr(v, "problems")} == {
+        "STAGE0", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM"}  # a new preset gets a test here
