@@ -1,7 +1,7 @@
 """The served pyfunc's own parts (pipelines/serving/pyfunc.py), without a registry: the tokenizers it writes for
-random-weight checkpoints, how rows of text become model inputs (gca right-pads the memory chunks; a baseline puts
-them in its prompt), the row formats it accepts, and where an answer ends. Registered and served:
-test_register.py."""
+random-weight checkpoints (the needle tokenizer itself: tests/pipelines/data/test_needle_tokenizer.py), how rows of
+text become model inputs (gca right-pads the memory chunks; a baseline puts them in its prompt), the row formats it
+accepts, and where an answer ends. Registered and served: test_register.py."""
 
 from __future__ import annotations
 
@@ -27,17 +27,6 @@ def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) 
             rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
             values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
     return rows, values
-
-
-def test_needle_tokenizer_maps_text_to_the_training_ids():
-    tokenizer = needle_tokenizer()
-    example = make_example(NeedleSpec(), seed=7, index=3)
-    for chunk in example["memory"]:
-        text = tokenizer.decode(chunk.tolist())
-        assert tokenizer.encode(text, add_special_tokens=False).ids == chunk.tolist()
-    prompt = example["input_ids"][0, :PROMPT_LEN].tolist()  # BOS key
-    assert tokenizer.encode(tokenizer.decode(prompt[1:])).ids == prompt
-    assert tokenizer.decode([1, 117, 2, 14, 10, 17, 3, 4], skip_special_tokens=True) == "k117 = 4 0 7 ;"
 
 
 def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):

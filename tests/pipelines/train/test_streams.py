@@ -12,7 +12,8 @@ from pipelines.data.memory_modes import MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import CorpusStream, NeedleStream
 from pipelines.data.synthetic_needles import needle_batch
-from pipelines.train.config import DataConfig, ModelConfig, NeedleConfig, StageConfig, TrainConfig
+from pipelines.train.configs.common import TrainConfig
+from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.streams import make_stream, packing_spec
 from tests.pipelines.corpora.test_shards import token_rows, write_split
 

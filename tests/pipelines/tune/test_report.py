@@ -38,7 +38,7 @@ def test_table_and_plot():
 
 
 def test_table_cells_by_hand():
-    rows = [{**ROWS[0], "needle_val_loss": 2.34567, "no_memory_val_loss": 3.0, "seconds": 12.3456},
+    rows = [{**ROWS[0], "needle_val_loss": 2.34567, "no_memory_val_loss": 3.0, "seconds": 12.3456, "memory_top_k": 4},
             {**ROWS[1], "fusion": "merged", "needle_val_loss": None}]
     table = format_table(rows, "needle_val_loss", accuracy="corpus_token_accuracy")
     assert table.splitlines()[1] == "|" + "---|" * len(table.splitlines()[0].strip("|").split("|"))
@@ -49,6 +49,7 @@ def test_table_cells_by_hand():
     assert gca["no_memory_val_loss"] == "3" and merged["no_memory_val_loss"] == "None"  # a field a trial lacks
     assert gca["corpus_token_accuracy"] == "None" and merged["needle_val_loss"] == "None"
     assert gca["stopped_early"] == "False" and merged["stopped_early"] == "True" and gca["steps"] == "8"
+    assert gca["memory_top_k"] == "4" and merged["memory_top_k"] == "0"  # a row from before routing: every chunk
 
 
 def test_the_plot_grid_keeps_each_cells_best_and_leaves_unsampled_cells_blank():
