@@ -1,0 +1,81 @@
+"""The training jobs' entry sides (pipelines/train/recipes/jobs.py), light to import and without Ray: each typed config
+maps to its job, which names itself, checks its shards, resolves its paths, prints its --dry-run plan and names its
+recipe. The jobs end to end: tests/jobs/test_documented_commands.py (every documented command, --dry-run included)
+and the stage tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from models.pairs import default_tiny_root
+from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.traffic import TrafficConfig
+from pipelines.train.configs.ul2 import Ul2Config
+from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE4, TRAFFIC_VLM
+from pipelines.train.recipes.jobs import JOBS, StageJob, TrafficJob, Ul2Job, job_for
+from tests.pipelines.corpora.test_shards import token_rows, write_split
+
+
+def test_each_config_type_has_its_job_and_name():
+    assert set(JOBS) == {StageConfig, Ul2Config, TrafficConfig}
+    assert [type(job_for(c)) for c in (STAGE0, ENCODER_UL2, TRAFFIC_VLM)] == [StageJob, Ul2Job, TrafficJob]
+    assert [job_for(c).name(c) for c in (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM)] == [
+        "stage0", "stage4", "encoder_ul2", "traffic_vlm"]
+    stage2 = dataclasses.replace(STAGE0, stage=2)
+    assert job_for(stage2) is job_for(STAGE0) and job_for(stage2).name(stage2) == "stage2"  # one job, named per stage
+    with pytest.raises(KeyError):
+        job_for({"stage": 0})  # a dict is no typed config
+
+
+def test_each_job_names_its_recipe():
+    from pipelines.train.recipes.stage import STAGE
+    from pipelines.train.recipes.traffic import TRAFFIC
+    from pipelines.train.recipes.ul2 import UL2
+
+    assert [job.recipe() for job in (StageJob(), Ul2Job(), TrafficJob())] == [STAGE, UL2, TRAFFIC]
+
+
+def test_dry_run_lines():
+    header, plan = job_for(STAGE0).dry_run(STAGE0)
+    assert header == "# memory plan (scaling.use_gpu is false: the same workers as GPUs)"
+    assert plan.startswith("pair tiny-shared: 1 node(s) x 2 GPU(s)") and "\nfits: " in plan
+    on_gpus = dataclasses.replace(STAGE0, scaling=dataclasses.replace(STAGE0.scaling, use_gpu=True))
+    assert job_for(on_gpus).dry_run(on_gpus)[0] == "# memory plan"
+    assert job_for(ENCODER_UL2).dry_run(ENCODER_UL2) == []
+    header, model = job_for(TRAFFIC_VLM).dry_run(TRAFFIC_VLM)
+    m = TRAFFIC_VLM.model
+    assert header == "# model" and model.startswith(
+        f"vision tokens: {(m.image_size // m.patch_size) ** 2} ({m.image_size}/{m.patch_size} squared, width "
+        f"{m.vision_hidden_size}); parameters: vision ")  # 196 tokens at 224 / 16
+    assert model.endswith(f"(vocab {m.vocab_size}, hidden {m.hidden_size}, {m.layers} layers, {m.heads} q / "
+                          f"{m.kv_heads} kv heads)")
+
+
+def test_resolved_paths_are_absolute_and_a_random_pair_gets_its_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = dataclasses.replace(
+        STAGE0, run=dataclasses.replace(STAGE0.run, storage_path="runs"),
+        data=dataclasses.replace(STAGE0.data, train_path="corpus/train", val_path="s3://bucket/corpus/val"))
+    resolved = job_for(config).resolved(config)
+    assert resolved.run.storage_path == str(tmp_path / "runs")
+    assert resolved.data.train_path == str(tmp_path / "corpus" / "train")
+    assert resolved.data.val_path == "s3://bucket/corpus/val"  # a URL stays as given
+    assert resolved.model.checkpoint_root == str(Path(default_tiny_root()).expanduser().resolve())
+    rooted = dataclasses.replace(config, model=dataclasses.replace(config.model, checkpoint_root="ckpt"))
+    assert job_for(rooted).resolved(rooted).model.checkpoint_root == str(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()  # named only: written when the job runs
+    for other in (ENCODER_UL2, TRAFFIC_VLM):
+        moved = dataclasses.replace(other, run=dataclasses.replace(other.run, storage_path="runs"))
+        assert job_for(moved).resolved(moved).run.storage_path == str(tmp_path / "runs")
+
+
+def test_a_stage_job_checks_its_shards_first(tmp_path):
+    assert job_for(STAGE0).check(STAGE0) == {}  # synthetic needles: nothing to check
+    split = write_split(tmp_path, token_rows(12), files=3, row_group_rows=4)
+    config = dataclasses.replace(STAGE0, data=dataclasses.replace(STAGE0.data, train_path=str(split)))
+    checked = job_for(config).check(config)
+    assert checked["shards"] == 3 and checked["hashed"] is True and checked["seconds"] >= 0
+    assert job_for(ENCODER_UL2).check(ENCODER_UL2) == {} and job_for(TRAFFIC_VLM).check(TRAFFIC_VLM) == {}
