@@ -79,8 +79,9 @@ def test_each_chunk_is_encoded_on_its_own(qwen3, attention):
 
 def test_what_the_encoder_cannot_read_is_refused_with_the_fix(qwen3):
     model = encoder(qwen3)
-    with pytest.raises(ValueError, match=rf"chunks of 300 tokens exceed the encoder's {POSITIONS} positions; split the "
-                                         r"memory into chunks of at most 256 tokens, shaped \[batch, chunks, chunk_len\]"):
+    with pytest.raises(ValueError, match=rf"chunks of 300 tokens exceed the encoder's {POSITIONS} positions; split "
+                                         r"the memory into chunks of at most 256 tokens, shaped "
+                                         r"\[batch, chunks, chunk_len\]"):
         model(torch.zeros(1, 1, 300, dtype=torch.long))
     with pytest.raises(ValueError, match="holds token id 496, outside the encoder's vocabulary of 496 ids .* map or "
                                          "drop ids >= 496"):

@@ -19,7 +19,8 @@ def test_an_export_directory_resolves_to_itself_and_its_system(tmp_path):
     export.mkdir(parents=True)
     (export / CONFIG_NAME).write_text("{}")
     source = resolve_model(str(export), "sqlite:///unused.db", tmp_path)
-    assert source.export == str(export.resolve()) and source.system == {"memory": "gca", "needle": None}  # no system.json
+    assert source.export == str(export.resolve())
+    assert source.system == {"memory": "gca", "needle": None}  # no system.json: an export from before the baselines
     assert source.run_id is None and source.registered is None and source.served is None
     (export / "system.json").write_text(json.dumps({"memory": "rag", "rag_k": 3, "needle": None}))
     assert resolve_model(str(export), "", tmp_path).system["memory"] == "rag"

@@ -60,7 +60,7 @@ def test_a_checkpoint_record_is_refused_with_the_reason_and_the_fix(tmp_path):
                      4: {"uri": str(tmp_path / "checkpoint_000004"), "export": "x"},  # deleted by Ray Train
                      6: {"uri": str(kept), "export": None}}, tmp_path)  # written without its export
     assert checkpoint_record(client, "r1", 2, str(tmp_path))["uri"] == str(kept)
-    with pytest.raises(FileNotFoundError, match=r"recorded no checkpoint at step 3; its checkpoints: steps \[2, 4, 6\]"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 3; its checkpoints: steps \[2, 4, 6\]"):
         checkpoint_record(client, "r1", 3, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no longer exists.*--run.keep_checkpoints N"):
         checkpoint_record(client, "r1", 4, str(tmp_path))

@@ -1,0 +1,92 @@
+"""The stage recipe's driver-side pieces (pipelines/train/recipes/stage.py), without Ray or DeepSpeed running: an
+export's system.json is read back by evaluation as the system that trained; a teacher export's run is found; the
+summary and the needle-by-depth table a run ends with, from hand-written metrics; the lineage tags; paths resolved and
+a random pair's checkpoints written once, before the workers. Training through the recipe: test_stage0.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
+from pipelines.evaluate.common import needle_spec
+from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.presets import STAGE0
+from pipelines.train.recipes.stage import (STAGE, engine_has_gates, lineage_tags, log_evaluation_table, prepare_paths,
+                                           teacher_run_id, write_system)
+
+
+def test_system_json_reads_back_as_the_trained_system(tmp_path):
+    needles = StageConfig(model=ModelConfig(memory="rag", rag_k=3, context_budget=512),
+                          needle=NeedleConfig(facts=4, questions=2, chunk_len=16))
+    write_system(tmp_path, needles)
+    system = read_system(tmp_path)
+    assert system_mode(system) == MemoryMode("rag", context_budget=512, rag_k=3)
+    assert needle_spec(system) == needles.needle.spec()  # evaluation asks the needle task it learned
+    corpus = dataclasses.replace(needles, data=DataConfig(train_path="/corpus/train"))
+    write_system(tmp_path, corpus)
+    assert read_system(tmp_path)["needle"] is None  # a corpus-trained system learned no needle task
+
+
+def test_a_teacher_exports_run_is_found_beside_it(tmp_path):
+    export = tmp_path / "run" / "checkpoint_000004" / "export"
+    export.mkdir(parents=True)
+    assert teacher_run_id(str(export)) is None
+    (tmp_path / "run" / "mlflow_run_id").write_text("abc123\n")  # a Ray Train run directory's record
+    assert teacher_run_id(str(export)) == "abc123"
+    cached = tmp_path / "cache" / "teacher" / "export"
+    cached.mkdir(parents=True)
+    (cached.parent / "teacher.json").write_text(json.dumps({"mlflow_run_id": "def456"}))  # stage 4's cached copy
+    assert teacher_run_id(str(cached)) == "def456"
+
+
+class Tracker:
+    def __init__(self):
+        self.calls = []
+
+    def log_artifacts(self, directory, artifact_path):
+        self.calls.append(("log_artifacts", str(directory), artifact_path))
+
+    def log_table(self, data, name):
+        self.calls.append(("log_table", data, name))
+
+
+def test_the_summary_and_the_needle_table_from_hand_written_metrics():
+    metrics = {"needle_accuracy": 0.9, "no_memory_accuracy": 0.1, "gate_abs_mean": 0.5, "examples_seen": 64,
+               "index_checksum": 2016, "needle_accuracy/depth_1": 0.75, "needle_accuracy/depth_0": 1.0, "val_loss": 2.0}
+    tracker = Tracker()
+    summary = STAGE.summary(STAGE0, metrics, "/runs/x/export", tracker)
+    assert summary == {"pair": "tiny-shared", "memory": "gca", "fusion": "gca", "needle_accuracy": 0.9,
+                       "no_memory_accuracy": 0.1, "gate_abs_mean": 0.5, "gate_abs_init": math.tanh(0.3),
+                       "examples_seen": 64, "index_checksum": 2016, "export": "/runs/x/export"}  # no corpus metrics
+    assert tracker.calls == [("log_artifacts", "/runs/x/export", "export"),
+                             ("log_table", {"depth_bin": [0, 1], "needle_accuracy": [1.0, 0.75]},
+                              "eval/needle_by_depth.json")]
+    baseline = dataclasses.replace(STAGE0, model=dataclasses.replace(STAGE0.model, memory="none"),
+                                   data=dataclasses.replace(STAGE0.data, train_path="/corpus/train"))
+    summary = STAGE.summary(baseline, {"val_loss": 2.0}, None, tracker := Tracker())
+    assert summary["gate_abs_init"] is None and summary["val_loss"] == 2.0 and summary["token_accuracy"] is None
+    assert tracker.calls == []  # no export, no depth metrics
+    log_evaluation_table(tracker, {"needle_accuracy": 1.0})
+    assert tracker.calls == []
+    assert engine_has_gates(STAGE0) and not engine_has_gates(baseline)
+    cross = dataclasses.replace(STAGE0, model=dataclasses.replace(STAGE0.model, fusion="cross"))
+    assert not engine_has_gates(cross)
+
+
+def test_lineage_tags_and_prepared_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root="ckpt"),
+                         data=DataConfig(train_path="corpus/train"),
+                         run=dataclasses.replace(STAGE0.run, storage_path="runs"))
+    prepared = prepare_paths(config)
+    root = tmp_path / "ckpt"
+    assert prepared.model.checkpoint_root == str(root) and prepared.run.storage_path == str(tmp_path / "runs")
+    assert prepared.data.train_path == str(tmp_path / "corpus" / "train")
+    assert (root / "tiny-qwen3" / "config.json").is_file() and (root / "tiny-qwen3-encoder" / "config.json").is_file()
+    tags = lineage_tags(prepared)
+    assert (tags["pair"], tags["decoder"], tags["encoder"]) == ("tiny", "tiny-qwen3", "tiny-qwen3-encoder")
+    assert tags["base.decoder"] == str(root / "tiny-qwen3") and tags["base.encoder"] == str(root / "tiny-qwen3-encoder")
+    assert tags["data.manifest_hash"] == "missing" and "init_from" not in tags  # no corpus there yet
+    assert tags["git.commit"] and "sys.python" in tags
