@@ -5,7 +5,6 @@ labelled by name or memory mode, each label once; the needle task comes from sys
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -7,29 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.corpora.tokenizer import (
-    EDIT,
-    END_EDIT,
-    END_PLAN,
-    END_READ,
-    EOS,
-    PLAN,
-    READ,
-    SPECIAL_IDS,
-    VOCAB_SIZE,
-    cached_tokenizer,
-)
-from pipelines.repos.agentic import (
-    FormatError,
-    Trajectory,
-    agentic_compliance,
-    chunk_names,
-    decode,
-    edited_file,
-    parse_trajectory,
-    same_file,
-    trajectory_parts,
-)
+from pipelines.corpora.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS, VOCAB_SIZE,
+                                         cached_tokenizer)
+from pipelines.repos.agentic import (FormatError, Trajectory, agentic_compliance, chunk_names, decode, edited_file,
+                                     parse_trajectory, same_file, trajectory_parts)
 
 TOKENIZER = cached_tokenizer(None)
 CALC = "### calc.py [chunk 0]"

@@ -11,8 +11,8 @@ import torch
 
 from pipelines.corpora.tokenizer import text_tokenizer
 from pipelines.data.memory_modes import GCA
-from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.data.needle_tokenizer import needle_tokenizer
+from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.serving.pyfunc import AwarenessPyfunc, _rows, ensure_tokenizer, signature
 
 

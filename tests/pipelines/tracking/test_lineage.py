@@ -10,14 +10,8 @@ import sys
 from pathlib import Path
 
 from pipelines.tracking import lineage
-from pipelines.tracking.lineage import (
-    LOCKS,
-    data_manifest_hash,
-    environment_lock,
-    installed_versions,
-    lock_drift,
-    system_info,
-)
+from pipelines.tracking.lineage import (LOCKS, data_manifest_hash, environment_lock, installed_versions, lock_drift,
+                                        system_info)
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKE_TOKEN = "hf_FAKEtoken0123456789abcdef"
