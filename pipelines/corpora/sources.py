@@ -1,7 +1,7 @@
 """Reading source files safely: every file is either text we use or a reject with a reason.
 
-Reasons (the manifest counts them; `rejects/` holds one row each): `unreadable`, `symlink_loop`, `empty`, `huge`,
-`binary`, `non_utf8`, `malformed_jsonl`, `broken_git_object`, plus the commit filter's reasons (pipelines.corpora.commits).
+Reasons (the manifest counts them; `rejects/` holds one row each): `unreadable`, `symlink_loop`,
+`symlink_outside_source`, `empty`, `huge`, `binary`, `non_utf8`, `malformed_jsonl`, `broken_git_object`, plus the commit filter's reasons (pipelines.corpora.commits).
 Nothing here executes or imports anything from a source tree.
 """
 
@@ -23,8 +23,8 @@ DOC_EXTENSIONS = {".md": "markdown", ".markdown": "markdown", ".rst": "text", ".
                   ".htm": "html", ".jsonl": "jsonl"}
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".tox", ".mypy_cache",
              ".pytest_cache", "build", "dist", ".eggs"}
-REASONS = ("unreadable", "symlink_loop", "empty", "huge", "binary", "non_utf8", "malformed_jsonl",
-           "broken_git_object")
+REASONS = ("unreadable", "symlink_loop", "symlink_outside_source", "empty", "huge", "binary", "non_utf8",
+           "malformed_jsonl", "broken_git_object")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A fact is a question with its evidence: `spans`, the line ranges (1-based, inclu
 subject and its answer, e.g. for "which class defines the method m" the `class Owner` line and the `def m` line,
 however far apart; `start_line`/`end_line` are the first and the last of them. The memory of its row holds every
 chunk that covers a span (pipelines.corpora.tasks), so the answer can be read from those chunks: a file's
-path from their headers (`### <path> [chunk k]`), anything else from their text (`tests/corpora/test_code_qa.py`
+path from their headers (`### <path> [chunk k]`), anything else from their text (`tests/pipelines/corpora/test_tasks.py`
 checks both, per kind). Python gets every kind (defines, params, method_of, returns, raises, calls, constant); the
 other languages get `defines` and `params` from their grammars' `name` / `parameters` fields. Whether a name is
 unique in its repository (so the answer is deterministic) is decided later, per repository.

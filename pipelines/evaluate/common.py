@@ -80,7 +80,7 @@ def resolve_model(reference: str, tracking_uri: str, workdir: Path) -> Source:
 
 
 def name_sources(sources: list[Source], names: list[str] | None) -> None:
-    """Labels each source: its given name, else its export's memory mode; two of one mode become gca, gca_2."""
+    """Labels each source: its given name, else its export's memory mode; two of one mode become gca_1, gca_2."""
     for i, source in enumerate(sources):
         source.name = names[i] if names else source.system.get("memory", "gca")
     taken = [s.name for s in sources]

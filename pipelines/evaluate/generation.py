@@ -51,7 +51,7 @@ def generate_with_memories(
     seconds = time.perf_counter() - start
     with_logits = model(input_ids=prompts, memory_input_ids=memories.to(model.device),
                         memory_attention_mask=None if memory_mask is None else memory_mask.to(model.device)).logits
-    bare_logits = model(input_ids=prompts[:1]).logits
+    bare_logits = model(input_ids=prompts).logits  # at batch N too: a CPU matmul rounds batches of 1 and N apart
     t = prompt.shape[-1]
     return GenerationReport(
         with_memory=out[:, t:].tolist(), without_memory=bare[0, t:].tolist(), seconds=seconds,

@@ -303,5 +303,5 @@ class StageConfig(JobConfig):
                      f"model.memory {m.memory!r}")
         if self.stage in (1, 2) and not d.train_path:
             p.append(f"stage {self.stage} trains on commit shards: build them with `python jobs/build_corpus.py "
-                     f"--stage 2 --source REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
+                     f"--stage 2 --sources REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
         return p

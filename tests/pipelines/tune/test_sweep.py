@@ -168,9 +168,10 @@ def test_sweep_config_collects_every_problem():
 
 def test_memory_top_k_is_a_choice_of_the_search_space():
     """sweep.memory_top_ks: each trial's model.memory_top_k; merged trials (they cannot route) read the whole memory."""
-    from pipelines.tune.sweep import SweepConfig, default_base, trial_config
+    from pipelines.train.presets import sweep_base
+    from pipelines.tune.sweep import SweepConfig, trial_config
 
-    base = default_base("tiny", 0)
+    base = sweep_base("tiny", 0)
     assert SweepConfig().memory_top_k_choices(base) == [0]
     assert SweepConfig(memory_top_ks=[0, 4]).memory_top_k_choices(base) == [0, 4]
     assert "sweep.memory_top_ks" in "\n".join(SweepConfig(memory_top_ks=[-1]).problems(base))
