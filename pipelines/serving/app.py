@@ -1,0 +1,321 @@
+"""The Ray Serve application: a registered model (`models:/NAME@ALIAS` through MLflow, or an export directory) behind
+an HTTP API with memories as resources (pipelines.serving.memories) and batched, streamable completions.
+
+    serve run pipelines/serving/awareness.yaml          (docs/serving.md)
+
+Routes: POST /v1/memories {"chunks": [text, ...]} -> {id, chunks, tokens, encoder, ...}; GET / DELETE
+/v1/memories/{id}; POST /v1/completions {prompt, memory, max_tokens, temperature, stop, stream}.
+
+Answers are the pyfunc's: the replica loads the very AwarenessPyfunc that `mlflow models serve` runs (its tokenizer,
+end-of-answer token and decoding) and reads the memory the way the pyfunc reads a memory store, so a greedy answer here
+equals `predict` for the same question over the same memory.
+
+Batching: `@serve.batch` gathers the questions that arrive within `batch_wait_timeout_s` (up to `max_batch_size`)
+from every client, and each group of them over one memory with one prompt length and the same decoding settings
+runs as one `generate` over that memory's GCAMemory (batch 1: attention folds the group's rows onto it, so the
+memory's keys and values are shared, not copied). We take that over a continuous-batching loop because this model's
+decoding is transformers' `generate` (no paged KV cache, no step-level scheduler to admit a request mid-generation);
+a continuous loop would need its own decoding loop and cache management, while serve.batch gives cross-client
+batching at request granularity with Serve's own queueing, backpressure and metrics. Streaming requests decode alone
+(a thread pushes each token as a server-sent event).
+"""
+
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from ray import serve
+
+from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, UnknownMemory
+# (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
+
+logger = logging.getLogger("ray.serve")
+CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]}'
+
+
+class MemoryRequest(BaseModel):
+    chunks: list[str] = Field(min_length=1)
+
+
+class CompletionRequest(BaseModel):
+    prompt: str
+    memory: str | None = None
+    max_tokens: int = Field(default=0, ge=0, le=4096)  # 0: the registered model's max_new_tokens
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+app = FastAPI(title="Awareness")
+
+
+def load_pyfunc(model: str, tracking_uri: str | None = None):
+    """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
+    export directory (awareness_config.json; the pyfunc's defaults)."""
+    from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
+
+    if (Path(model) / "awareness_config.json").is_file():
+        from models import AwarenessConfig
+
+        ensure_tokenizer(AwarenessConfig.load(model).decoder)
+        pyfunc = AwarenessPyfunc()
+        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config={}))
+        return pyfunc
+    import mlflow
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    return mlflow.pyfunc.load_model(model).unwrap_python_model()
+
+
+@dataclass
+class Pending:
+    """One question waiting in a batch."""
+
+    ids: list[int]
+    memory: Any  # Memory | None
+    max_tokens: int
+    temperature: float
+    first_token_at: list[float] = field(default_factory=list)
+
+
+class _Timing:
+    """A transformers streamer that notes when the first generated token exists (the first put is the prompt)."""
+
+    def __init__(self, on_token=None):
+        self.puts, self.first, self.on_token = 0, None, on_token
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+        if self.puts >= 2 and self.on_token:
+            self.on_token(value)
+
+    def end(self):
+        if self.on_token:
+            self.on_token(None)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+@serve.ingress(app)
+class AwarenessServer:
+    def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
+                 max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
+                 batch_wait_timeout_s: float = 0.01):
+        from pipelines.memory.store import encoder_identity
+
+        self.pyfunc = load_pyfunc(model, tracking_uri)
+        self.model_name = model
+        if self.pyfunc.mode.kind != "gca":
+            raise ValueError(f"{model} reads its memory as {self.pyfunc.mode.kind}: this application serves GCA "
+                             f"models (a baseline keeps `mlflow models serve` for now)")
+        torch_model = self.pyfunc.model
+        self.identity = encoder_identity(self.pyfunc.export, dtype=torch_model.memory_encoder.encoder.dtype)
+        self.max_memory_tokens, self.max_memory_chunks = int(max_memory_tokens), int(max_memory_chunks)
+        self.memories = MemoryCache(memory_dir, int(memory_budget_mb * 2**20), self.identity,
+                                    encode=self._encode_chunks, prepare=self._prepare)
+        self.generate_batch.set_max_batch_size(int(max_batch_size))
+        self.generate_batch.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
+        self.model_lock = threading.Lock()  # one generate at a time per replica (torch uses every core it has)
+
+    # ------------------------------------------------------------------------------------------------- model
+    def _tokens(self, texts: list[str]) -> list[list[int]]:
+        return [self.pyfunc.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
+    @torch.no_grad()
+    def _encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
+        """Each chunk alone through the model's encoder (as jobs/encode_memory.py does), its unpadded states."""
+        chunks = self._tokens(texts)
+        model = self.pyfunc.model
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), 1, width), self.pyfunc.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, chunk in enumerate(chunks):
+            ids[i, 0, : len(chunk)], mask[i, 0, : len(chunk)] = torch.tensor(chunk), 1
+        with self.model_lock:
+            states, _ = model.encode_memory(ids.to(model.device), mask.to(model.device))
+        return [states[i, : len(c)].cpu() for i, c in enumerate(chunks)]
+
+    @torch.no_grad()
+    def _prepare(self, store):
+        """The memory as the pyfunc reads a store, projected and turned into every GCA layer's K/V once."""
+        model = self.pyfunc.model
+        states, mask = store.memory(device=model.device, chunked=bool(model.memory_top_k))
+        with self.model_lock:
+            return model.prepare_memory(memory_states=states, memory_states_mask=mask)
+
+    def _generate(self, ids: list[list[int]], memory, max_tokens: int, temperature: float, streamer=None):
+        from models.awareness import _memory_keyword_accepted
+
+        model = self.pyfunc.model
+        input_ids = torch.tensor(ids, device=model.device)
+        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        with self.model_lock, torch.no_grad(), _memory_keyword_accepted(model.decoder):
+            # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory)
+            out = model.decoder.generate(input_ids=input_ids, gca_memory=memory.gca_memory if memory else None,
+                                         max_new_tokens=max_tokens, eos_token_id=self.pyfunc.eos_token_id,
+                                         pad_token_id=self.pyfunc.pad_token_id, streamer=streamer, **sampling)
+        return out[:, input_ids.shape[1]:].tolist()
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def generate_batch(self, requests: list[Pending]) -> list[tuple[list[int], float | None]]:
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            key = (r.memory.id if r.memory else None, len(r.ids), r.max_tokens, r.temperature)
+            groups.setdefault(key, []).append(i)
+        results: list[Any] = [None] * len(requests)
+        for (_, _, max_tokens, temperature), members in groups.items():
+            timing = _Timing()
+            outs = await asyncio.to_thread(self._generate, [requests[i].ids for i in members],
+                                           requests[members[0]].memory, max_tokens, temperature, timing)
+            for i, out in zip(members, outs):
+                results[i] = (out, timing.first)
+        return results
+
+    # ------------------------------------------------------------------------------------------------- memories
+    def _memory(self, id: str):
+        if not ID.match(id):
+            raise HTTPException(404, f"no memory {id!r} (ids are 64 hex digits): {CREATE}")
+        try:
+            return self.memories.get(id)
+        except UnknownMemory:
+            raise HTTPException(404, f"no memory {id!r} on this server: {CREATE}") from None
+        except StoreMismatch as e:
+            raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
+
+    @app.post("/v1/memories")
+    async def create_memory(self, body: MemoryRequest):
+        if len(body.chunks) > self.max_memory_chunks:
+            raise HTTPException(413, f"{len(body.chunks)} chunks: this server takes at most "
+                                     f"{self.max_memory_chunks} chunks and {self.max_memory_tokens} tokens a memory")
+        tokens = sum(len(c) for c in self._tokens(body.chunks))
+        if tokens > self.max_memory_tokens:
+            raise HTTPException(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
+                                     f"(and {self.max_memory_chunks} chunks) a memory")
+        if any(not c for c in self._tokens(body.chunks)):
+            raise HTTPException(422, "every chunk needs at least one token")
+        try:
+            memory, how = await asyncio.to_thread(self.memories.create, body.chunks)
+        except StoreMismatch as e:
+            raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
+        return JSONResponse(memory.describe() | {"source": how}, status_code=201 if how == "encoded" else 200)
+
+    @app.get("/v1/memories/{id}")
+    async def get_memory(self, id: str):
+        memory, how = await asyncio.to_thread(self._memory, id)
+        return memory.describe() | {"source": how}
+
+    @app.delete("/v1/memories/{id}")
+    async def delete_memory(self, id: str):
+        if not ID.match(id):
+            raise HTTPException(404, f"no memory {id!r}: {CREATE}")
+        try:
+            self.memories.delete(id)
+        except UnknownMemory:
+            raise HTTPException(404, f"no memory {id!r} on this server: {CREATE}") from None
+        return {"id": id, "deleted": True}
+
+    @app.get("/v1/stats")
+    async def stats(self):
+        with self.memories.lock:
+            held = {"memories": len(self.memories.entries), "bytes": sum(m.nbytes for m in self.memories.entries.values())}
+        return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts}
+
+    # ------------------------------------------------------------------------------------------------- questions
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        start = time.perf_counter()
+        memory = (await asyncio.to_thread(self._memory, body.memory))[0] if body.memory else None
+        ids = self.pyfunc.tokenizer.encode(body.prompt).ids
+        if not ids:
+            raise HTTPException(422, "the prompt has no tokens")
+        vocab = self.pyfunc.model.decoder.config.vocab_size
+        if max(ids) >= vocab:
+            raise HTTPException(422, f"the prompt holds token ids >= the decoder's vocabulary ({vocab})")
+        max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.stream:
+            return StreamingResponse(self._stream(body, ids, memory, max_tokens, stops, start),
+                                     media_type="text/event-stream")
+        out, first = await self.generate_batch(Pending(ids, memory, max_tokens, body.temperature))
+        text, reason = self._finish(out, stops, max_tokens)
+        self._log(memory, len(ids), len(out), first, start)
+        return {"object": "text_completion", "model": self.model_name, "memory": memory.id if memory else None,
+                "choices": [{"index": 0, "text": text, "finish_reason": reason}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                          "total_tokens": len(ids) + len(out)}}
+
+    def _answer_ids(self, out: list[int]) -> tuple[list[int], bool]:
+        eos = self.pyfunc.eos_token_id if isinstance(self.pyfunc.eos_token_id, list) else [self.pyfunc.eos_token_id]
+        end = next((i for i, token in enumerate(out) if token in eos), None)
+        return (out if end is None else out[:end]), end is not None
+
+    def _finish(self, out: list[int], stops: list[str], max_tokens: int) -> tuple[str, str]:
+        answer, ended = self._answer_ids(out)
+        text = self.pyfunc.decode(answer)
+        cut = min((text.index(s) for s in stops if s and s in text), default=None)
+        if cut is not None:
+            return text[:cut], "stop"
+        return text, "stop" if ended or len(out) < max_tokens else "length"
+
+    async def _stream(self, body: CompletionRequest, ids, memory, max_tokens: int, stops: list[str], start: float):
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        timing = _Timing(lambda value: loop.call_soon_threadsafe(
+            queue.put_nowait, None if value is None else value.reshape(-1).tolist()))
+        task = asyncio.ensure_future(asyncio.to_thread(self._generate, [ids], memory, max_tokens, body.temperature,
+                                                       timing))
+        out, sent, done = [], "", False
+        while not done:
+            step = await queue.get()
+            if step is None:
+                break
+            out += step
+            answer, ended = self._answer_ids(out)
+            text = self.pyfunc.decode(answer)
+            cut = min((text.index(s) for s in stops if s and s in text), default=None)
+            if cut is not None:
+                text, done = text[:cut], True
+            if ended:
+                done = True
+            if len(text) > len(sent) and text.startswith(sent):
+                yield self._event({"choices": [{"index": 0, "text": text[len(sent):], "finish_reason": None}]})
+                sent = text
+        await task
+        final, reason = self._finish(out, stops, max_tokens)
+        if final.startswith(sent) and len(final) > len(sent):
+            yield self._event({"choices": [{"index": 0, "text": final[len(sent):], "finish_reason": None}]})
+        yield self._event({"choices": [{"index": 0, "text": "", "finish_reason": reason}]})
+        yield "data: [DONE]\n\n"
+        self._log(memory, len(ids), len(out), timing.first, start)
+
+    @staticmethod
+    def _event(data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data)}\n\n"
+
+    def _log(self, memory, tokens_in: int, tokens_out: int, first: float | None, start: float) -> None:
+        now = time.perf_counter()
+        ttft = f"{(first - start) * 1000:.1f}" if first else "-"
+        logger.info(f"completion memory={memory.id[:12] if memory else '-'} tokens_in={tokens_in} "
+                    f"tokens_out={tokens_out} ttft_ms={ttft} latency_ms={(now - start) * 1000:.1f}")
+
+
+def build(args: dict[str, Any]):
+    """The application for `serve run` / `serve deploy` (import_path: pipelines.serving.app:build): `args` are
+    AwarenessServer's keyword arguments (model, memory_dir, memory_budget_mb, max_memory_tokens, ...); the tracking
+    server comes from `tracking_uri` or MLFLOW_TRACKING_URI."""
+    args = dict(args)
+    args.setdefault("tracking_uri", os.environ.get("MLFLOW_TRACKING_URI"))
+    return AwarenessServer.bind(**args)

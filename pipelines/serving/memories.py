@@ -1,0 +1,147 @@
+"""Memories as resources for the Serve application (pipelines.serving.app): chunk texts encoded once by the model's own
+encoder, named by a content hash, kept warm in an LRU with a byte budget, and written through to a memory store on disk
+(pipelines.memory.store's format) so a restarted replica answers for a memory it had without re-encoding.
+
+A memory's id is sha256 over the encoder's identity (the fields a store is checked by, not the checkpoint's path or
+dtype) and the chunk texts: the same chunks under the same encoder are one memory, encoded once. On disk a memory is
+`MEMORY_DIR/<id>/` (a store jobs/encode_memory.py could have written: store.json, chunks.jsonl, states-*.safetensors).
+Ids are 64 lowercase hex digits, checked before any path is made from one, so no request can name a path: the server
+opens only directories under the MEMORY_DIR it was configured with.
+
+What the cache holds per memory is what every question over it reads: the encoder states as the store gives them and
+`AwarenessModel.prepare_memory`'s GCAMemory (the projection and each GCA layer's keys and values, computed once per
+memory, not once per request). Its bytes count against the budget; the least recently used memories leave first
+(they stay on disk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipelines.memory.store import MANIFEST, EncoderIdentity, MemoryStore, StoreMismatch, write
+
+ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+class UnknownMemory(KeyError):
+    """No memory with that id in the cache or on disk."""
+
+
+def memory_id(identity: EncoderIdentity, chunks: list[str]) -> str:
+    """sha256 of the encoder identity (its compared fields) and the chunk texts."""
+    who = {k: v for k, v in asdict(identity).items() if k not in EncoderIdentity.INFORMATIONAL}
+    return hashlib.sha256(json.dumps({"encoder": who, "chunks": chunks}, sort_keys=True).encode()).hexdigest()
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor reachable from a (nested) dataclass, dict, list or tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(value, f)) for f in value.__dataclass_fields__)
+    return 0
+
+
+@dataclass
+class Memory:
+    id: str
+    chunks: int
+    tokens: int
+    encoder: EncoderIdentity
+    gca_memory: Any  # models.gca.GCAMemory (batch 1), read by every question over this memory
+    nbytes: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "chunks": self.chunks, "tokens": self.tokens, "bytes": self.nbytes,
+                "encoder": asdict(self.encoder)}
+
+
+class MemoryCache:
+    """LRU of prepared memories under `budget_bytes`, written through to `directory`. `encode(texts)` gives each
+    chunk's encoder states (tokens, H_enc); `prepare(store)` turns an opened store into a GCAMemory."""
+
+    def __init__(self, directory: str | Path, budget_bytes: int, identity: EncoderIdentity, *, encode, prepare):
+        self.directory = Path(directory).expanduser().resolve()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = int(budget_bytes)
+        self.identity = identity
+        self._encode, self._prepare = encode, prepare
+        self.entries: OrderedDict[str, Memory] = OrderedDict()
+        self.lock = threading.RLock()
+        self.counts = {"encoded": 0, "loaded": 0, "evicted": 0}
+
+    def path(self, id: str) -> Path:
+        if not ID.match(id):
+            raise UnknownMemory(id)
+        return self.directory / id
+
+    def create(self, texts: list[str]) -> tuple[Memory, str]:
+        """(memory, how: cache | disk | encoded) for these chunk texts."""
+        id = memory_id(self.identity, texts)
+        with self.lock:
+            try:
+                return self.get(id)
+            except UnknownMemory:
+                pass
+            states = self._encode(texts)
+            partial = self.directory / f".{id}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            write(partial, [("memory", i, t) for i, t in enumerate(texts)], states, self.identity, served=True)
+            shutil.rmtree(self.directory / id, ignore_errors=True)
+            partial.replace(self.directory / id)  # a memory on disk is whole or absent
+            self.counts["encoded"] += 1
+            return self._load(id), "encoded"
+
+    def get(self, id: str) -> tuple[Memory, str]:
+        """The memory and where it came from (cache | disk); UnknownMemory, or StoreMismatch (another encoder)."""
+        with self.lock:
+            if id in self.entries:
+                self.entries.move_to_end(id)
+                return self.entries[id], "cache"
+            if not (self.path(id) / MANIFEST).is_file():
+                raise UnknownMemory(id)
+            self.counts["loaded"] += 1
+            return self._load(id), "disk"
+
+    def _load(self, id: str) -> Memory:
+        store = MemoryStore(self.path(id))
+        store.check(self.identity)
+        gca_memory = self._prepare(store)
+        memory = Memory(id, len(store.chunks), int(store.manifest["tokens"]), store.identity, gca_memory,
+                        tensor_bytes(gca_memory))
+        self.entries[id] = memory
+        self._evict()
+        return memory
+
+    def _evict(self) -> None:
+        """Least recently used first, never the one just used (a memory over the whole budget still answers)."""
+        while len(self.entries) > 1 and sum(m.nbytes for m in self.entries.values()) > self.budget_bytes:
+            self.entries.popitem(last=False)
+            self.counts["evicted"] += 1
+
+    def delete(self, id: str) -> None:
+        with self.lock:
+            path = self.path(id)
+            found = self.entries.pop(id, None) is not None
+            if (path / MANIFEST).is_file():
+                shutil.rmtree(path)
+                found = True
+            if not found:
+                raise UnknownMemory(id)
+
+
+__all__ = ["ID", "Memory", "MemoryCache", "StoreMismatch", "UnknownMemory", "memory_id", "tensor_bytes"]
