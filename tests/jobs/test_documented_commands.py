@@ -216,14 +216,14 @@ def test_the_issue_must_show_prod_on_16_gpus_dry_runs_and_fits(paths):
 
 # ---------------------------------------------------------------------------------------------- ray, hf, mlflow
 TOOLS = ("ray job submit", "ray up", "ray down", "ray exec", "ray attach", "ray dashboard", "hf download",
-         "mlflow server", "mlflow ui", "mlflow models serve")
+         "mlflow server", "mlflow ui", "mlflow models serve", "serve run", "serve deploy")
 
 
 def tool_commands() -> dict[str, set[str]]:
     """The flags each documented `ray ...`, `hf download` or `mlflow ...` command uses (those of a job after `--`
     belong to the job)."""
     used: dict[str, set[str]] = {}
-    pattern = re.compile(r"(?:^|(?<=[\s`'(#]))(" + "|".join(map(re.escape, TOOLS)) + r")\b([^\n`#]*)")
+    pattern = re.compile(r"(?:^|(?<=[\s`'(#/]))(" + "|".join(map(re.escape, TOOLS)) + r")\b([^\n`#]*)")
     for path in DOCUMENTS:
         text = _text(path)
         for start in range(len(text)):  # overlapping: `ray exec cluster.yaml 'hf download ...'` holds two
@@ -237,7 +237,7 @@ def tool_commands() -> dict[str, set[str]]:
 def test_every_documented_ray_hf_and_mlflow_flag_exists():
     used = tool_commands()
     assert {"ray job submit", "ray up", "ray exec", "ray dashboard", "ray attach", "hf download",
-            "mlflow server", "mlflow models serve"} <= set(used), used
+            "mlflow server", "mlflow models serve", "serve run", "serve deploy"} <= set(used), used
     bin_dir = Path(sys.executable).parent
 
     def help_of(tool: str) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ answers equal to the pyfunc's."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from models import build_pair
 from pipelines.memory.store import write
+from pipelines.serving.app import AwarenessServer
 from pipelines.serving.register import register_run
 from tests.pipelines.serving.test_register import needle_questions
 
@@ -204,3 +208,16 @@ def test_documented_curl_commands_run(server):
             memory = json.loads(out.stdout)["id"]
         if "/v1/completions" in command and "stream" not in command:
             assert "choices" in json.loads(out.stdout), out.stdout
+
+
+
+def test_the_serve_config_in_the_repository_is_a_valid_serve_deploy_config_for_build():
+    """pipelines/serving/awareness.yaml (what `serve run` / `serve deploy` read, docs/serving.md): Ray Serve's own
+    schema accepts it, its import path is the application builder, and its args are the deployment's arguments."""
+    config = yaml.safe_load((ROOT / "pipelines" / "serving" / "awareness.yaml").read_text())
+    (application,) = ServeDeploySchema.model_validate(config).applications
+    assert application.import_path == "pipelines.serving.app:build"
+    inits = [vars(c)["__init__"] for c in AwarenessServer.func_or_class.__mro__ if "__init__" in vars(c)]
+    accepted = next(p for p in (inspect.signature(i).parameters for i in inits) if "model" in p)  # under the ingress
+    assert set(application.args) <= set(accepted) and "model" in application.args
+    assert [d.name for d in application.deployments] == ["AwarenessServer"]
