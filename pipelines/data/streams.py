@@ -30,7 +30,7 @@ class NeedleStream:
     """Synthetic key -> value needles, example i drawn from seed (seed, i): any worker can make any example. With
     needle.memory_scale_max > 1, the memories of global micro-batch g (step * grad_accum + micro, the same on every
     rank) all hold memory_scale(spec, seed, g) times the base number of chunks, so they stack, and a resumed run
-    draws the same sizes."""
+    draws the same sizes. Steps before needle.base_steps ask the base task alone (NeedleSpec.at_step)."""
 
     def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
                  world: int, mode: MemoryMode = GCA):
@@ -43,8 +43,9 @@ class NeedleStream:
         per_rank = per_micro // self.world
         start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
         indices = list(range(start, start + per_rank))
-        scale = memory_scale(self.spec, self.seed, step * self.grad_accum + micro)
-        batch = needle_batch(self.spec, self.seed, indices, self.mode, scale=scale)
+        spec = self.spec.at_step(step)  # the base task alone for the first needle.base_steps steps
+        scale = memory_scale(spec, self.seed, step * self.grad_accum + micro)
+        batch = needle_batch(spec, self.seed, indices, self.mode, scale=scale)
         keys = ("input_ids", "labels", "memory_input_ids") if self.mode.kind == "gca" else ("input_ids", "labels")
         return {k: batch[k] for k in keys}, len(indices), sum(indices)
 

@@ -145,6 +145,7 @@ class NeedleConfig:
     variants: list[str] = field(default_factory=lambda: ["single"])  # training mixture of the evaluation's tasks, NAME or NAME:WEIGHT: single multi_key multi_value multi_query variable_tracking
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable_tracking chain lengths, one drawn per memory
     questions_per_row: int = 4  # in_context training rows: questions asked after one copy of the memory; fewer than facts, so no answer follows by elimination (the evaluation asks one a row)
+    base_steps: int = 0  # the first N steps ask the base task alone (single, 1x, no hard distractors) before the mixture, sizes and hard distractors start: the lookup forms there first
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -153,7 +154,7 @@ class NeedleConfig:
                           value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors,
                           key_tokens=self.key_tokens, hard_distractors=self.hard_distractors,
                           memory_scale_max=self.memory_scale_max, variants=tuple(self.variants), hops=tuple(self.hops),
-                          questions_per_row=self.questions_per_row)
+                          questions_per_row=self.questions_per_row, base_steps=self.base_steps)
 
     def problems(self, memory: str, *, corpus: bool, num_workers: int) -> list[str]:
         """The needle section's problems for a run reading its memory as `memory` (corpus: on shards, not needles)."""

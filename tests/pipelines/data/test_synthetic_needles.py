@@ -169,6 +169,26 @@ def test_the_stream_gives_every_rank_one_size_per_micro_batch():
     assert len(seen) > 2
 
 
+def test_base_steps_ask_the_default_task_first_then_the_mixture():
+    from pipelines.data.streams import NeedleStream
+
+    mixed = NeedleSpec(memory_scale_max=8, hard_distractors=0.5, variants=("single", "multi_key", "multi_query"),
+                       base_steps=5)
+    default = NeedleStream(NeedleSpec(), 3, memories_per_step=4, grad_accum=1, rank=0, world=1)
+    stream = NeedleStream(mixed, 3, memories_per_step=4, grad_accum=1, rank=0, world=1)
+    for step in range(5):  # exactly the default's examples, whatever the mixture says
+        got, want = stream.batch(step, 0)[0], default.batch(step, 0)[0]
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    after = [stream.batch(step, 0)[0] for step in range(5, 40)]
+    unstaged = NeedleStream(dataclasses.replace(mixed, base_steps=0), 3, memories_per_step=4, grad_accum=1, rank=0,
+                            world=1)
+    for step, got in zip(range(5, 40), after, strict=True):  # from step 5 on, the mixture's own batches
+        assert all(torch.equal(got[k], v) for k, v in unstaged.batch(step, 0)[0].items())
+    assert {b["memory_input_ids"].shape[1] for b in after} != {NeedleSpec().chunks}  # bigger memories came
+    assert mixed.base() == NeedleSpec() and mixed.at_step(4) == NeedleSpec() and mixed.at_step(5) == mixed
+    assert "needle.base_steps must be >= 0" in " ".join(NeedleSpec(base_steps=-1).problems())
+
+
 @pytest.mark.parametrize("key_tokens", [1, 2])
 def test_hard_distractors_are_near_identical_and_never_collide_with_an_asked_key(key_tokens):
     spec = NeedleSpec(key_tokens=key_tokens, hard_distractors=0.75)
