@@ -36,7 +36,8 @@ PLAN_TOLERANCE = 0.15
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory, device) -> StageConfig:
     root = tmp_path_factory.mktemp("proto1")
-    write_random_checkpoints(PAIRS[PAIR], root / "checkpoints", dtype=torch.bfloat16)
+    checkpoints = os.environ.get("AWARENESS_GPU_CHECKPOINTS", str(root / "checkpoints"))  # gpu_check.py shares them
+    write_random_checkpoints(PAIRS[PAIR], checkpoints, dtype=torch.bfloat16)
     vocab = min(PAIRS[PAIR].decoder_config["vocab_size"], PAIRS[PAIR].encoder_config["vocab_size"])
     split = write_random_corpus(root / "corpus", rows=2 * MEMORIES, max_tokens=MAX_TOKENS, chunks=CHUNKS,
                                 chunk_len=CHUNK_LEN, vocab=vocab)
@@ -44,7 +45,7 @@ def run_config(tmp_path_factory, device) -> StageConfig:
     total_gib = torch.cuda.get_device_properties(device).total_memory / GIB if cuda else 80.0
     return StageConfig(
         stage=2,
-        model=ModelConfig(pair=PAIR, checkpoint_root=str(root / "checkpoints"), decoder="lora", encoder="frozen",
+        model=ModelConfig(pair=PAIR, checkpoint_root=checkpoints, decoder="lora", encoder="frozen",
                           gradient_checkpointing=True),
         data=DataConfig(train_path=str(split), max_tokens=MAX_TOKENS, max_chunks=CHUNKS, chunk_len=CHUNK_LEN,
                         verify_hashes=False),
