@@ -164,7 +164,8 @@ def main() -> None:
                 "tail": install(args.bundle)}]
     results[0]["seconds"] = round(time.monotonic() - started, 1)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]), "PYTHONUNBUFFERED": "1",
-           "AWARENESS_GPU_CHECKPOINTS": str(CHECKPOINTS), "TOKENIZERS_PARALLELISM": "false"}
+           "AWARENESS_GPU_CHECKPOINTS": str(CHECKPOINTS), "TOKENIZERS_PARALLELISM": "false",
+           "DS_ACCELERATOR": "cuda"}  # the DeepSpeed wheel was built on a CPU machine: name the accelerator
     for step in plan:
         if time.monotonic() >= deadline:
             results.append({"name": step.name, "status": "not run (out of time)", "seconds": 0.0,
