@@ -22,7 +22,7 @@ RESOLVE := pyproject.toml --extra test --extra install --generate-hashes --pytho
 FAST_TESTS := -m "not slow and not ray" tests/models tests/pipelines/data
 LATEST := .venv-latest
 
-.PHONY: install lock test-latest demo generate lint test test-fast test-slow bench bench-gpu corpus
+.PHONY: install lock test-latest demo generate lint test test-fast test-slow bench bench-gpu gpu-check corpus
 install: $(STAMP)
 
 $(STAMP): $(LOCK) pyproject.toml Makefile
@@ -84,6 +84,11 @@ bench: install
 
 bench-gpu: install   # on a CUDA machine, installed from the CUDA lock: make bench-gpu LOCK=requirements-cuda.txt
 	$(PY) benchmarks/gpu_mfu.py
+
+# Here, on the CPU machine: the wheels a GPU box lacks, packed in .gpu-bundle/ (ignored), and the one command that runs
+# every GPU check there (benchmarks/gpu_check.py); docs/testing.md, GPU checks. GPU_BUNDLE=--dry-run: the plan only.
+gpu-check: install
+	$(PY) benchmarks/gpu_bundle.py $(GPU_BUNDLE)
 
 corpus: install   # a stage-0 corpus of this repository's own code and docs
 	$(PY) jobs/build_corpus.py --stage 0 --sources . --out outputs/corpus0

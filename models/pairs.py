@@ -133,16 +133,19 @@ def encoder_config(spec: PairSpec) -> Qwen3Config:
     return Qwen3Config(**fields)
 
 
-def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0) -> tuple[Path, Path]:
-    """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints. A pair whose
-    checkpoints are current (same architecture and seed) is not built at all: every worker of a run calls this
-    through build_pair, and building the whole pair there would hold it in each worker's memory (ZeRO-3 loading
-    must not)."""
+def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
+                             dtype: torch.dtype | None = None) -> tuple[Path, Path]:
+    """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints, in float32 or
+    `dtype` (bfloat16: as Qwen publishes the real pairs, half the bytes; the GPU checks write proto1 so). A pair
+    whose checkpoints are current (same architecture, seed and dtype) is not built at all: every worker of a run
+    calls this through build_pair, and building the whole pair there would hold it in each worker's memory (ZeRO-3
+    loading must not)."""
     root = Path(root)
     decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
-    # Rewritten whenever the architecture or seed changed, so a cache never serves stale weights.
-    stamps = {directory: json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder},
-                                    sort_keys=True)
+    # Rewritten whenever the architecture, seed or dtype changed, so a cache never serves stale weights.
+    written_as = {} if dtype is None else {"dtype": str(dtype)}
+    stamps = {directory: json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder,
+                                     **written_as}, sort_keys=True)
               for directory, fields in ((decoder_dir, spec.decoder_config), (encoder_dir, spec.encoder_config))}
     if all(_stamped(directory, stamp) for directory, stamp in stamps.items()):
         return decoder_dir, encoder_dir
@@ -156,6 +159,8 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0)
         _initialise_from(encoder, decoder.model)
     for directory, model in ((decoder_dir, decoder), (encoder_dir, encoder)):
         if not _stamped(directory, stamps[directory]):
+            if dtype is not None:
+                model.to(dtype)
             model.save_pretrained(directory)
             (directory / RANDOM_WEIGHTS_MARKER).write_text(stamps[directory])
     return decoder_dir, encoder_dir

@@ -45,3 +45,17 @@ def open_gates(model: AwarenessModel, value: float = 0.7) -> AwarenessModel:
 
 def random_ids(*shape: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# Where a `gpu` test runs: CUDA, else skipped. AWARENESS_GPU_TESTS_ON_CPU=1 runs them on the CPU instead, a dry run of
+# the tests' own code (kernels the CPU lacks skip): it checks the tests, not the GPU.
+GPU_TESTS_ON_CPU = "AWARENESS_GPU_TESTS_ON_CPU"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or os.environ.get(GPU_TESTS_ON_CPU) == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs the gpu tests on a GPU box)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

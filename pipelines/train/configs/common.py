@@ -49,6 +49,13 @@ def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepS
         p.append(f"deepspeed.zero_stage must be 0-3, got {deepspeed.zero_stage}")
     if deepspeed.precision not in ("auto", "bf16", "fp32"):
         p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {deepspeed.precision!r}")
+    bf16 = deepspeed.precision == "bf16" or (deepspeed.precision == "auto" and scaling.use_gpu)
+    if bf16 and deepspeed.zero_stage == 0:
+        # DeepSpeed's bf16 without ZeRO wraps the optimizer in FP16_UnfusedOptimizer (fp32 masters, bf16 gradients):
+        # 0.08 nats behind fp32 after 20 stage-0 steps, where ZeRO-2 and ZeRO-3 stay within 0.004
+        # (tests/pipelines/train/test_bf16.py); the cause is not established
+        p.append("deepspeed.precision bf16 needs deepspeed.zero_stage 1-3 (at stage 0 DeepSpeed's bf16 optimizer "
+                 "wrapper trails fp32: docs/testing.md, bf16); use --deepspeed.zero_stage 2, or precision fp32")
     if deepspeed.offload_params and deepspeed.zero_stage != 3:
         p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
     return p

@@ -1,0 +1,180 @@
+"""Every GPU check in one run on a GPU box (issue 28), under 9 minutes, writing one report file.
+
+    python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out REPORT_DIR     # on the GPU box, from the repo root
+    python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out REPORT_DIR --dry-run   # the steps and their limits
+
+The box brings Python, a CUDA torch and most libraries; what it lacks (Ray, DeepSpeed, MLflow's client, the
+transformers this project needs, ...) comes as wheels in the bundle `make gpu-check` assembles here
+(benchmarks/gpu_bundle.py): its parts are joined, unpacked and installed with `pip install --no-index --no-deps
+--target` into a directory put first on PYTHONPATH, so the box's own torch is used and nothing of the box changes.
+Then, each step in a child process with its own time limit (one that hangs costs its limit, not the run):
+
+1. the `gpu` tests (tests/gpu/: SDPA kernels against math, bf16 against fp32, proto1 under zero.Init: memory
+   against the plan, training steps);
+2. benchmarks/gpu_mfu.py: proto1's training step in bf16, tokens/s and MFU;
+3. a 50-step stage-2 run of proto1 (random weights, bf16 checkpoints) through Ray Train on one GPU: NCCL, bf16,
+   ZeRO-3, on a corpus of random rows of 2048 tokens and 16 x 512 memory tokens;
+4. the efficiency suite's time to first token at 16k and 64k memory tokens (pipelines.evaluate.efficiency), on
+   stage 2's export (or, when that run failed, proto1 with GCA as built).
+
+REPORT_DIR/gpu-check-report.md gets each step's command, status, seconds and output tail, and the versions seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = Path("/tmp/awareness-gpu-check")
+SITE, WHEELS, CHECKPOINTS = WORK / "site", WORK / "wheels", WORK / "checkpoints"
+BUDGET_S = 540  # the whole run, install included: under the device's 10-minute command limit with room to report
+TAIL = 6000  # characters of each step's output kept in the report
+
+
+@dataclass
+class Step:
+    name: str
+    command: list[str]
+    limit_s: int
+
+
+def steps(python: str) -> list[Step]:
+    stage2 = WORK / "stage2"
+    return [
+        Step("versions", [python, "-c", VERSIONS], 30),
+        Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-s", "-p", "no:cacheprovider",
+                           "-o", "addopts=-ra --strict-markers --durations=10"], 170),
+        Step("gpu_mfu", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "5"], 90),
+        Step("stage2 corpus", [python, "-c", CORPUS.format(out=str(stage2 / "corpus"))], 40),
+        Step("stage2 proto1 50 steps", [
+            python, "jobs/stage2.py", "--model.pair", "proto1", "--model.checkpoint_root", str(CHECKPOINTS),
+            "--scaling.use_gpu", "true", "--scaling.num_workers", "1", "--scaling.gpus_per_node", "1",
+            "--scaling.cpus_per_worker", "4", "--deepspeed.precision", "bf16", "--deepspeed.zero_stage", "3",
+            "--data.train_path", str(stage2 / "corpus" / "train"), "--data.val_path", str(stage2 / "corpus" / "val"),
+            "--data.max_tokens", "2048", "--data.max_chunks", "16", "--data.chunk_len", "512",
+            "--data.val_examples", "8", "--train.max_steps", "50", "--train.memories_per_step", "4",
+            "--train.log_every", "10", "--train.eval_every", "50", "--train.checkpoint_every", "50",
+            "--run.storage_path", str(stage2 / "ray"), "--run.name", "gpu-check", "--tracking.enabled", "false"],
+            150),
+        Step("ttft 16k 64k", [python, "-c", TTFT.format(runs=str(stage2 / "ray" / "gpu-check"),
+                                                       root=str(CHECKPOINTS))], 60),
+    ]
+
+
+VERSIONS = """
+import json, subprocess, sys, torch, transformers, deepspeed, ray
+print(json.dumps({"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                  "transformers": transformers.__version__, "deepspeed": deepspeed.__version__,
+                  "ray": ray.__version__}))
+print(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+"""
+
+CORPUS = """
+import torch
+from models import PAIRS, write_random_checkpoints
+from pipelines.corpora.random_rows import write_random_corpus
+write_random_checkpoints(PAIRS["proto1"], "{root}", dtype=torch.bfloat16)
+print(write_random_corpus("{out}", rows=64, val_rows=8, max_tokens=2048, chunks=16, chunk_len=512, vocab=151669))
+""".replace("{root}", str(CHECKPOINTS))
+
+TTFT = """
+import json, pathlib, torch
+from models import AwarenessModel
+from pipelines.evaluate.common import load_system
+from pipelines.evaluate.efficiency import efficiency_row
+exports = sorted(pathlib.Path("{runs}").glob("checkpoint_*/export"))
+if exports:
+    export = str(exports[-1])
+else:  # stage 2 left no export: proto1 with its GCA blocks as built (gates at 0 read the memory all the same)
+    export = "/tmp/awareness-gpu-check/proto1-export"
+    AwarenessModel.from_pretrained_pair("{root}/Qwen3-0.6B", "{root}/Qwen3-Embedding-0.6B").save_pretrained(export)
+system = load_system("gca", export, {{"memory": "gca", "needle": {{"chunk_len": 512}}}}, "cuda")
+print("export", export, "dtype", next(system.model.parameters()).dtype)
+for tokens in (16384, 65536):
+    print(json.dumps(efficiency_row(system, tokens, decode_tokens=16, repeats=3)))
+"""
+
+
+def install(bundle: Path) -> str:
+    """The bundle's parts joined and unpacked, its wheels installed into SITE; the pip output."""
+    parts = sorted(bundle.glob("bundle.tar.xz.part*"))
+    if not parts:
+        raise SystemExit(f"{bundle}: no bundle.tar.xz.part* (run `make gpu-check` on the CPU machine first)")
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    join = " ".join(shlex.quote(str(p)) for p in parts)
+    subprocess.run(f"cat {join} | tar -xJ -C {shlex.quote(str(WHEELS))}", shell=True, check=True)
+    wheels = sorted(str(w) for w in WHEELS.glob("*.whl"))
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                             "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels],
+                            capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"pip install failed:\n{result.stdout}\n{result.stderr}")
+    return f"{len(wheels)} wheels installed into {SITE}"
+
+
+def run_step(step: Step, env: dict[str, str], deadline: float) -> dict:
+    limit = max(1, min(step.limit_s, int(deadline - time.monotonic())))
+    started = time.monotonic()
+    try:
+        result = subprocess.run(step.command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        status, output = ("passed" if result.returncode == 0 else f"failed (exit {result.returncode})",
+                          result.stdout + result.stderr)
+    except subprocess.TimeoutExpired as error:
+        status = f"timed out after {limit} s"
+        output = (error.stdout or b"").decode(errors="replace") + (error.stderr or b"").decode(errors="replace")
+    return {"name": step.name, "status": status, "seconds": round(time.monotonic() - started, 1),
+            "command": shlex.join(step.command), "tail": output[-TAIL:]}
+
+
+def report(results: list[dict], out: Path) -> Path:
+    lines = ["# gpu-check report", "", "| step | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['status']} | {r['seconds']} |" for r in results]
+    for r in results:
+        lines += ["", f"## {r['name']}: {r['status']}", "", f"`{r['command']}`", "", "```", r["tail"], "```"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu-check-report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=ROOT / ".gpu-bundle", help="what make gpu-check assembled")
+    parser.add_argument("--out", type=Path, required=True, help="where gpu-check-report.md is written")
+    parser.add_argument("--dry-run", action="store_true", help="print the steps and their time limits, run nothing")
+    args = parser.parse_args()
+    plan = steps(sys.executable)
+    if args.dry_run:
+        for step in plan:
+            print(f"{step.limit_s:4d} s  {step.name}: {shlex.join(step.command)[:160]}".replace("\n", " "))
+        print(f"{sum(s.limit_s for s in plan)} s of step limits; the whole run stops at {BUDGET_S} s")
+        return
+    deadline = time.monotonic() + BUDGET_S
+    started = time.monotonic()
+    results = [{"name": "install", "status": "passed", "seconds": 0.0, "command": f"install {args.bundle}",
+                "tail": install(args.bundle)}]
+    results[0]["seconds"] = round(time.monotonic() - started, 1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT)]), "PYTHONUNBUFFERED": "1",
+           "AWARENESS_GPU_CHECKPOINTS": str(CHECKPOINTS), "TOKENIZERS_PARALLELISM": "false",
+           "DS_ACCELERATOR": "cuda"}  # the DeepSpeed wheel was built on a CPU machine: name the accelerator
+    for step in plan:
+        if time.monotonic() >= deadline:
+            results.append({"name": step.name, "status": "not run (out of time)", "seconds": 0.0,
+                            "command": shlex.join(step.command), "tail": ""})
+            continue
+        results.append(run_step(step, env, deadline))
+        print(json.dumps({k: results[-1][k] for k in ("name", "status", "seconds")}), flush=True)
+    print(f"report: {report(results, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

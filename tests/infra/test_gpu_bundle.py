@@ -1,0 +1,100 @@
+"""`make gpu-check`'s preparation without the network (its --dry-run: which wheels, at which versions, and the device
+command printed), the slimming and packing of wheels on small stand-ins, and the GPU box's script's plan: every step
+under its limit, the limits inside one 10-minute device command, its Python snippets valid."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bundle, check = load("gpu_bundle"), load("gpu_check")
+
+
+def test_the_dry_run_plans_the_locks_versions_and_prints_the_device_command():
+    result = subprocess.run([sys.executable, "benchmarks/gpu_bundle.py", "--dry-run"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PIP_NO_INDEX": "1"})
+    assert result.returncode == 0, result.stderr
+    versions = bundle.locked_versions()
+    for name in ("ray", "deepspeed", "transformers", "peft", "mlflow-skinny", "huggingface-hub", "pydantic"):
+        assert f"{name}=={versions[name]}" in result.stdout, name
+    assert "deepspeed==0.19.8" in result.stdout and "built here from the sdist" in result.stdout
+    assert "torch" not in {line.split("==")[0].strip() for line in result.stdout.splitlines()}  # the box's torch
+    assert ('run(command="python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out $OUT", carry=[".gpu-bundle"], '
+            'timeout_s=590)') in result.stdout
+
+
+def test_make_gpu_check_runs_the_bundle_script():
+    result = subprocess.run(["make", "-n", "gpu-check", "GPU_BUNDLE=--dry-run"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert "benchmarks/gpu_bundle.py --dry-run" in result.stdout
+
+
+def wheel(path: Path, files: dict[str, bytes]) -> Path:
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in files.items())
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("ray-2.60.0.dist-info/RECORD", record)
+    return path
+
+
+def test_ray_loses_its_jar_maps_and_rllib_and_every_wheel_is_stored(tmp_path):
+    files = {"ray/__init__.py": b"x = 1\n", "ray/jars/ray_dist.jar": b"j" * 100, "ray/rllib/a.py": b"",
+             "ray/dashboard/client/build/static/main.js": b"js", "ray/dashboard/client/build/static/main.js.map": b"m"}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    slim = bundle.restored(wheel(tmp_path / "in" / "ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl", files),
+                           tmp_path / "out")
+    with zipfile.ZipFile(slim) as z:
+        names = set(z.namelist())
+        record = z.read("ray-2.60.0.dist-info/RECORD").decode()
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
+    assert names == {"ray/__init__.py", "ray/dashboard/client/build/static/main.js", "ray-2.60.0.dist-info/RECORD"}
+    assert "jars" not in record and "rllib" not in record and ".map" not in record and "ray/__init__.py" in record
+
+
+def test_parts_join_back_into_the_wheels(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    payload = os.urandom(5 << 19)  # 2.5 MiB that xz cannot shrink: 3 parts of at most 1 MiB
+    wheels = [tmp_path / "wheels" / "a-1-py3-none-any.whl"]
+    wheels[0].write_bytes(payload)
+    parts = bundle.pack(wheels, tmp_path, part_mib=1)
+    assert [p.name for p in parts] == ["bundle.tar.xz.part000", "bundle.tar.xz.part001", "bundle.tar.xz.part002"]
+    assert all(p.stat().st_size <= 1 << 20 for p in parts)
+    joined = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(joined), mode="r:xz") as tar:
+        assert tar.extractfile("a-1-py3-none-any.whl").read() == payload
+
+
+def test_the_gpu_box_script_fits_one_device_command():
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", "unused", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    steps = check.steps(sys.executable)
+    assert [s.name for s in steps] == ["versions", "gpu tests", "gpu_mfu", "stage2 corpus", "stage2 proto1 50 steps",
+                                       "ttft 16k 64k"]
+    assert sum(s.limit_s for s in steps) <= check.BUDGET_S <= 540  # the device's 600 s command, install and report
+    for step in steps:
+        if step.command[1] == "-c":
+            compile(step.command[2], step.name, "exec")
+    stage2 = next(s for s in steps if s.name.startswith("stage2 proto1")).command
+    for flag, value in (("--deepspeed.precision", "bf16"), ("--deepspeed.zero_stage", "3"),
+                        ("--scaling.use_gpu", "true"), ("--train.max_steps", "50"), ("--model.pair", "proto1")):
+        assert stage2[stage2.index(flag) + 1] == value, flag
