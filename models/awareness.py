@@ -122,6 +122,11 @@ class AwarenessModel(nn.Module):
         self._routers = memory_top_k > 0
         self._memory_top_k = memory_top_k
         self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
+        # Training only (not saved: reading is the same either way): the routing loss also trains what the chunk
+        # summaries are made of (the memory projection and, where it trains, the encoder), so the encoder learns to
+        # pack a chunk's keys into its last token. Detached (False), a tiny pair's routers found the evidence chunk
+        # among chunks full of similar facts for 21% of questions at 16x (docs/evaluation.md).
+        self.routing_trains_summaries = False
         every_layer = list(range(dcfg.num_hidden_layers))
         self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers) if fusion == "gca" else every_layer
         self.config = config or AwarenessConfig(
@@ -327,13 +332,15 @@ class AwarenessModel(nn.Module):
 
     def _route(self, layers, readers, projected: torch.Tensor, mask: torch.Tensor, padding: MemoryPadding,
                chunk_len: int | None) -> None:
-        """Each layer's chunk routing: its router's summary keys of the chunks' last real tokens (detached: the
-        routing loss trains the router alone), which chunks each query may read, and whether to compute the loss."""
+        """Each layer's chunk routing: its router's summary keys of the chunks' last real tokens, which chunks each
+        query may read, and whether to compute the loss. The summarised states are detached unless
+        `routing_trains_summaries`: the routing loss then trains the routers alone."""
         if chunk_len is None:
             raise ValueError("memory_top_k routes over chunks, and flat memory_states (B, M, H_enc) do not say where "
                              "chunks end: pass them as (B, C, L, H_enc) with a (B, C, L) mask "
                              "(MemoryStore.memory(chunked=True)), or memory_input_ids (B, C, L)")
-        summary_states = chunk_summary_states(projected.detach(), mask, chunk_len)  # (B, C, H_dec)
+        source = projected if self.routing_trains_summaries else projected.detach()
+        summary_states = chunk_summary_states(source, mask, chunk_len)  # (B, C, H_dec)
         readable = chunk_mask(padding, chunk_len)  # (B, 1, 1 or T, C) or None
         train = self.training and self.memory_routing_loss > 0 and torch.is_grad_enabled()
         for i, kv in layers.items():

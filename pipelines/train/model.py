@@ -41,6 +41,7 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Parti
         model.load_added_weights(Path(cfg.init_from) / WEIGHTS_NAME, partitioner=partitioner)
     set_trainable(model, decoder=cfg.decoder, encoder=encoder, gca=gca)
     model.memory_encoder.grad_scale = cfg.encoder_grad_scale
+    model.routing_trains_summaries = cfg.memory_routing_grad
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model

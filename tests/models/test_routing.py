@@ -273,6 +273,27 @@ def test_routing_loss_trains_the_routers_only_and_they_learn(checkpoint_root, fu
     assert routed(input_ids=ids, memory_input_ids=mem, memory_attention_mask=mask).routing_loss is None
 
 
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_routing_loss_can_train_the_summaries_the_encoder_makes(checkpoint_root, fusion):
+    """routing_trains_summaries: the routing loss also reaches the encoder (what the chunk summaries are made of), never
+    the decoder or the memory readers' own projections; the forward and its losses are unchanged."""
+    _, routed = routed_pair(checkpoint_root, fusion, k=1)
+    routed.train()
+    routed.memory_encoder.requires_grad_(True)  # an encoder that trains (stage 0's)
+    ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch(chunks=4)
+    before = routed(input_ids=ids, labels=ids, memory_input_ids=mem, memory_attention_mask=mask)
+    routed.routing_trains_summaries = True
+    out = routed(input_ids=ids, labels=ids, memory_input_ids=mem, memory_attention_mask=mask)
+    torch.testing.assert_close(out.logits, before.logits)
+    torch.testing.assert_close(out.routing_loss, before.routing_loss)
+    routed.zero_grad()
+    out.routing_loss.backward()
+    moved = {n for n, p in routed.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any(".router." in n for n in moved) and any(n.startswith("memory_encoder.") for n in moved)
+    assert all(".router." in n or n.startswith(("memory_encoder.", "memory_projection.")) for n in moved), moved
+
+
 def test_routing_loss_under_gradient_checkpointing_and_lora(checkpoint_root):
     def grads(checkpointing):
         _, routed = routed_pair(checkpoint_root, "gca", k=1)

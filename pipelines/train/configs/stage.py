@@ -39,6 +39,9 @@ class ModelConfig:
     # Weight of the routing loss (KL from full attention's chunk mass to the router's), added in training with
     # memory_top_k > 0; it reaches the routers only. 0: the routers do not learn
     memory_routing_loss: float = 1.0
+    # With routing: the routing loss also trains the memory projection and a trained encoder (what the chunk summaries
+    # are made of), not the routers alone, so the encoder learns to summarise a chunk's keys for its router
+    memory_routing_grad: bool = False
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
@@ -100,6 +103,9 @@ class ModelConfig:
                      f"{m.memory_logn_scale}")
         if m.memory_routing_loss < 0:
             p.append(f"model.memory_routing_loss must be >= 0, got {m.memory_routing_loss}")
+        if m.memory_routing_grad and not m.memory_top_k:
+            p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
+                     "(e.g. --model.memory_top_k 4), or leave it false")
         if (m.memory_top_k or m.memory_logn_scale) and m.fusion == "merged":
             p.append("model.memory_top_k and model.memory_logn_scale route and scale a memory-only attention: use "
                      "model.fusion gca or cross (merged reads the memory in the decoder's own softmax)")
