@@ -8,7 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import SiglipVisionConfig
+
 from models.pairs import default_tiny_root, get_pair
+from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
 from pipelines.corpora.shards import check_splits
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.traffic import TrafficConfig
@@ -46,14 +50,14 @@ class StageJob:
         return [f"# memory plan{device}", plan_for_stage(config).table()]
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.stage import STAGE
+        from pipelines.train.recipes.stage import STAGE  # lazy: DeepSpeed, Ray Train: only to run
 
         return STAGE
 
     def run(self, config: StageConfig) -> dict[str, Any]:
         """One run; stage 4's teacher, student and baseline runs (pipelines.train.recipes.stage4)."""
         if config.stage == 4:
-            from pipelines.train.recipes.stage4 import run_stage4
+            from pipelines.train.recipes.stage4 import run_stage4  # lazy: DeepSpeed, Ray Train: only to run
 
             return run_stage4(config)
         return run_once(config)
@@ -77,7 +81,7 @@ class Ul2Job:
         return []
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.ul2 import UL2
+        from pipelines.train.recipes.ul2 import UL2  # lazy: DeepSpeed, Ray Train: only to run
 
         return UL2
 
@@ -103,7 +107,7 @@ class TrafficJob:
         return ["# model", traffic_model_lines(config)]
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.traffic import TRAFFIC
+        from pipelines.train.recipes.traffic import TRAFFIC  # lazy: DeepSpeed, Ray Train: only to run
 
         return TRAFFIC
 
@@ -120,7 +124,8 @@ def job_for(config: Any) -> Job:
 
 
 def run_once(config: Any) -> dict[str, Any]:
-    from pipelines.train.driver import run_stage  # Ray Train and DeepSpeed: imported only to run
+    # lazy: Ray Train and DeepSpeed, only to run; and the driver looks its job up here (job_for)
+    from pipelines.train.driver import run_stage
 
     return run_stage(config)
 
@@ -141,11 +146,6 @@ def check_shards(config: StageConfig) -> dict[str, Any]:
 
 def traffic_model_lines(config: TrafficConfig) -> str:
     """The traffic VLM's shape, built on the meta device (no memory, no weights read): vision tokens and parameters."""
-    import torch
-    from transformers import SiglipVisionConfig
-
-    from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
-
     m = config.model
     vision = (SiglipVisionConfig.from_pretrained(m.vision_path) if m.vision_path else
               tiny_vision_config(image_size=m.image_size, patch_size=m.patch_size, hidden_size=m.vision_hidden_size,
