@@ -32,6 +32,7 @@ from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.driver import run_stage
 from pipelines.train.presets import sweep_base, vocab_problem
+from pipelines.train.recipes.jobs import job_for
 from pipelines.train.recipes.stage import prepare_paths
 from pipelines.tune.report import format_table, plot_sweep
 
@@ -148,7 +149,7 @@ def train_trial(trial: dict[str, Any]) -> None:
     """One Tune trial: the stage job's Ray Train run with this trial's fusion, rank, placement and learning rate."""
     trial_id = ray.tune.get_context().get_trial_id()
     config = trial_config(StageConfig.from_dict(trial["base"]), trial, trial["sweep_name"], trial_id)
-    summary = run_stage(config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
+    summary = run_stage(job_for(config), config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
                         SWEEP_TAG: trial["parent_run_id"] or ""},
                         callbacks=[evaluation_report_callback(trial["metric"])])
     if summary["error"]:

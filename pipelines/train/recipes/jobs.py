@@ -59,8 +59,8 @@ class StageJob:
         if config.stage == 4:
             from pipelines.train.recipes.stage4 import run_stage4  # lazy: DeepSpeed, Ray Train: only to run
 
-            return run_stage4(config)
-        return run_once(config)
+            return run_stage4(self, config)
+        return run_once(self, config)
 
 
 class Ul2Job:
@@ -86,7 +86,7 @@ class Ul2Job:
         return UL2
 
     def run(self, config: Ul2Config) -> dict[str, Any]:
-        return run_once(config)
+        return run_once(self, config)
 
 
 class TrafficJob:
@@ -112,7 +112,7 @@ class TrafficJob:
         return TRAFFIC
 
     def run(self, config: TrafficConfig) -> dict[str, Any]:
-        return run_once(config)
+        return run_once(self, config)
 
 
 JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Ul2Job(), TrafficJob())}
@@ -123,11 +123,16 @@ def job_for(config: Any) -> Job:
     return JOBS[type(config)]
 
 
-def run_once(config: Any) -> dict[str, Any]:
-    # lazy: Ray Train and DeepSpeed, only to run; and the driver looks its job up here (job_for)
-    from pipelines.train.driver import run_stage
+def train(config: Any) -> dict[str, Any]:
+    """Trains the job a typed config is the config of (stage 4: its teacher, student and baseline runs), without the
+    entry point's checks and printing (pipelines.train.job.run_job); its summary."""
+    return job_for(config).run(config)
 
-    return run_stage(config)
+
+def run_once(job: Job, config: Any) -> dict[str, Any]:
+    from pipelines.train.driver import run_stage  # lazy: Ray Train and DeepSpeed, only to run
+
+    return run_stage(job, config)
 
 
 def with_absolute_storage(config: Any) -> Any:
