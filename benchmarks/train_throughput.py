@@ -59,9 +59,10 @@ def plain_pytorch(config: StageConfig, warmup: int = 5) -> float:
 def ray_zero3(config: StageConfig) -> float:
     """Median seconds per step through run_stage: 2 workers, ZeRO-3 over gloo (start-up, evaluation and
     checkpointing excluded)."""
-    from pipelines.train.driver import run_stage, shutdown_ray
+    from pipelines.train.driver import shutdown_ray
+    from pipelines.train.recipes.jobs import train
 
-    summary = run_stage(config)
+    summary = train(config)
     shutdown_ray()
     assert summary["error"] is None, summary
     return summary["seconds_per_step"]

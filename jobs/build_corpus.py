@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from pipelines.cli import parse_config
-from pipelines.corpora import BuildConfig, build_corpus
+from pipelines.corpora.build import BuildConfig, build_corpus
 from pipelines.corpora.sources import check_sources
 from pipelines.data.ray_session import data_job_ray
 

@@ -19,6 +19,7 @@ import sys
 
 from pipelines.cli import parse_config, peek
 from pipelines.tracking.tracker import summary_json
+from pipelines.train.driver import shutdown_ray
 from pipelines.train.job import dry_run_report
 from pipelines.tune.sweep import SweepJob, run_sweep
 
@@ -27,8 +28,6 @@ def main(argv: list[str] | None = None) -> dict:
     stage = peek(argv, "stage", 0)
     job = parse_config(argv, SweepJob.for_stage(stage if stage in (0, 1, 2) else 0), description=__doc__,
                        on_dry_run=lambda config: dry_run_report(config.base()))
-    from pipelines.train.driver import shutdown_ray  # DeepSpeed and Ray Train: only for a valid config
-
     summary = run_sweep(job.sweep, job.base())
     shutdown_ray()
     print(summary_json(summary), flush=True)

@@ -199,7 +199,8 @@ def run_step(step: Step, done: dict[str, dict], out: Path) -> dict[str, Any]:
 def link(config: CurriculumConfig, name: str, summary: dict, done: dict[str, dict]) -> dict[str, str]:
     """Tags the step's MLflow run with the curriculum and the run it started from; registers its export as a model
     version tagged with the version it started from."""
-    from mlflow.tracking import MlflowClient  # here: --dry-run and the step lines start without MLflow and torch
+    # lazy: MLflow and torch (register_run loads them, ~15 s): --dry-run and the step lines start without them
+    from mlflow.tracking import MlflowClient
 
     from pipelines.serving.register import register_run
 

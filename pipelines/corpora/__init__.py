@@ -1,6 +1,6 @@
 """Corpora for the stage jobs, built on Ray Data (`jobs/build_corpus.py`).
 
-Output rows (Parquet, `OUT/train`, `OUT/val`; schema `ROW_SCHEMA`):
+Output rows (Parquet, `OUT/train`, `OUT/val`; schema `pipelines.corpora.build.ROW_SCHEMA`):
 
     task              code_qa | doc_qa | needle | commit
     variant           direct | agentic (Q&A); single | multikey | multivalue | hop2 | hop3 (needle);
@@ -32,15 +32,3 @@ Shards hold row groups of at most `row_group_rows` rows; OUT/manifest.json lists
 row group and sha256. The training job checks and reads them with pipelines.corpora.shards (each worker its own row
 groups) and pads `input_ids`/`labels` and each memory chunk in its collate function.
 """
-
-__all__ = ["BuildConfig", "build_corpus", "ROW_SCHEMA", "REJECT_SCHEMA"]
-
-
-def __getattr__(name: str):
-    """The build's names, imported on first use: `pipelines.corpora.tokenizer` alone (as the served model needs it)
-    must not pull in Ray Data, pyarrow and the tree-sitter grammars."""
-    if name in __all__:
-        from pipelines.corpora import build
-
-        return getattr(build, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

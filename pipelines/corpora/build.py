@@ -2,7 +2,7 @@
 repository, on a worker: make records (read, parse, chunk, tokenize), build rows, write Parquet shards; the driver
 aggregates one small statistics row per repository into the manifest.
 
-    OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: pipelines.corpora.ROW_SCHEMA); split by repository
+    OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: ROW_SCHEMA below); split by repository
     OUT/rejects/*.parquet                    one row per rejected input: source, path, reason, detail
     OUT/manifest.json                        rows per task and split, token statistics, rejects by reason,
                                              inputs seen = used + rejected, facts that made no row by reason
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
+import ray
 import pyarrow.parquet as pq
 
 from pipelines.corpora import commits, sources, tasks
@@ -135,8 +136,6 @@ def build_unit(names: list[dict], *, out: str, make_records: Callable, make_rows
 def run_build(config: BuildConfig, *, items: list[dict], make_records: Callable, make_rows: Callable,
               settings, progress: Callable[[str], None] = print) -> dict:
     """The shared pipeline of both stages: items (names only) -> records -> per-repository rows and shards."""
-    import ray
-
     out = Path(config.out)
     for sub in ("train", "val", "rejects"):
         (out / sub).mkdir(parents=True, exist_ok=True)

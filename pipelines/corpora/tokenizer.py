@@ -22,7 +22,11 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
+import fastokens
 import numpy as np
+import tiktoken
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
 
 # Qwen's pre-tokenizer (transformers/models/qwen2/tokenization_qwen2.py PRETOKENIZE_REGEX): single digits.
 QWEN_PATTERN = (
@@ -96,14 +100,10 @@ class QwenTokenizer:
         knows no special tokens at all, so no text can encode to one; `encode_parts` places them by id."""
         if self._backend is None:
             if self.checkpoint:
-                from tokenizers import Tokenizer
-
                 tok = Tokenizer.from_file(str(Path(self.checkpoint) / "tokenizer.json"))
                 check_special_ids(tok)
                 self._backend = text_tokenizer(tok)
             else:
-                import fastokens
-
                 load_ranks()  # checks the file holds Qwen's 151,643 ranks before fastokens reads it
                 self._backend = fastokens.Tokenizer.from_tiktoken(str(dashscope_ranks_path()), pattern=QWEN_PATTERN,
                                                                   special_tokens={})
@@ -128,12 +128,10 @@ class QwenTokenizer:
         if self._lengths is None:
             lengths = np.zeros(VOCAB_SIZE, dtype=np.int32)
             if self.checkpoint:
-                from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-                byte_of = {c: b for b, c in bytes_to_unicode().items()}  # ByteLevel BPE: one character per byte
+                byte_chars = set(pre_tokenizers.ByteLevel.alphabet())  # ByteLevel BPE: one character per byte
                 for token, i in self.backend().get_vocab(with_added_tokens=False).items():
                     if i < VOCAB_SIZE:
-                        lengths[i] = sum(1 for c in token if c in byte_of)
+                        lengths[i] = sum(1 for c in token if c in byte_chars)
             else:
                 for token, i in load_ranks().items():
                     lengths[i] = len(token)
@@ -163,8 +161,6 @@ class QwenTokenizer:
         ids = [int(i) for i in ids]
         if not self.checkpoint:
             if self._decoder is None:
-                import tiktoken
-
                 self._decoder = tiktoken.Encoding("qwen3", pat_str=QWEN_PATTERN, mergeable_ranks=load_ranks(),
                                                   special_tokens=SPECIAL_IDS)
             return self._decoder.decode(ids)
@@ -193,8 +189,6 @@ def text_tokenizer(tok):
     it. `encode_special_tokens` covers only added tokens marked special, and Qwen3's own tokenizer.json leaves some
     unmarked (`<think>`, `<tool_call>`, ...), which would otherwise become control tokens inside a mined file or a
     memory chunk; they are marked here (no id changes). For templates, use the tokenizer as loaded."""
-    from tokenizers import AddedToken
-
     unmarked = [t for t in tok.get_added_tokens_decoder().values() if not t.special]
     tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
                                        normalized=t.normalized, special=True) for t in unmarked])
@@ -209,7 +203,7 @@ def tokenizers_tokenizer():
     random-weight checkpoints with Qwen3's vocabulary, which have no tokenizer of their own. All added tokens are
     `special`, so `encode_special_tokens=True` reads them as text, exactly as `encode_text` does (for a real
     checkpoint's tokenizer.json, which leaves some unmarked, `text_tokenizer` marks them)."""
-    from tokenizers import AddedToken, normalizers
+    # lazy: transformers (~2.5 s); corpus builders and their workers import this module and need none of it
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     class Converter(TikTokenConverter):
@@ -250,10 +244,8 @@ UL2_SENTINELS = 100  # <extra_id_0> ... <extra_id_99>: one per corrupted span
 def write_byte_tokenizer(directory: str | Path) -> Path:
     """A real `tokenizers` byte-level tokenizer: 256 byte tokens (ids 0-255), then UL2_SPECIALS and the sentinels
     (362 ids: fits the tiny checkpoints' 512-row vocabulary). Any text round-trips; no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer = Tokenizer(BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([*UL2_SPECIALS, *(f"<extra_id_{i}>" for i in range(UL2_SENTINELS))])
@@ -286,8 +278,6 @@ class Ul2Vocab:
 def load_tokenizer(checkpoint: str | Path, vocab_size: int):
     """The checkpoint's tokenizer.json, with the UL2 specials added when it lacks them (a real Qwen3 tokenizer gets
     them in its unused rows, ids 151669+); refuses ids the model has no row for."""
-    from tokenizers import Tokenizer
-
     path = Path(checkpoint) / TOKENIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{str(checkpoint)!r} has no {TOKENIZER_FILE}: UL2 tokenizes with the checkpoint's own "

@@ -26,10 +26,10 @@ from pipelines.evaluate.efficiency import EfficiencyEvaluation, EfficiencySuite
 from pipelines.evaluate.needle import NeedleEvaluation, NeedleSuite
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 
-# name -> the suite, built from EvaluateConfig's field of that name; they run in this order on each system
+# name -> the suite, built from EvaluateConfig's field of that name; they run in this order on each system, and
+# --help and the errors list them in it
 SUITES: dict[str, type[Suite]] = {suite.name: suite for suite in (NeedleEvaluation, CodeQaEvaluation,
                                                                    EfficiencyEvaluation, CommitsEvaluation)}
-NAMES = ("needle", "efficiency", "code_qa", "commits")  # as --help and the errors list them
 RESULTS = "results.json"
 # each suite's headline numbers, in the job's one-line summary
 HEADLINE = ("needle/single/1x", "code_qa/exact", "code_qa/read_compliance", "commits/exact", "commits/pass@1",
@@ -42,7 +42,7 @@ class EvaluateConfig:
     # (models:/NAME@ALIAS or models:/NAME/VERSION); each names how it reads memory in its export's system.json
     model: list[str] = field(default_factory=list)
     names: list[str] | None = None  # labels in results.json; None: each export's memory mode (gca, rag, ...)
-    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, efficiency, code_qa, commits (comma/space-separated)
+    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, code_qa, efficiency, commits (comma/space-separated)
     out: str = "outputs/evaluate"  # results.json and plots go here
     actors: int = 1  # Ray Data actors per system for the needle and commits suites, each holding the model
     cpus_per_actor: float = 1.0  # CPUs Ray reserves for each evaluation actor
@@ -65,7 +65,7 @@ class EvaluateConfig:
                      "models:/NAME@ALIAS)")
         for suite in self.suites():
             if suite not in SUITES:
-                p.append(f"suite {suite!r} is not one of {NAMES}")
+                p.append(f"suite {suite!r} is not one of {tuple(SUITES)}")
         if self.names is not None and len(self.names) != len(self.model):
             p.append(f"names: {len(self.names)} names for {len(self.model)} models; give one per --model")
         p += self.needle.problems()  # the needle settings are checked even when the suite is not asked for

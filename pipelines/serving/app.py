@@ -32,13 +32,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import mlflow.pyfunc
 import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
+from models import AwarenessConfig
+from models.awareness import CONFIG_NAME, _memory_keyword_accepted
+from pipelines.memory.store import encoder_identity
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, UnknownMemory
+from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
 
 logger = logging.getLogger("ray.serve")
@@ -64,17 +69,11 @@ app = FastAPI(title="Awareness")
 def load_pyfunc(model: str, tracking_uri: str | None = None):
     """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
     export directory (awareness_config.json; the pyfunc's defaults)."""
-    from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
-
-    if (Path(model) / "awareness_config.json").is_file():
-        from models import AwarenessConfig
-
+    if (Path(model) / CONFIG_NAME).is_file():
         ensure_tokenizer(AwarenessConfig.load(model).decoder)
         pyfunc = AwarenessPyfunc()
         pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config={}))
         return pyfunc
-    import mlflow
-
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     return mlflow.pyfunc.load_model(model).unwrap_python_model()
@@ -115,8 +114,6 @@ class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
                  batch_wait_timeout_s: float = 0.01):
-        from pipelines.memory.store import encoder_identity
-
         self.pyfunc = load_pyfunc(model, tracking_uri)
         self.model_name = model
         if self.pyfunc.mode.kind != "gca":
@@ -158,8 +155,6 @@ class AwarenessServer:
             return model.prepare_memory(memory_states=states, memory_states_mask=mask)
 
     def _generate(self, ids: list[list[int]], memory, max_tokens: int, temperature: float, streamer=None):
-        from models.awareness import _memory_keyword_accepted
-
         model = self.pyfunc.model
         input_ids = torch.tensor(ids, device=model.device)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}

@@ -27,7 +27,7 @@ NOT_LOCKED = {"awareness"}  # this repository's own editable install
 def system_info() -> dict[str, str]:
     """Library versions and hardware, as tags: what a result depends on besides the config. No environment
     variables (they may hold secrets)."""
-    import torch
+    import torch  # lazy: `python -m pipelines.tracking.lineage --against` (make test-latest) checks a lock without it
 
     info = {"sys.python": platform.python_version(), "sys.platform": platform.platform(),
             "sys.cpu_count": str(os.cpu_count()), "sys.torch": torch.__version__}

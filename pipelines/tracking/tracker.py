@@ -69,6 +69,17 @@ def for_other_nodes(tracking_uri: str, node_ip: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def mlflow_client(tracking_uri: str | None):
+    """MLflow's client with a short HTTP retry (HTTP_RETRY_DEFAULTS; a user's own setting wins)."""
+    # lazy (~2-5 s on 2 cores): the training jobs' --help, --dry-run and refusals import this module (summary_json,
+    # resolve_tracking_uri) and never log; the workers have MLflow already (DeepSpeed imports it)
+    from mlflow.tracking import MlflowClient
+
+    for name, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return MlflowClient(tracking_uri)
+
+
 class Tracker:
     """Logs to one MLflow run through an explicit client. A call that fails (server down, network) is kept and
     retried on the next call; what never got through is listed by `close()` instead of raising."""
@@ -81,22 +92,13 @@ class Tracker:
         self.retry_at = 0.0  # monotonic time before which a call queues without touching the network
         self.client = None
         if run_id:
-            # lazy (~4.6 s on 2 cores, warm): every worker imports this module; only one that logs (rank 0) needs MLflow
-            from mlflow.tracking import MlflowClient
-
-            for name, value in HTTP_RETRY_DEFAULTS.items():
-                os.environ.setdefault(name, value)  # a user's own setting wins
-            self.client = MlflowClient(tracking_uri)
+            self.client = mlflow_client(tracking_uri)
 
     @classmethod
     def start(cls, tracking_uri: str, experiment: str, run_name: str, config: dict[str, Any],
               tags: dict[str, str] | None = None, run_id: str | None = None) -> "Tracker":
         """Opens (or reopens, when resuming) a run and logs the resolved config as params and as a JSON file."""
-        from mlflow.tracking import MlflowClient  # lazy: see Tracker.__init__
-
-        for name, value in HTTP_RETRY_DEFAULTS.items():
-            os.environ.setdefault(name, value)
-        client = MlflowClient(tracking_uri)
+        client = mlflow_client(tracking_uri)
         if run_id is None:
             try:
                 found = client.get_experiment_by_name(experiment)
@@ -162,7 +164,7 @@ class Tracker:
         self._call("log_metrics", {k: float(v) for k, v in metrics.items()}, step)
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric  # lazy: see Tracker.__init__
+        from mlflow.entities import Metric  # lazy: see mlflow_client
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
@@ -174,7 +176,7 @@ class Tracker:
         self._call("set_tags", {k: str(v)[:5000] for k, v in tags.items()})
 
     def _set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag  # lazy: see Tracker.__init__
+        from mlflow.entities import RunTag  # lazy: see mlflow_client
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
@@ -193,7 +195,7 @@ class Tracker:
         self._call("log_table", data, name)
 
     def _log_table(self, data: dict[str, list], name: str) -> None:
-        import pandas as pd  # lazy (~1 s): only tables need it, and workers import this module
+        import pandas as pd  # lazy (~1-2 s): only tables need it, and the jobs' --help imports this module
 
         self.client.log_table(self.run_id, pd.DataFrame(data), name)
 
@@ -204,7 +206,7 @@ class Tracker:
         self.client.log_text(self.run_id, text, name)
 
     def _log_params(self, params: dict[str, str]) -> None:
-        from mlflow.entities import Param  # lazy: see Tracker.__init__
+        from mlflow.entities import Param  # lazy: see mlflow_client
 
         items = [Param(k, v) for k, v in params.items()]
         for start in range(0, len(items), 100):

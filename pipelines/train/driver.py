@@ -23,8 +23,7 @@ from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.console import Console, quiet
 from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
-from pipelines.train.recipes import Prepared, Recipe
-from pipelines.train.recipes.jobs import job_for
+from pipelines.train.recipes import Job, Prepared, Recipe
 
 RUN_ID_FILE = "mlflow_run_id"
 PENDING_FILE = "tracking_pending.json"  # what rank 0 could not log, handed to the driver to retry
@@ -41,15 +40,17 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-def run_stage(config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
+def run_stage(job: Job, config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
-    """Trains the job its config describes on Ray Train and returns the job's summary. A rerun with the same
-    run.name and run.storage_path resumes from its last checkpoint (and keeps logging into the same MLflow run).
+    """Trains one run of `job` (its Recipe and name) on Ray Train and returns the job's summary. The job is given,
+    not looked up: the Jobs' runs call this (pipelines.train.recipes.jobs), so the driver does not import them. A
+    rerun with the same run.name and run.storage_path resumes from its last checkpoint (and keeps logging into the
+    same MLflow run).
     Every checkpoint's URI, step and validation metrics are recorded on the run as Ray Train persists it.
     A sweep passes its MLflow `parent_run_id` (the run nests under it), extra `tags`, and Ray Train `callbacks`
     (Tune's report callback)."""
     started = time.perf_counter()
-    job, config = job_for(config), config.validate()  # a config error costs no cluster start
+    config = config.validate()  # a config error costs no cluster start
     recipe = job.recipe()
     check_resumable(config)
     quiet(config.run.verbose)

@@ -28,7 +28,8 @@ def run_job(argv: list[str] | None, default: StageConfig | Ul2Config | TrafficCo
     except ShardError as error:
         return refuse(job.name(config), str(error), {"error": "shards do not match the corpus manifest",
                                                      "bad_shards": error.problems, "fix": error.fix})
-    from pipelines.train.console import closing_sentence  # Ray Train and DeepSpeed: imported only for a valid config
+    # lazy: Ray Train and DeepSpeed (~5 s), imported only for a valid config; --help and --dry-run need neither
+    from pipelines.train.console import closing_sentence
     from pipelines.train.driver import shutdown_ray
 
     try:

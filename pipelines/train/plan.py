@@ -166,6 +166,7 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
     plan.rows["CUDA context, NCCL, fragmentation"] = CUDA_OVERHEAD_GIB
     plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
     if inputs.decoder == "full" and inputs.encoder == "full":
+        # lazy: DeepSpeed; every stage job's --dry-run prints this plan, and only this row needs it
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         _, gpu, _ = estimate_zero3_model_states_mem_needs(

@@ -13,15 +13,16 @@ import sys
 import time
 from pathlib import Path
 
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+from torch.utils.cpp_extension import _get_build_directory
+
 # A quiet build takes ~45 s on 2 cores; ten minutes is past any real one.
 STALE_LOCK_AGE_S = 600.0
 
 
 def shm_comm_builder():
     """DeepSpeed's shared-memory comm op builder on a CPU install where it applies, else None."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
     if get_accelerator().device_name() != "cpu":
         return None
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -34,8 +35,6 @@ def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 
                            poll_s: float = 1.0) -> Path | None:
     """Waits while the op's build lock is younger than max_age_s (a build under way releases it), and removes it
     once older (a killed build's); returns the lock's path when it removed one."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     while True:
         try:

@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
+import ray.tune
+from mlflow.tracking import MlflowClient
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
 from models import PAIRS
 from models.fusion import FUSIONS
 from models.placement import resolve_gca_layers
@@ -23,7 +30,10 @@ from pipelines.serving.register import register_run
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
+from pipelines.train.driver import run_stage
 from pipelines.train.presets import sweep_base, vocab_problem
+from pipelines.train.recipes.jobs import job_for
+from pipelines.train.recipes.stage import prepare_paths
 from pipelines.tune.report import format_table, plot_sweep
 
 TRIAL_TAG = "tune.trial_id"
@@ -123,9 +133,9 @@ def accuracy_metric(base: StageConfig) -> str:
 # ------------------------------------------------------------------------------------------------- the trial
 def evaluation_report_callback(metric: str):
     """A TuneReportCallback that forwards only the workers' reports carrying the sweep metric (the evaluation steps):
-    Tune requires the scheduler's metric in every result, and ASHA then counts evaluations. Built in the trial, so
-    ray.tune is imported only there; the controller receives it pickled by value."""
-    from ray.tune.integration.ray_train import TuneReportCallback
+    Tune requires the scheduler's metric in every result, and ASHA then counts evaluations. The class is defined in
+    the trial, so Ray Train's controller receives it pickled by value and never imports this module (torch,
+    DeepSpeed, transformers)."""
 
     class EvaluationReportCallback(TuneReportCallback):
         def after_report(self, run_context, metrics, checkpoint):
@@ -137,13 +147,9 @@ def evaluation_report_callback(metric: str):
 
 def train_trial(trial: dict[str, Any]) -> None:
     """One Tune trial: the stage job's Ray Train run with this trial's fusion, rank, placement and learning rate."""
-    import ray.tune
-
-    from pipelines.train.driver import run_stage
-
     trial_id = ray.tune.get_context().get_trial_id()
     config = trial_config(StageConfig.from_dict(trial["base"]), trial, trial["sweep_name"], trial_id)
-    summary = run_stage(config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
+    summary = run_stage(job_for(config), config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
                         SWEEP_TAG: trial["parent_run_id"] or ""},
                         callbacks=[evaluation_report_callback(trial["metric"])])
     if summary["error"]:
@@ -165,13 +171,6 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     """Runs the sweep and returns its summary: the table, the best trial, the registered version. ASHA's max_t is one
     evaluation past the last, so only ASHA's own rungs stop a trial: reaching max_t would stop it right after its
     final report, before its run logs the export."""
-    import ray
-    import ray.tune
-    from ray.tune.schedulers import ASHAScheduler
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    from pipelines.train.recipes.stage import prepare_paths
-
     problems = sweep.problems(base) + base.problems()
     if problems:
         raise ValueError("invalid sweep:\n  - " + "\n  - ".join(problems))
@@ -218,8 +217,6 @@ def max_concurrent_trials(sweep: SweepConfig, base: StageConfig) -> int:
     """Trials that fit at once: the cluster's CPUs (GPUs) over what one trial and its Train workers reserve (the
     workers read their corpus shards themselves, on their own CPUs). More would start trials whose workers can never
     be placed (WorkerGroupStartupTimeoutError, retried forever)."""
-    import ray
-
     if sweep.max_concurrent > 0:
         return sweep.max_concurrent
     s, resources = base.scaling, ray.cluster_resources()
@@ -284,8 +281,6 @@ def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri:
     marked FINISHED, not KILLED (seen once in CI under load)."""
     if parent.client is None:
         return
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(tracking_uri)
     experiment = client.get_run(parent.run_id).info.experiment_id
     runs = client.search_runs([experiment], filter_string=f"tags.`{SWEEP_TAG}` = '{parent.run_id}'")

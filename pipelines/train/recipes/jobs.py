@@ -8,7 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import SiglipVisionConfig
+
 from models.pairs import default_tiny_root, get_pair
+from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
 from pipelines.corpora.shards import check_splits
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.traffic import TrafficConfig
@@ -46,17 +50,17 @@ class StageJob:
         return [f"# memory plan{device}", plan_for_stage(config).table()]
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.stage import STAGE
+        from pipelines.train.recipes.stage import STAGE  # lazy: DeepSpeed, Ray Train: only to run
 
         return STAGE
 
     def run(self, config: StageConfig) -> dict[str, Any]:
         """One run; stage 4's teacher, student and baseline runs (pipelines.train.recipes.stage4)."""
         if config.stage == 4:
-            from pipelines.train.recipes.stage4 import run_stage4
+            from pipelines.train.recipes.stage4 import run_stage4  # lazy: DeepSpeed, Ray Train: only to run
 
-            return run_stage4(config)
-        return run_once(config)
+            return run_stage4(self, config)
+        return run_once(self, config)
 
 
 class Ul2Job:
@@ -77,12 +81,12 @@ class Ul2Job:
         return []
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.ul2 import UL2
+        from pipelines.train.recipes.ul2 import UL2  # lazy: DeepSpeed, Ray Train: only to run
 
         return UL2
 
     def run(self, config: Ul2Config) -> dict[str, Any]:
-        return run_once(config)
+        return run_once(self, config)
 
 
 class TrafficJob:
@@ -103,12 +107,12 @@ class TrafficJob:
         return ["# model", traffic_model_lines(config)]
 
     def recipe(self) -> Recipe:
-        from pipelines.train.recipes.traffic import TRAFFIC
+        from pipelines.train.recipes.traffic import TRAFFIC  # lazy: DeepSpeed, Ray Train: only to run
 
         return TRAFFIC
 
     def run(self, config: TrafficConfig) -> dict[str, Any]:
-        return run_once(config)
+        return run_once(self, config)
 
 
 JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Ul2Job(), TrafficJob())}
@@ -119,10 +123,16 @@ def job_for(config: Any) -> Job:
     return JOBS[type(config)]
 
 
-def run_once(config: Any) -> dict[str, Any]:
-    from pipelines.train.driver import run_stage  # Ray Train and DeepSpeed: imported only to run
+def train(config: Any) -> dict[str, Any]:
+    """Trains the job a typed config is the config of (stage 4: its teacher, student and baseline runs), without the
+    entry point's checks and printing (pipelines.train.job.run_job); its summary."""
+    return job_for(config).run(config)
 
-    return run_stage(config)
+
+def run_once(job: Job, config: Any) -> dict[str, Any]:
+    from pipelines.train.driver import run_stage  # lazy: Ray Train and DeepSpeed, only to run
+
+    return run_stage(job, config)
 
 
 def with_absolute_storage(config: Any) -> Any:
@@ -141,11 +151,6 @@ def check_shards(config: StageConfig) -> dict[str, Any]:
 
 def traffic_model_lines(config: TrafficConfig) -> str:
     """The traffic VLM's shape, built on the meta device (no memory, no weights read): vision tokens and parameters."""
-    import torch
-    from transformers import SiglipVisionConfig
-
-    from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
-
     m = config.model
     vision = (SiglipVisionConfig.from_pretrained(m.vision_path) if m.vision_path else
               tiny_vision_config(image_size=m.image_size, patch_size=m.patch_size, hidden_size=m.vision_hidden_size,

@@ -27,20 +27,22 @@ from pipelines.data.synthetic_needles import noisy_copy_rows
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.driver import init_ray, run_stage
+from pipelines.train.recipes import Job
 
 ROLE_TAG = "stage4.role"  # teacher | student | baseline, on each of the job's MLflow runs
 
 
-def run_stage4(config: StageConfig) -> dict[str, Any]:
-    """Corpus -> teacher -> student (alpha) -> baseline (alpha 0); the student's summary with the comparison."""
+def run_stage4(job: Job, config: StageConfig) -> dict[str, Any]:
+    """Corpus -> teacher -> student (alpha) -> baseline (alpha 0), each a run of the stage `job`; the student's summary
+    with the comparison."""
     config = config.validate()
     init_ray(config.run.verbose)
     config = with_default_corpus(config)
-    config, teacher = with_teacher(config)
-    student = run_stage(config, tags={ROLE_TAG: "student"})
+    config, teacher = with_teacher(job, config)
+    student = run_stage(job, config, tags={ROLE_TAG: "student"})
     baseline = None
     if config.distill.baseline and not student.get("error"):
-        baseline = run_stage(baseline_config(config), tags={ROLE_TAG: "baseline",
+        baseline = run_stage(job, baseline_config(config), tags={ROLE_TAG: "baseline",
                                                             "stage4.student_run_id": student["mlflow_run_id"] or ""})
     summary = compare(student, baseline, teacher)
     record_comparison(config, summary)
@@ -81,7 +83,7 @@ def teacher_config(config: StageConfig) -> StageConfig:
         run=dataclasses.replace(config.run, name=f"{config.run.name}-teacher"))
 
 
-def with_teacher(config: StageConfig) -> tuple[StageConfig, dict[str, Any]]:
+def with_teacher(job: Job, config: StageConfig) -> tuple[StageConfig, dict[str, Any]]:
     """distill.teacher as given, or an in_context teacher trained first: cached under the cache root by its config
     and corpus, so a rerun of the default reuses it (its export copied there with teacher.json: run id, val loss)."""
     if config.distill.teacher:
@@ -91,7 +93,7 @@ def with_teacher(config: StageConfig) -> tuple[StageConfig, dict[str, Any]]:
     corpus = Path(config.data.train_path).resolve().parent / MANIFEST
     cached = cache_root(config) / "stage4-teachers" / digest([key, hashlib.sha256(corpus.read_bytes()).hexdigest()])
     if not (cached / "teacher.json").is_file():
-        summary = run_stage(teaching, tags={ROLE_TAG: "teacher"})
+        summary = run_stage(job, teaching, tags={ROLE_TAG: "teacher"})
         if summary.get("error") or not summary.get("export"):
             raise RuntimeError(f"the teacher's training failed: {summary.get('error')}")
         if cached.exists():

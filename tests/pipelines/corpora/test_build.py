@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora import ROW_SCHEMA, BuildConfig, build_corpus
+from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus
 from pipelines.corpora.shards import check_split
 from pipelines.corpora.sources import Limits
 from pipelines.corpora.tasks import Stage0Settings, split_of

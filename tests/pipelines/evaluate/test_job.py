@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.evaluate.job import EvaluateConfig
+from pipelines.cli import field_docs
+from pipelines.evaluate.job import SUITES, EvaluateConfig
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
@@ -31,8 +32,17 @@ def export_of(tmp_path: Path, checkpoint_root: Path, memory: str = "gca") -> Pat
     return directory
 
 
+def test_the_suites_are_named_once():
+    """SUITES is the one list of suites: each module's suite under its own name, in the order they run, which the
+    --help line of --suite lists too."""
+    assert list(SUITES) == ["needle", "code_qa", "efficiency", "commits"]
+    assert all(name == suite.name for name, suite in SUITES.items())
+    assert field_docs(EvaluateConfig)["suite"].startswith(", ".join(SUITES) + " ")
+
+
 def test_config_errors_name_the_field():
-    assert "suite 'bogus' is not one of" in " ".join(EvaluateConfig(model=["x"], suite=["needle,bogus"]).problems())
+    assert ("suite 'bogus' is not one of ('needle', 'code_qa', 'efficiency', 'commits')"
+            in " ".join(EvaluateConfig(model=["x"], suite=["needle,bogus"]).problems()))
     assert "model: name at least one system" in EvaluateConfig().problems()[0]
     code_qa = " ".join(EvaluateConfig(model=["x"], suite=["code_qa"]).problems())
     assert "code_qa.corpus" in code_qa, code_qa  # a suite that needs a corpus says which flag names it

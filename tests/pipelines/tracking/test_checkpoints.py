@@ -27,7 +27,7 @@ def finished(tmp_path_factory, checkpoint_root, mlflow_server):
     """6 steps, a checkpoint every 2 (each evaluated), Ray Train keeping the last 2."""
     import ray
 
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     tmp = tmp_path_factory.mktemp("checkpoints")
     config = StageConfig(
@@ -40,7 +40,7 @@ def finished(tmp_path_factory, checkpoint_root, mlflow_server):
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        summary = run_stage(config)
+        summary = train(config)
     finally:
         ray.shutdown()  # only this test's local instance; never `ray stop`
     assert summary["error"] is None and summary["steps"] == 6

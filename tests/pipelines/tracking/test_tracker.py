@@ -89,7 +89,7 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
 
     from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
     from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     config = StageConfig(
         model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), decoder="lora", gca_layers="upper_half"),
@@ -114,7 +114,7 @@ def test_a_stage_run_outlives_its_tracking_server(mlflow_server, tmp_path, check
     try:
         client.get_experiment_by_name("tracking-test") or client.create_experiment("tracking-test")
         watcher.start()
-        summary = run_stage(config)
+        summary = train(config)
     finally:
         stopped.set()
         ray.shutdown()

@@ -109,13 +109,13 @@ def corpus_config(tmp_path, checkpoint_root, steps: int, name: str = "corpus", g
 
 @pytest.mark.ray
 def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, local_ray):
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     write_shards(tmp_path / "corpus" / "train", corpus_rows(40, seed=2))  # ranks: 4 row groups, 20 rows each
     write_shards(tmp_path / "corpus" / "val", corpus_rows(8, seed=3), shards=1)  # one batch: a rank has none
-    first = run_stage(corpus_config(tmp_path, checkpoint_root, steps=4))
+    first = train(corpus_config(tmp_path, checkpoint_root, steps=4))
     assert first["error"] is None and first["steps"] == 4
-    resumed = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8))  # 32 rows a rank: a second epoch
+    resumed = train(corpus_config(tmp_path, checkpoint_root, steps=8))  # 32 rows a rank: a second epoch
     assert resumed["error"] is None and resumed["steps"] == 8
     state = json.loads((Path(resumed["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == expected_checksum(tmp_path / "corpus" / "train", 8)
@@ -125,7 +125,7 @@ def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, lo
     changed = corpus_config(tmp_path, checkpoint_root, steps=8)  # the same run, trained differently: refused
     changed.train.lr = 5e-4
     with pytest.raises(ConfigError, match=r"train.lr 0.001 -> 0.0005\)"):
-        run_stage(changed)
+        train(changed)
 
 
 @pytest.mark.ray
@@ -134,7 +134,7 @@ def test_two_workers_on_their_own_shards_survive_a_failure_exactly(tmp_path, che
     """Two workers, each on its own row groups (uneven: 24 and 19 rows), 2 micro-batches a step; the last worker
     fails at step 5, after checkpoint 4: the run restarts from it and ends with the examples and index checksum of
     an unbroken run, i.e. no example repeated or skipped on either rank."""
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     split = tmp_path / "corpus" / "train"
     write_shards(split, corpus_rows(43, seed=4), shards=3, row_group_rows=5)
@@ -142,7 +142,7 @@ def test_two_workers_on_their_own_shards_survive_a_failure_exactly(tmp_path, che
     assert [sum(u.stop - u.start for u in rank_units(load_split(split), r, 2)) for r in (0, 1)] == [24, 19]
     marker = tmp_path / "ray" / "killed" / "injected-failure"
     faults.plan(fault_plan, "killed", "train:5", marker)
-    summary = run_stage(corpus_config(tmp_path, checkpoint_root, steps=8, name="killed", grad_accum=2, max_failures=1))
+    summary = train(corpus_config(tmp_path, checkpoint_root, steps=8, name="killed", grad_accum=2, max_failures=1))
     assert summary["error"] is None and summary["steps"] == 8 and marker.is_file()  # it failed, and recovered
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["examples_seen"] == 8 * E and state["world"] == 2

@@ -84,12 +84,12 @@ def test_stage0_trains_on_a_mixture_of_sizes_tasks_and_similar_facts(tmp_path, c
     two-token keys; the evaluation reports each trained task, the hard distractors and the largest size."""
     from mlflow.tracking import MlflowClient
 
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     config = small_config(tmp_path, checkpoint_root, "mixture", steps=2)
     needle = dataclasses.replace(config.needle, memory_scale_max=4, hard_distractors=0.5, key_tokens=2,
                                  variants=["single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"])
-    summary = run_stage(dataclasses.replace(config, needle=needle))
+    summary = train(dataclasses.replace(config, needle=needle))
     assert summary["error"] is None and summary["steps"] == 2 and summary["needle_accuracy"] is not None
     metrics = MlflowClient(config.tracking.tracking_uri).get_run(summary["mlflow_run_id"]).data.metrics
     for name in ("needle_accuracy", "needle_accuracy/multi_value", "needle_accuracy/multi_query",
@@ -102,11 +102,11 @@ def test_stage0_trains_on_a_mixture_of_sizes_tasks_and_similar_facts(tmp_path, c
 # mid-save (restarted from the last complete checkpoint, nothing seen twice or skipped)
 @pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray):
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
-    first = run_stage(small_config(tmp_path, checkpoint_root, "resume", steps=4))
+    first = train(small_config(tmp_path, checkpoint_root, "resume", steps=4))
     assert first["steps"] == 4
-    second = run_stage(small_config(tmp_path, checkpoint_root, "resume", steps=8))  # same name: resumes
+    second = train(small_config(tmp_path, checkpoint_root, "resume", steps=8))  # same name: resumes
     assert second["steps"] == 8 and second["mlflow_run_id"] == first["mlflow_run_id"]
     state = json.loads((Path(second["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == expected_checksum(8)  # nothing seen twice, nothing skipped
@@ -119,11 +119,11 @@ def test_a_failed_worker_restarts_from_the_last_complete_checkpoint(tmp_path, ch
                                                                      fail_at):
     """train:3 dies between checkpoints; save:4 dies after writing its shard but before reporting, so checkpoint 4
     is incomplete and the run must restart from checkpoint 2."""
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     name = f"fail-{fail_at[:5]}"
     faults.plan(fault_plan, name, fail_at, tmp_path / "ray" / name / f"injected-failure-{fail_at}")
-    summary = run_stage(small_config(tmp_path, checkpoint_root, name, steps=6))
+    summary = train(small_config(tmp_path, checkpoint_root, name, steps=6))
     assert summary["error"] is None and summary["steps"] == 6
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == expected_checksum(6)
@@ -138,10 +138,10 @@ def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, 
     """Also for a baseline (the memory in the prompt; only the decoder trains, under ZeRO-3 with the unused GCA
     blocks frozen): its export names its system, and reloaded it scores what the run reported."""
     from pipelines.data.memory_modes import read_system, system_mode
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     config = small_config(tmp_path, checkpoint_root, f"export-{memory}", steps=4, memory=memory)
-    summary = run_stage(config)
+    summary = train(config)
     assert summary["memory"] == memory
     system = read_system(summary["export"])
     assert system["memory"] == memory and system["needle"]["facts"] == config.needle.facts
@@ -162,11 +162,11 @@ def test_zero3_trains_each_fusion_and_its_export_reloads(tmp_path, checkpoint_ro
     """--model.fusion cross / merged through Ray Train and ZeRO-3 (the added cross-attention created partitioned,
     merged training the decoder's own attention): the export, reloaded without DeepSpeed, scores what the run
     reported."""
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     config = small_config(tmp_path, checkpoint_root, f"fusion-{fusion}", steps=2, fusion=fusion)
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, checkpoint_every=2))
-    summary = run_stage(config)
+    summary = train(config)
     assert summary["error"] is None and summary["steps"] == 2 and summary["fusion"] == fusion
     assert summary["gate_abs_mean"] is None and summary["gate_abs_init"] is None  # no gates to report
     model = AwarenessModel.from_pretrained(summary["export"])
@@ -180,21 +180,21 @@ def test_zero3_trains_each_fusion_and_its_export_reloads(tmp_path, checkpoint_ro
 
 @pytest.mark.slow  # ~35 s; test_zero3_trains_expert_lora trains the same MoE pair under ZeRO-3 in `make test`
 def test_zero3_trains_the_moe_pair(tmp_path, checkpoint_root, local_ray):
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
-    summary = run_stage(small_config(tmp_path, checkpoint_root, "moe", steps=2, pair="tiny-moe"))
+    summary = train(small_config(tmp_path, checkpoint_root, "moe", steps=2, pair="tiny-moe"))
     assert summary["error"] is None and summary["steps"] == 2
 
 
 def test_zero3_trains_expert_lora(tmp_path, checkpoint_root, local_ray):
     """The expert adapters sit inside the sparse block, a ZeRO-3 leaf, so they are gathered with it; they train:
     their B factors start at zero and are not after two steps."""
-    from pipelines.train.driver import run_stage
+    from pipelines.train.recipes.jobs import train
 
     config = small_config(tmp_path, checkpoint_root, "moe-lora", steps=2, pair="tiny-moe")
     config.model = dataclasses.replace(config.model, decoder="lora", encoder="frozen",
                                        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
-    summary = run_stage(config)
+    summary = train(config)
     assert summary["error"] is None and summary["steps"] == 2
     saved = load_file(Path(summary["export"]) / WEIGHTS_NAME)
     expert_b = {n: t for n, t in saved.items() if ".mlp.experts." in n and "lora_B" in n}

@@ -211,9 +211,9 @@ def few_steps(tmp_path: Path, checkpoint_root: Path) -> StageConfig:
 def test_a_few_stage4_steps_summarise_the_comparison(tmp_path, checkpoint_root, local_ray):
     from mlflow.tracking import MlflowClient
 
-    from pipelines.train.recipes.stage4 import run_stage4
+    from pipelines.train.recipes.jobs import train
 
-    summary = run_stage4(few_steps(tmp_path, checkpoint_root))
+    summary = train(few_steps(tmp_path, checkpoint_root))
     assert summary["error"] is None and summary["steps"] == 3 and summary["job"] == "stage4"
     for key in ("kl_first", "kl_last", "student_val_loss", "baseline_val_loss", "teacher_val_loss", "ce_last"):
         assert np.isfinite(summary[key]), key
@@ -227,7 +227,7 @@ def test_a_few_stage4_steps_summarise_the_comparison(tmp_path, checkpoint_root, 
     # a second run reuses the cached corpus, teacher and logits: no teacher run, the same logits manifest
     logits_manifest = (Path(summary["teacher_logits"]) / "manifest.json").read_text()
     config = few_steps(tmp_path, checkpoint_root)
-    again = run_stage4(dataclasses.replace(config, distill=dataclasses.replace(config.distill, baseline=False),
+    again = train(dataclasses.replace(config, distill=dataclasses.replace(config.distill, baseline=False),
                                            run=RunSettings(name="s4-again", storage_path=str(tmp_path / "ray"))))
     assert again["teacher_run_id"] == summary["teacher_run_id"] and again["error"] is None
     assert again["baseline_val_loss"] is None and again["student_beats_baseline"] is None
