@@ -43,6 +43,7 @@ class AwarenessConfig:
     memory_top_k: int = 0  # chunks each query reads (models/gca.py, chunk routing; > 0 adds the routers); 0: all
     memory_logn_scale: int = 0  # n_train of the length-aware scale max(1, log n / log n_train); 0: off
     memory_routing_loss: float = 1.0  # weight of the auxiliary routing loss in training (with memory_top_k > 0)
+    memory_summaries: int = 1  # routing's summary keys per chunk (one per block of chunk_len / this tokens)
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -108,6 +109,7 @@ class AwarenessModel(nn.Module):
         memory_top_k: int = 0,
         memory_logn_scale: int = 0,
         memory_routing_loss: float = 1.0,
+        memory_summaries: int = 1,
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -118,7 +120,7 @@ class AwarenessModel(nn.Module):
         self.fusion = check_fusion(fusion)
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
-        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss)
+        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries)
         self._routers = memory_top_k > 0
         self._memory_top_k = memory_top_k
         self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
@@ -139,7 +141,8 @@ class AwarenessModel(nn.Module):
         )
         self.config.gca_layers, self.config.fusion = self.gca_layers, fusion
         self.config.memory_top_k, self.config.memory_logn_scale = memory_top_k, memory_logn_scale
-        self.config.memory_routing_loss = memory_routing_loss
+        self.config.memory_routing_loss, self.config.memory_summaries = memory_routing_loss, memory_summaries
+        self.memory_summaries = memory_summaries
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -180,6 +183,7 @@ class AwarenessModel(nn.Module):
         memory_top_k: int = 0,
         memory_logn_scale: int = 0,
         memory_routing_loss: float = 1.0,
+        memory_summaries: int = 1,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -200,7 +204,8 @@ class AwarenessModel(nn.Module):
             fusion=fusion,
         )
         return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
-                   memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss, config=config,
+                   memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss,
+                   memory_summaries=memory_summaries, config=config,
                    partitioner=partitioner)
 
     @staticmethod
@@ -339,13 +344,20 @@ class AwarenessModel(nn.Module):
             raise ValueError("memory_top_k routes over chunks, and flat memory_states (B, M, H_enc) do not say where "
                              "chunks end: pass them as (B, C, L, H_enc) with a (B, C, L) mask "
                              "(MemoryStore.memory(chunked=True)), or memory_input_ids (B, C, L)")
+        summaries = self.memory_summaries
+        if chunk_len % summaries:
+            raise ValueError(f"memory_summaries ({summaries}) must divide the memory's chunk length ({chunk_len}): "
+                             f"each summary key stands for a block of chunk_len / memory_summaries tokens")
+        block = chunk_len // summaries
         source = projected if self.routing_trains_summaries else projected.detach()
-        summary_states = chunk_summary_states(source, mask, chunk_len)  # (B, C, H_dec)
+        summary_states = chunk_summary_states(source, mask, block)  # (B, C * S, H_dec)
         readable = chunk_mask(padding, chunk_len)  # (B, 1, 1 or T, C) or None
+        blocks = chunk_mask(padding, block) if summaries > 1 else None  # (B, 1, 1 or T, C * S) or None
         train = self.training and self.memory_routing_loss > 0 and torch.is_grad_enabled()
         for i, kv in layers.items():
             kv.routing = ChunkRouting(summary=readers[i].router(summary_states), chunk_len=chunk_len,
-                                      top_k=self.memory_top_k, chunk_mask=readable, train=train)
+                                      top_k=self.memory_top_k, chunk_mask=readable, train=train,
+                                      summaries=summaries, summary_mask=blocks)
 
     @property
     def memory_projection_dtype(self) -> torch.dtype:
@@ -495,6 +507,7 @@ class AwarenessModel(nn.Module):
             memory_top_k=config.memory_top_k,
             memory_logn_scale=config.memory_logn_scale,
             memory_routing_loss=config.memory_routing_loss,
+            memory_summaries=config.memory_summaries,
             dtype=dtype,
             device=device,
         )

@@ -42,7 +42,7 @@ def check_fusion(fusion: str) -> str:
 
 
 def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
-                         memory_routing_loss: float) -> None:
+                         memory_routing_loss: float, memory_summaries: int = 1) -> None:
     """Chunk routing and the length-aware scale (models/gca.py) belong to the fusions that read the memory in an
     attention of their own (gca, cross). Merged attention shares one softmax between the decoder's own tokens and the
     memory, where neither fits without changing the pretrained attention: refused."""
@@ -53,6 +53,8 @@ def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
                          f"{memory_logn_scale}")
     if memory_routing_loss < 0:
         raise ValueError(f"memory_routing_loss must be >= 0, got {memory_routing_loss}")
+    if memory_summaries < 1:
+        raise ValueError(f"memory_summaries must be >= 1 (summary keys per chunk for routing), got {memory_summaries}")
     if fusion == "merged" and (memory_top_k or memory_logn_scale):
         raise ValueError("memory_top_k and memory_logn_scale route and scale a memory-only attention (fusion gca or "
                          "cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "

@@ -31,6 +31,11 @@ attends to their tokens only:
   token is the only one that has seen its whole chunk, and it is what Qwen3-Embedding pools as the chunk's
   embedding; a mean of the chunk's keys would dilute a single needle by 1/L. The block's own k_proj is not reused:
   the routing loss would then pull the token keys that the answer depends on.
+* **Several summaries a chunk** (`memory_summaries` = S > 1): one summary key per block of L / S tokens, and a
+  chunk scores the best of its blocks (a max, as Landmark Attention gives each block its own landmark). One vector
+  per chunk must hold every key the chunk defines; a tiny pair's (head_dim 16) routers then found the evidence chunk
+  among chunks full of similar facts for only ~20% of questions at 16x (docs/evaluation.md). S summaries cost
+  C * S scores per decoding step instead of C, still far fewer than the C * L of full attention.
 * **Training signal: an auxiliary routing loss**, KL(teacher || router) per query and kv head, where the teacher is
   full attention's chunk mass (softmax over chunks of the logsumexp of each chunk's token logits, averaged over the
   kv head's query heads, no gradient) and the router's distribution is the softmax over its chunk scores. It is
@@ -83,17 +88,19 @@ class ChunkRouting:
     which chunks a query may read, and k. `loss` is written by attend_memory when `train` (the auxiliary routing
     loss of this layer and forward)."""
 
-    summary: torch.Tensor  # (B_mem, n_kv_heads, C, head_dim), from ChunkRouter
+    summary: torch.Tensor  # (B_mem, n_kv_heads, C * S, head_dim), from ChunkRouter: S summary keys per chunk
     chunk_len: int  # L: the memory is C chunks of L positions, M = C * L
     top_k: int
     chunk_mask: torch.Tensor | None  # (B_mem, 1, 1 or T, C) bool: the chunk holds a token the query may read
+    summaries: int = 1  # S: summary keys per chunk, one per block of L / S tokens; a chunk scores its best block's
+    summary_mask: torch.Tensor | None = None  # (B_mem, 1, 1 or T, C * S) bool, when S > 1: the block holds one
     train: bool = False  # compute the routing loss (training)
     path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
     loss: torch.Tensor | None = None
 
     @property
     def num_chunks(self) -> int:
-        return self.summary.shape[2]
+        return self.summary.shape[2] // self.summaries
 
     @property
     def selects(self) -> bool:
@@ -311,11 +318,16 @@ def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
 
 def _router_scores(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
-    not read the chunk. The queries are detached: the scores train the summary keys only."""
+    not read the chunk; with S summaries a chunk, the best of its blocks' scores. The queries are detached: the
+    scores train the summary keys only."""
     b_mem, h, q, hd = query.shape
     n_kv = routing.summary.shape[1]
     grouped = query.detach().view(b_mem, n_kv, h // n_kv, q, hd).mean(2)  # (B_mem, H_kv, Q, hd)
-    scores = (grouped @ routing.summary.transpose(-1, -2)).float() * scale  # (B_mem, H_kv, Q, C)
+    scores = (grouped @ routing.summary.transpose(-1, -2)).float() * scale  # (B_mem, H_kv, Q, C * S)
+    if routing.summaries > 1:  # a chunk's score is its best readable block's
+        if routing.summary_mask is not None:
+            scores = scores.masked_fill(~routing.summary_mask, float("-inf"))
+        scores = scores.view(b_mem, n_kv, q, routing.num_chunks, routing.summaries).amax(-1)  # (B_mem, H_kv, Q, C)
     if routing.chunk_mask is not None:
         scores = scores.masked_fill(~routing.chunk_mask, float("-inf"))
     return scores

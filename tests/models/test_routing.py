@@ -101,6 +101,39 @@ def test_routed_attention_reads_the_top_scoring_chunks_only(path, logn):
     torch.testing.assert_close(applied, out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["masked", "gathered"])
+def test_several_summaries_a_chunk_score_it_by_its_best_readable_block(path):
+    """S summary keys a chunk (one per block of L / S tokens): a chunk scores the best of its readable blocks, a
+    padding block never counts (its summary would win every query), and the tokens read are exactly those chunks'."""
+    memory, mask = routed_memory(k=2, path=path)
+    summaries = L  # blocks of one token
+    summary = torch.randn(2, NKV, C * summaries, HD, generator=torch.Generator().manual_seed(5))
+    summary[1, :, 2 * summaries + 1] = 50.0  # row 1's chunk 2: one real token, then padding
+    blocks = mask.view(2, C * summaries, L // summaries).any(-1)[:, None, None, :]
+    memory.routing = ChunkRouting(summary=summary, chunk_len=L, top_k=2, chunk_mask=memory.routing.chunk_mask,
+                                  path=path, summaries=summaries, summary_mask=blocks)
+    query = torch.randn(4, 3, NH, HD, generator=torch.Generator().manual_seed(1))
+    out, folded = attend_memory(query, memory)
+    probs = memory_probabilities(folded, memory, scale=HD**-0.5)  # (B_mem, H, r*T, M)
+    read = probs.view(2, NH, 6, C, L).sum(-1) > 0
+    group = NH // NKV
+    for row in range(4):
+        m = row // 2
+        for i in range(3):
+            for g in range(NKV):
+                heads = query[row, i, g * group:(g + 1) * group].mean(0)
+                scores = [max(float(heads @ summary[m, g, c * summaries + b]) for b in range(summaries)
+                              if mask[m, c * L + b]) if mask[m, c * L:(c + 1) * L].any() else -math.inf
+                          for c in range(C)]
+                chosen = set(sorted(range(C), key=lambda c: -scores[c])[:2])
+                for head in range(g * group, (g + 1) * group):
+                    got = set(read[m, head, (row % 2) * 3 + i].nonzero().flatten().tolist())
+                    assert got == chosen & {c for c in range(C) if mask[m, c * L:(c + 1) * L].any()}
+    values = memory.value.repeat_interleave(group, dim=1)  # and what was read is what the output holds
+    applied = (probs @ values).view(2, NH, 2, 3, HD).permute(0, 2, 3, 1, 4).reshape(4, 3, NH * HD)
+    torch.testing.assert_close(applied, out, rtol=1e-5, atol=1e-5)
+
+
 def test_k_keeping_every_chunk_is_full_attention_exactly():
     memory, _ = routed_memory(k=C)
     query = torch.randn(4, 3, NH, HD, generator=torch.Generator().manual_seed(1))
@@ -343,6 +376,30 @@ def test_save_and_load_keep_the_routing(checkpoint_root, tmp_path):
     torch.testing.assert_close(logits(loaded, ids, mem, mask), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="missing"):  # a model without routers cannot take these weights
         pair(checkpoint_root, "cross").load_added_weights(tmp_path / "run" / "awareness.safetensors")
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_summaries_per_chunk_keep_parity_save_load_and_refuse_a_length_they_do_not_divide(checkpoint_root, fusion,
+                                                                                         tmp_path):
+    full, routed = routed_pair(checkpoint_root, fusion, k=3, memory_summaries=4)  # memory_batch: 3 chunks of 8
+    ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(routed, ids, mem, mask), logits(full, ids, mem, mask))  # k keeps all
+    routed.memory_top_k = 1
+    with torch.no_grad():  # 4 summary keys a chunk: each of a two-token block
+        assert routed.prepare_memory(mem, mask).layers[routed.gca_layers[-1]].routing.summary.shape[2] == 3 * 4
+    expected = logits(routed, ids, mem, mask)
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert (loaded.memory_summaries, loaded.memory_top_k) == (4, 3)  # saved as built
+    loaded.memory_top_k = 1
+    torch.testing.assert_close(logits(loaded, ids, mem, mask), expected, rtol=1e-5, atol=1e-5)
+    _, odd = routed_pair(checkpoint_root, fusion, k=1, memory_summaries=3)
+    with pytest.raises(ValueError, match=r"memory_summaries \(3\) must divide the memory's chunk length \(8\)"):
+        logits(odd, ids, mem, mask)
+    with pytest.raises(ValueError, match="memory_summaries must be >= 1"):
+        pair(checkpoint_root, fusion, memory_top_k=1, memory_summaries=0)
 
 
 def test_chunked_memory_states_route_as_memory_ids_do(checkpoint_root):

@@ -42,6 +42,9 @@ class ModelConfig:
     # With routing: the routing loss also trains the memory projection and a trained encoder (what the chunk summaries
     # are made of), not the routers alone, so the encoder learns to summarise a chunk's keys for its router
     memory_routing_grad: bool = False
+    # With routing: summary keys per chunk, one per block of chunk_len / this tokens, a chunk scoring its best block
+    # (must divide the chunk length): one vector per chunk cannot hold every key of a chunk full of similar facts
+    memory_summaries: int = 1
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
@@ -103,6 +106,8 @@ class ModelConfig:
                      f"{m.memory_logn_scale}")
         if m.memory_routing_loss < 0:
             p.append(f"model.memory_routing_loss must be >= 0, got {m.memory_routing_loss}")
+        if m.memory_summaries < 1:
+            p.append(f"model.memory_summaries must be >= 1 (summary keys per chunk), got {m.memory_summaries}")
         if m.memory_routing_grad and not m.memory_top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")
