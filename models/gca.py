@@ -316,7 +316,7 @@ def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
     return padding.attn_mask.view(b, 1, rows, m // chunk_len, chunk_len).any(-1)
 
 
-def _router_scores(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
+def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
     not read the chunk; with S summaries a chunk, the best of its blocks' scores. The queries are detached: the
     scores train the summary keys only."""
@@ -337,7 +337,7 @@ def _select(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.T
     """The top-k chunks of each query and kv head, (B_mem, H_kv, Q, k) indices. A query with fewer readable chunks
     than k also gets unreadable ones, whose tokens its padding mask then hides."""
     with torch.no_grad():
-        return _router_scores(query, routing, scale).topk(routing.top_k, dim=-1).indices
+        return chunk_scores(query, routing, scale).topk(routing.top_k, dim=-1).indices
 
 
 def _selected_tokens(chosen: torch.Tensor, routing: ChunkRouting, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -407,7 +407,7 @@ def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.
         weight = torch.ones(b_mem, 1, q, device=query.device)
         if padding.has_memory is not None:
             weight = weight * padding.has_memory[:, :, :, 0].float().expand(b_mem, 1, q)
-    log_router = _router_scores(query, routing, scale).log_softmax(-1).masked_fill(teacher == 0, 0.0)
+    log_router = chunk_scores(query, routing, scale).log_softmax(-1).masked_fill(teacher == 0, 0.0)
     kl = (teacher * (teacher.clamp_min(1e-30).log() - log_router)).sum(-1)  # (B_mem, H_kv, Q)
     return (kl * weight).sum() / (weight.sum() * n_kv).clamp_min(1.0)
 
