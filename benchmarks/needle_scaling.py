@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.awareness import WEIGHTS_NAME
-from models.gca import chunk_scores
+from models.gca import chunk_scores, memory_probabilities
 from pipelines.data.memory_modes import NO_MEMORY
 from pipelines.data.streams import NeedleStream
 from pipelines.data.synthetic_needles import generate_memory
@@ -100,15 +100,16 @@ def evaluate(model, config: ModelConfig, variants: list[str], scales: list[int],
 
 
 @torch.no_grad()
-def router_recall(model, variant: str, scale: int, memories: int) -> dict[int, float]:
+def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, float]:
     """Per routing layer: the share of questions whose evidence chunk is among the top-k chunks the router picks (for
-    either kv head) at the question's last prompt token."""
+    either kv head) at the question's last prompt token, and beside it (`L/full`) among the top-k chunks by full
+    attention's chunk mass for the same query: the routing loss's teacher, which the router can only imitate."""
     model.eval()
     spec = STAGE0.needle.spec()
     queries: dict[int, torch.Tensor] = {}
     hooks = [block.q_norm.register_forward_hook(lambda _m, _i, out, i=i: queries.__setitem__(i, out))
              for i, block in model.memory_readers().items()]
-    hits, total = dict.fromkeys(model.memory_readers(), 0), 0
+    hits, total = {}, 0
     try:
         for index in range(memories):
             drawn = generate_memory(variant, spec, scale, np.random.default_rng([HELD_OUT_SEED, index]))
@@ -122,8 +123,13 @@ def router_recall(model, variant: str, scale: int, memories: int) -> dict[int, f
                 folded = query.reshape(1, b * t, h, hd).transpose(1, 2)
                 k = min(model.memory_top_k, routing.num_chunks)
                 chosen = chunk_scores(folded, routing, hd**-0.5).topk(k, dim=-1).indices.view(1, -1, b, t, k)
+                probs = memory_probabilities(folded, dataclasses.replace(prepared.layers[i], routing=None),
+                                             scale=hd**-0.5)  # full attention: (1, H, b*t, M)
+                mass = probs.view(1, h, b * t, routing.num_chunks, -1).sum(-1).mean(1)  # (1, b*t, C)
+                teacher = mass.topk(k, dim=-1).indices.view(b, t, k)
                 for q, evidence in enumerate(drawn.evidence):
-                    hits[i] += bool(set(evidence) & set(chosen[0, :, q, -1].flatten().tolist()))
+                    hits[str(i)] = hits.get(str(i), 0) + bool(set(evidence) & set(chosen[0, :, q, -1].flatten().tolist()))
+                    hits[f"{i}/full"] = hits.get(f"{i}/full", 0) + bool(set(evidence) & set(teacher[q, -1].tolist()))
             total += len(drawn.questions)
     finally:
         for hook in hooks:

@@ -24,7 +24,7 @@ def test_trains_in_phases_saves_scores_each_size_and_the_routers_recall(tmp_path
     assert all(0.0 <= v <= 1.0 for v in first["accuracy"].values())
     # tiny-shared's GCA blocks sit in its upper half (layers 2 and 3): one recall per routing layer and cell
     assert {cell: sorted(layers) for cell, layers in first["recall"].items()} == {
-        cell: ["2", "3"] for cell in ("single/1x", "single/2x", "multi_key/1x", "multi_key/2x")}
+        cell: ["2", "2/full", "3", "3/full"] for cell in ("single/1x", "single/2x", "multi_key/1x", "multi_key/2x")}
     # at 1x the memory is 4 chunks and k = 2 of them, at 2x 8: the recall is a share of questions either way
     assert all(0.0 <= v <= 1.0 for layers in first["recall"].values() for v in layers.values())
     again = run("--model", model, "--init-from", str(tmp_path / "m"), "--memories", "2", "--scales", "1")
