@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--memories", type=int, default=32, help="held-out memories a cell (8 questions each)")
     parser.add_argument("--recall", action="store_true", help="also each routing layer's recall of the evidence chunk")
+    parser.add_argument("--read-top-k", type=int, help="score reading with this memory_top_k (0: full attention)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("THREADS", "1")))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -169,6 +170,8 @@ def main() -> None:
         train(model, config, phases, args.lr, args.memories_per_step, lambda line: print(line, flush=True))
     if args.save:
         model.save_pretrained(args.save)
+    if args.read_top_k is not None:
+        model.memory_top_k = args.read_top_k
     summary = {"accuracy": evaluate(model, config, args.variants, args.scales, args.memories)}
     if args.recall and model.memory_top_k:
         summary["recall"] = {f"{v}/{s}x": router_recall(model, v, s, args.memories)

@@ -29,3 +29,6 @@ def test_trains_in_phases_saves_scores_each_size_and_the_routers_recall(tmp_path
     assert all(0.0 <= v <= 1.0 for layers in first["recall"].values() for v in layers.values())
     again = run("--model", model, "--init-from", str(tmp_path / "m"), "--memories", "2", "--scales", "1")
     assert again["accuracy"]["single/1x"] == first["accuracy"]["single/1x"]  # the saved model, scored again
+    full = run("--model", model, "--init-from", str(tmp_path / "m"), "--memories", "2", "--scales", "1",
+               "--read-top-k", "0", "--variants", "single")
+    assert set(full["accuracy"]) == {"single/1x", "no_memory"}  # the same weights read with full attention
