@@ -18,10 +18,9 @@ import torch
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from models import build_pair
 from pipelines.memory.store import write
 from pipelines.serving.app import AwarenessServer
-from pipelines.serving.register import register_run
+from tests.pipelines.serving.conftest import register_tiny_export
 from tests.pipelines.serving.test_register import needle_questions
 
 pytestmark = pytest.mark.ray
@@ -37,23 +36,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory, checkpoint_root, mlflow_server):
-    from mlflow.tracking import MlflowClient
-
-    tmp = tmp_path_factory.mktemp("serve-registry")
-    torch.manual_seed(0)
-    model = build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half").eval()
-    with torch.no_grad():
-        for block in model.gca_blocks().values():
-            block.gate.fill_(2.0)
-    model.save_pretrained(tmp / "export")
-    client = MlflowClient(mlflow_server.uri)
-    found = client.get_experiment_by_name("serve-test")
-    experiment = found.experiment_id if found else client.create_experiment("serve-test")
-    run = client.create_run(experiment, tags={"pair": "tiny"})
-    for key, value in {"model.pair": "tiny", "needle.value_digits": "3", "data.train_path": "None"}.items():
-        client.log_param(run.info.run_id, key, value)
-    client.log_artifacts(run.info.run_id, str(tmp / "export"), "export")
-    register_run(run.info.run_id, tracking_uri=mlflow_server.uri, name=NAME)
+    register_tiny_export(tmp_path_factory.mktemp("serve-registry"), checkpoint_root, mlflow_server.uri, "serve-test",
+                         NAME)
     return f"models:/{NAME}@candidate"
 
 

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from models import build_pair
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.serving.register import register_run
 from pipelines.tracking.registry import promote
+from tests.pipelines.serving.conftest import register_tiny_export
 from tests.pipelines.serving.test_pyfunc import needle_questions
 
 NAME = "awareness-registry-test"
@@ -22,24 +22,9 @@ NAME = "awareness-registry-test"
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory, checkpoint_root, mlflow_server):
     """A stage-like run holding an export/ with open gates (so the memory changes the answer), registered."""
-    from mlflow.tracking import MlflowClient
-
-    tmp = tmp_path_factory.mktemp("registry")
-    torch.manual_seed(0)
-    model = build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half").eval()
-    with torch.no_grad():
-        for block in model.gca_blocks().values():
-            block.gate.fill_(2.0)
-    model.save_pretrained(tmp / "export")
-    client = MlflowClient(mlflow_server.uri)
-    found = client.get_experiment_by_name("registry-test")
-    experiment = found.experiment_id if found else client.create_experiment("registry-test")
-    run = client.create_run(experiment, tags={"pair": "tiny", "git.commit": "abc123", "data.manifest_hash": "synthetic:x"})
-    for key, value in {"model.pair": "tiny", "needle.value_digits": "3", "data.train_path": "None"}.items():
-        client.log_param(run.info.run_id, key, value)
-    client.log_artifacts(run.info.run_id, str(tmp / "export"), "export")
-    version = register_run(run.info.run_id, tracking_uri=mlflow_server.uri, name=NAME)
-    return model, version, run.info.run_id
+    return register_tiny_export(tmp_path_factory.mktemp("registry"), checkpoint_root, mlflow_server.uri,
+                                "registry-test", NAME, tags={"git.commit": "abc123",
+                                                             "data.manifest_hash": "synthetic:x"})
 
 
 def test_version_has_lineage_and_the_candidate_alias(registered, mlflow_server, checkpoint_root):
