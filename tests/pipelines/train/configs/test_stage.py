@@ -180,3 +180,15 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     assert (model.memory_top_k, model.memory_logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
     loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "export"))
     assert (loaded.memory_top_k, loaded.memory_logn_scale, loaded.memory_routing_loss) == (2, 512, 1.0)
+    for flags, expected in ((["--model.memory_routing_grad", "true"], "set model.memory_top_k too"),
+                            (["--model.memory_top_k", "2", "--model.memory_summaries", "0"],
+                             "model.memory_summaries must be >= 1")):
+        with pytest.raises(SystemExit):
+            parse_config(flags, DEFAULT)
+        assert expected in capsys.readouterr().err
+    config = parse_config(["--model.memory_top_k", "2", "--model.memory_summaries", "4", "--model.memory_routing_grad",
+                           "true"], DEFAULT)
+    model = build_model(config.model)
+    assert (model.memory_summaries, model.routing_trains_summaries) == (4, True)
+    loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "summaries"))
+    assert (loaded.memory_summaries, loaded.routing_trains_summaries) == (4, False)  # a training choice: not saved
