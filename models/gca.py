@@ -34,8 +34,9 @@ attends to their tokens only:
 * **Several summaries a chunk** (`memory_summaries` = S > 1): one summary key per block of L / S tokens, and a
   chunk scores the best of its blocks (a max, as Landmark Attention gives each block its own landmark). One vector
   per chunk must hold every key the chunk defines; a tiny pair's (head_dim 16) routers then found the evidence chunk
-  among chunks full of similar facts for only ~20% of questions at 16x (docs/evaluation.md). S summaries cost
-  C * S scores per decoding step instead of C, still far fewer than the C * L of full attention.
+  among chunks full of similar facts for only ~20% of questions at 16x, and S = 4 (a summary per fact slot) did not
+  raise that within 1,500 steps (docs/evaluation.md). S summaries cost C * S scores per decoding step instead of C,
+  still far fewer than the C * L of full attention.
 * **Training signal: an auxiliary routing loss**, KL(teacher || router) per query and kv head, where the teacher is
   full attention's chunk mass (softmax over chunks of the logsumexp of each chunk's token logits, averaged over the
   kv head's query heads, no gradient) and the router's distribution is the softmax over its chunk scores. It is
