@@ -52,7 +52,13 @@ BUNDLE = {
     "pydantic-core": "pydantic's", "annotated-types": "pydantic's", "typing-inspection": "pydantic's",
     "hjson": "DeepSpeed's", "jsonschema": "ray's", "jsonschema-specifications": "jsonschema's",
     "referencing": "jsonschema's", "rpds-py": "referencing's", "bm25s": "the rag baseline (imported by the suites)",
+    "fastokens": "the offline tokenizer (pipelines.corpora.tokenizer imports it)",
 }
+# This project's dependencies that the GPU checks import and the box already holds at a usable version: the box's
+# own torch is the point, the rest are its image's (KINDS.md). tests/infra/test_gpu_bundle.py holds every project
+# dependency the checks import to BUNDLE or here (fastokens, in neither, stopped the first run on an H200).
+BOX_PROVIDES = {"torch", "numpy", "packaging", "psutil", "pyarrow", "pyyaml", "safetensors", "tiktoken", "tokenizers",
+                "tqdm"}
 SDIST_ONLY = {"deepspeed"}
 RAY_DROPPED = (re.compile(r"^ray/jars/"), re.compile(r"^ray/dashboard/client/build/.*\.map$"),
                re.compile(r"^ray/rllib/"))

@@ -17,7 +17,8 @@ Then, each step in a child process with its own time limit (one that hangs costs
 4. the efficiency suite's time to first token at 16k and 64k memory tokens (pipelines.evaluate.efficiency), on
    stage 2's export (or, when that run failed, proto1 with GCA as built).
 
-REPORT_DIR/gpu-check-report.md gets each step's command, status, seconds and output tail, and the versions seen.
+REPORT_DIR/gpu-check-report.md gets each step's command, status, seconds and output tail, and the versions seen;
+REPORT_DIR/<step>.log each step's whole output.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def install(bundle: Path) -> str:
     return f"{len(wheels)} wheels installed into {SITE}"
 
 
-def run_step(step: Step, env: dict[str, str], deadline: float) -> dict:
+def run_step(step: Step, env: dict[str, str], deadline: float, log_dir: Path) -> dict:
     limit = max(1, min(step.limit_s, int(deadline - time.monotonic())))
     started = time.monotonic()
     try:
@@ -131,8 +132,13 @@ def run_step(step: Step, env: dict[str, str], deadline: float) -> dict:
     except subprocess.TimeoutExpired as error:
         status = f"timed out after {limit} s"
         output = (error.stdout or b"").decode(errors="replace") + (error.stderr or b"").decode(errors="replace")
+    (log_dir / f"{slug(step.name)}.log").write_text(output)  # the whole output: the report keeps its tail
     return {"name": step.name, "status": status, "seconds": round(time.monotonic() - started, 1),
             "command": shlex.join(step.command), "tail": output[-TAIL:]}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name)
 
 
 def report(results: list[dict], out: Path) -> Path:
@@ -150,15 +156,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=ROOT / ".gpu-bundle", help="what make gpu-check assembled")
     parser.add_argument("--out", type=Path, required=True, help="where gpu-check-report.md is written")
+    parser.add_argument("--budget", type=int, default=BUDGET_S, help="seconds for the whole run, install included")
     parser.add_argument("--dry-run", action="store_true", help="print the steps and their time limits, run nothing")
     args = parser.parse_args()
     plan = steps(sys.executable)
     if args.dry_run:
         for step in plan:
             print(f"{step.limit_s:4d} s  {step.name}: {shlex.join(step.command)[:160]}".replace("\n", " "))
-        print(f"{sum(s.limit_s for s in plan)} s of step limits; the whole run stops at {BUDGET_S} s")
+        print(f"{sum(s.limit_s for s in plan)} s of step limits; the whole run stops at {args.budget} s")
         return
-    deadline = time.monotonic() + BUDGET_S
+    deadline = time.monotonic() + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results = [{"name": "install", "status": "passed", "seconds": 0.0, "command": f"install {args.bundle}",
                 "tail": install(args.bundle)}]
@@ -171,7 +179,7 @@ def main() -> None:
             results.append({"name": step.name, "status": "not run (out of time)", "seconds": 0.0,
                             "command": shlex.join(step.command), "tail": ""})
             continue
-        results.append(run_step(step, env, deadline))
+        results.append(run_step(step, env, deadline, args.out))
         print(json.dumps({k: results[-1][k] for k in ("name", "status", "seconds")}), flush=True)
     print(f"report: {report(results, args.out)}")
 

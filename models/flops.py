@@ -248,16 +248,26 @@ def flop_counter(**kwargs) -> _counter.FlopCounterMode:
                       aten._scaled_dot_product_flash_attention_backward,
                       aten._scaled_dot_product_cudnn_attention_backward,
                       aten._scaled_dot_product_flash_attention_for_cpu_backward]
+    fused_forward = [aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,
+                     aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu]
     mapping = {op: _sdpa_backward_without_recompute for op in fused_backward}
-    mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_forward
+    mapping.update({op: _sdpa_forward for op in fused_forward})
     return _counter.FlopCounterMode(display=False, custom_mapping=mapping, **kwargs)
 
 
+def _query_heads(query_shape, shape) -> tuple[int, ...]:
+    """A key or value shape with the query's head count: GQA counted as the kernel computes it (torch < 2.13's
+    formulas assert on grouped heads; seen with torch 2.11 on an H200, 2026-11-26)."""
+    return (shape[0], query_shape[1], *shape[2:])
+
+
 def _sdpa_forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    key_shape, value_shape = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
     return _counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 def _sdpa_backward_without_recompute(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    key_shape, value_shape = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
     b, heads, q_len, head_dim = query_shape
     scores = 2 * b * heads * q_len * key_shape[2] * head_dim
     return _counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - scores

@@ -244,14 +244,33 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
         if memory.logn_base:
             attended = folded * _logn_factor(_real_tokens(padding.attn_mask, memory.key.shape[2]), memory.logn_base,
                                              folded.dtype)
-        out = F.scaled_dot_product_attention(attended, memory.key, memory.value, attn_mask=padding.attn_mask,
-                                             dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=h != memory.key.shape[1])  # (B_mem, H, r*T, hd)
+        out = grouped_sdpa(attended, memory.key, memory.value, padding.attn_mask, dropout_p=dropout_p,
+                           scale=scale)  # (B_mem, H, r*T, hd)
     else:
         out = _attend_routed(folded, memory, scale or hd**-0.5, dropout_p)  # (B_mem, H, r*T, hd)
     if padding.has_memory is not None:
         out = out * padding.has_memory.to(out.dtype)
     return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
+
+
+def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 **kwargs) -> torch.Tensor:
+    """SDPA of (B, H, Q, hd) queries over (B, H_kv, M, hd) keys/values, H a multiple of H_kv. CUDA's fused kernels
+    take `enable_gqa` only without a mask ("both fused kernels require query, key and value to have the same
+    num_heads", torch 2.11 on an H200, 2026-11-26), so a masked read there gets its kv heads repeated, as
+    transformers' sdpa_attention does: the memory-efficient kernel instead of the math one, which materialises
+    (B, H, Q, M) scores. Elsewhere `enable_gqa` reads the kv heads in place."""
+    key, value, enable_gqa = kernel_heads(query, key, value, attn_mask)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+
+def kernel_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The keys, values and `enable_gqa` that `grouped_sdpa` hands SDPA (tests/gpu checks a fused kernel takes them)."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1 and attn_mask is not None and query.device.type == "cuda":
+        return key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1), False
+    return key, value, group > 1
 
 
 def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float) -> torch.Tensor:
@@ -362,8 +381,7 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
         if memory.logn_base:
             query = query * _per_query_head(_logn_factor(mask.sum(-1, keepdim=True), memory.logn_base, query.dtype), h)
         mask = mask.repeat_interleave(group, dim=1) if group > 1 else mask  # (B_mem, H, Q, M)
-        return F.scaled_dot_product_attention(query, memory.key, memory.value, attn_mask=mask, dropout_p=dropout_p,
-                                              scale=scale, enable_gqa=group > 1)
+        return grouped_sdpa(query, memory.key, memory.value, mask, dropout_p=dropout_p, scale=scale)
     # each query's k chunks gathered: O(Q * k * L), what a decoding step pays whatever the memory's length
     c = routing.num_chunks
     index = chosen[..., None, None].expand(b_mem, n_kv, q, k, length, hd)

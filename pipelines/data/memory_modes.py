@@ -12,12 +12,17 @@ the same index works on needles (token-id vocabulary) and on tokenized corpus ro
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import bm25s
-import numpy as np
+# bm25s runs a JAX op when imported, if JAX is installed: on a GPU box JAX would then take 75% of the GPU's memory
+# in every process that imports this module (seen on an H200, 2026-11-26: the stage job ran out of memory). Its
+# top-k on the CPU is all the rag baseline needs; a JAX_PLATFORMS set by the user wins.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import bm25s  # noqa: E402
+import numpy as np  # noqa: E402
 
 from pipelines.corpora.rows import IGNORE
 

@@ -22,6 +22,7 @@ from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
+from pipelines.evaluate.collectives import summed_over_ranks
 
 
 @dataclass
@@ -103,8 +104,7 @@ HEATMAP_DISTRACTORS = (0, 2, 6, 14)  # memory sizes for the final needle heatmap
 
 
 def _summed(scores: NeedleScores) -> NeedleScores:
-    total = scores.as_tensor()
-    dist.all_reduce(total)
+    total = summed_over_ranks(scores.as_tensor())
     return NeedleScores.from_tensor(total, bins=len(scores.depth_total))
 
 
@@ -191,7 +191,7 @@ def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec, mode: Mem
             totals[correct_at] += int((logits.argmax(-1)[valid] == target[valid]).sum())
     model.train(was_training)
     if distributed:
-        dist.all_reduce(totals)
+        totals = summed_over_ranks(totals)
     tokens = max(totals[1].item(), 1)
     return {
         "val_loss": totals[0].item() / tokens,

@@ -13,6 +13,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.tracking.tracker import Tracker, for_other_nodes
 from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
                                     setup_deepspeed)
@@ -92,7 +93,7 @@ def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dic
     names = sorted(parts[0])  # the same parts on every rank and micro-batch
     means = [torch.stack([p[n].detach() for p in parts]).mean().item() for n in names]
     totals = torch.tensor([torch.stack(losses).mean().item(), tokens, checksum, *means], dtype=torch.float64)
-    dist.all_reduce(totals)
+    totals = summed_over_ranks(totals)
     state.step += 1
     state.examples_seen += t.memories_per_step
     state.index_checksum += int(totals[2].item())  # global, so every rank's checkpointed state is the same

@@ -15,7 +15,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models import build_pair
-from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, chunk_mask
+from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, chunk_mask, kernel_heads
 from tests.conftest import open_gates
 from tests.gpu.conftest import relative_error
 
@@ -35,6 +35,8 @@ def memory_case(case: str, device: torch.device, dtype: torch.dtype, seed: int =
     rows = B_MEM if case == "packed" else B_MEM * R  # packed: one memory row per decoder row
     query = torch.randn(rows, T, H, HD, generator=g)
     key, value = torch.randn(2, B_MEM, H_KV, m, HD, generator=g).unbind(0)
+    if case.startswith("routed"):  # every query carries +-3 along dimension 0, where the summaries below lie
+        query[..., 0] += 3 * (2 * torch.randint(0, 2, (rows, T, 1), generator=g) - 1)
     mask = torch.ones(B_MEM, m, dtype=torch.bool)
     if case in ("padded", "no_memory_row", "packed", "routed_masked", "routed_gathered"):
         mask[0, m - L - 5:] = False  # the first memory's last chunk and a half are padding
@@ -51,7 +53,11 @@ def memory_case(case: str, device: torch.device, dtype: torch.dtype, seed: int =
     padding = MemoryPadding(*(None if x is None else x.to(device) for x in (padding.attn_mask, padding.has_memory)))
     memory = MemoryKV(leaves[1], leaves[2], padding, logn_base=64 if case == "logn" else 0)
     if case.startswith("routed"):
-        summary = torch.randn(B_MEM, H_KV, CHUNKS, HD, generator=g).to(device, dtype)
+        # chunk scores far apart (chunk c's summary is (c - 4) along dimension 0), so
+        # bf16 and fp32 pick the same top-k: random summaries flip near ties between dtypes (seen on an H200)
+        summary = torch.zeros(B_MEM, H_KV, CHUNKS, HD)
+        summary[..., 0] = torch.arange(CHUNKS) - CHUNKS // 2
+        summary = summary.to(device, dtype)
         memory.routing = ChunkRouting(summary=summary, chunk_len=L, top_k=3, chunk_mask=chunk_mask(padding, L),
                                       path=case.removeprefix("routed_"))
     return leaves, memory
@@ -94,7 +100,8 @@ def test_the_padded_gqa_read_reaches_a_fused_kernel(device):
 
     (query, key, value), memory = memory_case("padded", device, torch.bfloat16)
     folded = query.reshape(B_MEM, R * T, H, HD).transpose(1, 2)  # as attend_memory folds it: (B_mem, H, r*T, hd)
-    params = SDPAParams(folded, key, value, memory.padding.attn_mask, 0.0, False, True)  # enable_gqa
+    key, value, enable_gqa = kernel_heads(folded, key, value, memory.padding.attn_mask)  # as grouped_sdpa passes them
+    params = SDPAParams(folded, key, value, memory.padding.attn_mask, 0.0, False, enable_gqa)
     usable = {"efficient": can_use_efficient_attention(params, True), "flash": can_use_flash_attention(params, True)}
     print(f"padded GQA memory read, bf16: {usable}")
     assert any(usable.values()), "the padded GQA memory read falls back to the math kernel (reasons warned above)"

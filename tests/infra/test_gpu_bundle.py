@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,3 +102,37 @@ def test_the_gpu_box_script_fits_one_device_command():
     for flag, value in (("--deepspeed.precision", "bf16"), ("--deepspeed.zero_stage", "3"),
                         ("--scaling.use_gpu", "true"), ("--train.max_steps", "50"), ("--model.pair", "proto1")):
         assert stage2[stage2.index(flag) + 1] == value, flag
+
+
+GPU_CHECK_IMPORTS = ["models", "pipelines.corpora.random_rows", "pipelines.train.driver", "pipelines.train.recipes.jobs",
+                     "pipelines.evaluate.common", "pipelines.evaluate.efficiency", "gpu_mfu",
+                     *sorted(f"tests.gpu.{p.stem}" for p in (ROOT / "tests" / "gpu").glob("test_*.py"))]
+
+WHAT_THEY_IMPORT = """
+import importlib, importlib.metadata as md, json, sys
+sys.path[:0] = [{root!r}, {root!r} + "/benchmarks"]
+for name in {modules!r}:
+    importlib.import_module(name)
+tops = md.packages_distributions()
+print(json.dumps(sorted({{d.lower().replace("_", "-") for m in list(sys.modules) for d in tops.get(m.split(".")[0], [])}})))
+"""
+
+
+def test_every_dependency_the_gpu_checks_import_travels_or_is_on_the_box():
+    """A project dependency the checks import but the bundle lacks fails every step on the box at import
+    (fastokens did, on an H200): each is in BUNDLE, or in BOX_PROVIDES, or ships the same module as one in BUNDLE
+    (mlflow's client, as mlflow-skinny)."""
+    script = WHAT_THEY_IMPORT.format(root=str(ROOT), modules=GPU_CHECK_IMPORTS)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = set(json.loads(result.stdout.splitlines()[-1]))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    dependencies = {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in project}
+    shipped_with = {d.lower(): {m for m, ds in packages_distributions().items() if d in ds} for d in bundle.BUNDLE}
+    bundled_modules = set().union(*shipped_with.values())
+    modules_of = {d.lower().replace("_", "-"): m for m, ds in packages_distributions().items() for d in ds}
+    missing = [d for d in sorted(imported & dependencies)
+               if d not in bundle.BUNDLE and d not in bundle.BOX_PROVIDES and modules_of.get(d) not in bundled_modules]
+    assert imported & dependencies >= {"torch", "transformers", "fastokens"}  # the probe saw the imports
+    assert not missing, f"the GPU checks import {missing}: add them to benchmarks/gpu_bundle.py's BUNDLE"

@@ -148,3 +148,19 @@ def test_a_reloaded_model_counts_as_the_model_it_was_saved_from(checkpoint_root,
     batch = batch_for(model)
     assert training_flops(reloaded, batch) == training_flops(model, batch)
     assert training_flops(reloaded, batch) != training_flops(build_pair("tiny", checkpoint_root=checkpoint_root), batch)
+
+
+def test_flop_counter_counts_grouped_kv_heads_as_repeated_ones():
+    """GQA through a fused kernel (fewer key/value heads than query heads) counts as the kernel computes it: as if
+    the kv heads were repeated. torch 2.11's own formula asserted on it, which stopped gpu_mfu.py on an H200."""
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 8, 16, 32, generator=g, requires_grad=True)
+    key, value = (torch.randn(2, 2, 24, 32, generator=g, requires_grad=True) for _ in range(2))
+    totals = []
+    for grouped in (True, False):
+        k, v = (key, value) if grouped else (key.repeat_interleave(4, 1), value.repeat_interleave(4, 1))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), flop_counter() as counter:
+            torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=grouped).sum().backward()
+        totals.append(counter.get_total_flops())
+    # forward 2 products, backward 4 (the recomputed scores not counted): 6 * 2*B*H*Q*K*hd
+    assert totals == [6 * 2 * 2 * 8 * 16 * 24 * 32] * 2

@@ -22,6 +22,7 @@ from pipelines.corpora.shards import MANIFEST, check_splits
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
+from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
 from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
@@ -265,8 +266,7 @@ def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dic
     entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
     for b in blocks.values():
         b.probe_entropy, b.last_entropy = False, None
-    dist.all_reduce(entropies)
-    entropies /= dist.get_world_size()
+    entropies = summed_over_ranks(entropies) / dist.get_world_size()
     state.gate_history.append([state.step, *gates.values()])
     metrics = {f"gate/layer_{i}": v for i, v in gates.items()}
     metrics |= {f"attention_entropy/layer_{i}": e for i, e in zip(blocks, entropies.tolist(), strict=True)}

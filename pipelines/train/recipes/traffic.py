@@ -23,6 +23,7 @@ from models.traffic_vlm import TrafficVLM, build_traffic_vlm, tiny_vision_config
 from pipelines.data.traffic_scenes import QUESTIONS, build_split, make_row, pixel_values, scene_seeds
 from pipelines.data.traffic_tokenizer import NO, PAD, YES, build_traffic_tokenizer, save_traffic_tokenizer
 from pipelines.evaluate import plots
+from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.serving.traffic_pyfunc import log_traffic_pyfunc
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker
@@ -248,7 +249,7 @@ def heldout_metrics(vlm: TrafficVLM, config: TrafficConfig, rank: int, world: in
     withheld = predictions(vlm, rows, config.model.image_size, withhold_image=True)
     vlm.train(was_training)
     counts = count_outcomes(seen, withheld, truth, rows["question"], types)
-    dist.all_reduce(counts)
+    counts = summed_over_ranks(counts)
     return metrics_from_counts(counts, types)
 
 

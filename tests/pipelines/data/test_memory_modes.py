@@ -1,6 +1,10 @@
 """The baselines' inputs: where the memory goes for in_context, rag and none, and that the answers stay where the
 scorer looks for them."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +92,13 @@ def test_memory_mode_problems_name_the_field():
     assert MemoryMode("retrieval").problems() == [
         "model.memory must be one of ('gca', 'in_context', 'rag', 'none'), got 'retrieval'"]
     assert "model.rag_k must be positive" in MemoryMode("rag", rag_k=0).problems()[0]
+
+
+def test_importing_the_rag_baseline_keeps_jax_off_the_gpu():
+    """bm25s runs a JAX op at import when JAX is installed, and JAX then takes 75% of the GPU in that process (a
+    stage job ran out of memory so on an H200): the module sends JAX to the CPU unless the user chose otherwise."""
+    probe = "import os, pipelines.data.memory_modes; print(os.environ['JAX_PLATFORMS'])"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    chosen = [subprocess.run([sys.executable, "-c", probe], env=env | extra, capture_output=True, text=True,
+                             check=True).stdout.strip() for extra in ({}, {"JAX_PLATFORMS": "cuda"})]
+    assert chosen == ["cpu", "cuda"]
