@@ -44,6 +44,7 @@ class AwarenessConfig:
     memory_logn_scale: int = 0  # n_train of the length-aware scale max(1, log n / log n_train); 0: off
     memory_routing_loss: float = 1.0  # weight of the auxiliary routing loss in training (with memory_top_k > 0)
     memory_summaries: int = 1  # routing's summary keys per chunk (one per block of chunk_len / this tokens)
+    memory_chunk_weights: str = "attention"  # routing's mix of the chosen chunks: attention | router (models/gca.py)
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -110,6 +111,7 @@ class AwarenessModel(nn.Module):
         memory_logn_scale: int = 0,
         memory_routing_loss: float = 1.0,
         memory_summaries: int = 1,
+        memory_chunk_weights: str = "attention",
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -120,7 +122,8 @@ class AwarenessModel(nn.Module):
         self.fusion = check_fusion(fusion)
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
-        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries)
+        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries,
+                             memory_chunk_weights)
         self._routers = memory_top_k > 0
         self._memory_top_k = memory_top_k
         self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
@@ -142,7 +145,8 @@ class AwarenessModel(nn.Module):
         self.config.gca_layers, self.config.fusion = self.gca_layers, fusion
         self.config.memory_top_k, self.config.memory_logn_scale = memory_top_k, memory_logn_scale
         self.config.memory_routing_loss, self.config.memory_summaries = memory_routing_loss, memory_summaries
-        self.memory_summaries = memory_summaries
+        self.config.memory_chunk_weights = memory_chunk_weights
+        self.memory_summaries, self.memory_chunk_weights = memory_summaries, memory_chunk_weights
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -184,6 +188,7 @@ class AwarenessModel(nn.Module):
         memory_logn_scale: int = 0,
         memory_routing_loss: float = 1.0,
         memory_summaries: int = 1,
+        memory_chunk_weights: str = "attention",
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -205,7 +210,7 @@ class AwarenessModel(nn.Module):
         )
         return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
                    memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss,
-                   memory_summaries=memory_summaries, config=config,
+                   memory_summaries=memory_summaries, memory_chunk_weights=memory_chunk_weights, config=config,
                    partitioner=partitioner)
 
     @staticmethod
@@ -357,7 +362,8 @@ class AwarenessModel(nn.Module):
         for i, kv in layers.items():
             kv.routing = ChunkRouting(summary=readers[i].router(summary_states), chunk_len=chunk_len,
                                       top_k=self.memory_top_k, chunk_mask=readable, train=train,
-                                      summaries=summaries, summary_mask=blocks)
+                                      summaries=summaries, summary_mask=blocks,
+                                      weights=self.memory_chunk_weights)
 
     @property
     def memory_projection_dtype(self) -> torch.dtype:
@@ -508,6 +514,7 @@ class AwarenessModel(nn.Module):
             memory_logn_scale=config.memory_logn_scale,
             memory_routing_loss=config.memory_routing_loss,
             memory_summaries=config.memory_summaries,
+            memory_chunk_weights=config.memory_chunk_weights,
             dtype=dtype,
             device=device,
         )

@@ -41,8 +41,12 @@ def check_fusion(fusion: str) -> str:
     return fusion
 
 
+CHUNK_WEIGHTS = ("attention", "router")  # how routing mixes a query's chosen chunks (models/gca.py)
+
+
 def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
-                         memory_routing_loss: float, memory_summaries: int = 1) -> None:
+                         memory_routing_loss: float, memory_summaries: int = 1,
+                         memory_chunk_weights: str = "attention") -> None:
     """Chunk routing and the length-aware scale (models/gca.py) belong to the fusions that read the memory in an
     attention of their own (gca, cross). Merged attention shares one softmax between the decoder's own tokens and the
     memory, where neither fits without changing the pretrained attention: refused."""
@@ -55,6 +59,12 @@ def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
         raise ValueError(f"memory_routing_loss must be >= 0, got {memory_routing_loss}")
     if memory_summaries < 1:
         raise ValueError(f"memory_summaries must be >= 1 (summary keys per chunk for routing), got {memory_summaries}")
+    if memory_chunk_weights not in CHUNK_WEIGHTS:
+        raise ValueError(f"memory_chunk_weights must be one of {CHUNK_WEIGHTS}, got {memory_chunk_weights!r}")
+    if memory_chunk_weights == "router" and (not memory_top_k or memory_logn_scale):
+        raise ValueError("memory_chunk_weights='router' mixes the top-k chunks of routing by their scores: it needs "
+                         "memory_top_k > 0 and memory_logn_scale 0 (one softmax per chunk has no memory length to "
+                         "scale by)")
     if fusion == "merged" and (memory_top_k or memory_logn_scale):
         raise ValueError("memory_top_k and memory_logn_scale route and scale a memory-only attention (fusion gca or "
                          "cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "

@@ -43,6 +43,13 @@ attends to their tokens only:
   computed in training, where memories are short and the full logits affordable (and also when k >= C: the router
   learns at 1x what it must do at 64x). The queries and the summarised states are detached in it, so it trains the
   router's parameters only and the answer path is exactly what it would be without routing.
+* **Chunk weights from the router** (`memory_chunk_weights="router"`, an option): Grouped Cross Attention's fusion
+  (Hu et al. 2024) instead of one softmax over the union: attention runs inside each selected chunk, and the k
+  chunk outputs are mixed by the softmax of their router scores, queries and summary keys both with gradients, so
+  the answer loss itself trains the router (the KL routing loss may stay on beside it, or be set to 0). It reads
+  differently from full attention at any k (k >= C keeps full attention, and a model trained at k < C reads its
+  weighted form), and it always takes the gathered path: O(Q * k * L) per layer, fine for the short question blocks
+  of needle rows, heavy for long prompts. Measured in docs/evaluation.md.
 * **GQA: one selection per kv head**, scored with the mean of its query heads' queries (the mean of their scores):
   the group's heads then share one gathered key/value set, as they share keys in GQA, so memory traffic per token is
   k*L per kv head; per query head selection would gather G times as much.
@@ -97,6 +104,7 @@ class ChunkRouting:
     summary_mask: torch.Tensor | None = None  # (B_mem, 1, 1 or T, C * S) bool, when S > 1: the block holds one
     train: bool = False  # compute the routing loss (training)
     path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
+    weights: str = "attention"  # attention: one softmax over the chosen chunks' tokens | router: GCA's fusion
     loss: torch.Tensor | None = None
 
     @property
@@ -296,6 +304,12 @@ def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float)
     scores = (grouped @ key[:, :, None].transpose(-1, -2)).float() * scale  # (B_mem, H_kv, G, Q, M)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if routing is not None and routing.selects and routing.weights == "router":  # each chunk's softmax, mixed
+        c = routing.num_chunks
+        within = scores.view(b_mem, n_kv, h // n_kv, q, c, m // c).softmax(-1).nan_to_num(0.0)
+        weights = torch.zeros(b_mem, n_kv, q, c, device=query.device)
+        weights.scatter_(-1, chosen, chunk_weights(query, routing, chosen, scale))
+        return (within * weights[:, :, None, :, :, None]).reshape(b_mem, h, q, m)
     return scores.softmax(-1).reshape(b_mem, h, q, m)
 
 
@@ -336,13 +350,14 @@ def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
     return padding.attn_mask.view(b, 1, rows, m // chunk_len, chunk_len).any(-1)
 
 
-def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
+def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *,
+                 train_queries: bool = False) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
-    not read the chunk; with S summaries a chunk, the best of its blocks' scores. The queries are detached: the
-    scores train the summary keys only."""
+    not read the chunk; with S summaries a chunk, the best of its blocks' scores. The queries are detached unless
+    `train_queries` (the router-weighted read): the routing loss trains the summary keys only."""
     b_mem, h, q, hd = query.shape
     n_kv = routing.summary.shape[1]
-    grouped = query.detach().view(b_mem, n_kv, h // n_kv, q, hd).mean(2)  # (B_mem, H_kv, Q, hd)
+    grouped = (query if train_queries else query.detach()).view(b_mem, n_kv, h // n_kv, q, hd).mean(2)
     scores = (grouped @ routing.summary.transpose(-1, -2)).float() * scale  # (B_mem, H_kv, Q, C * S)
     if routing.summaries > 1:  # a chunk's score is its best readable block's
         if routing.summary_mask is not None:
@@ -375,6 +390,8 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     if routing.train:
         routing.loss = _routing_loss(query, memory, scale)
     chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
+    if routing.weights == "router":
+        return _attend_router_weighted(query, memory, chosen, scale, dropout_p)
     gathered = routing.path == "gathered" or (routing.path == "auto" and q * k <= routing.num_chunks)
     if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
@@ -383,17 +400,9 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
         mask = mask.repeat_interleave(group, dim=1) if group > 1 else mask  # (B_mem, H, Q, M)
         return grouped_sdpa(query, memory.key, memory.value, mask, dropout_p=dropout_p, scale=scale)
     # each query's k chunks gathered: O(Q * k * L), what a decoding step pays whatever the memory's length
-    c = routing.num_chunks
-    index = chosen[..., None, None].expand(b_mem, n_kv, q, k, length, hd)
-
-    def gather(x: torch.Tensor) -> torch.Tensor:  # (B_mem, H_kv, M, hd) -> (B_mem, H_kv, Q, k*L, hd)
-        chunks = x.view(b_mem, n_kv, 1, c, length, hd).expand(b_mem, n_kv, q, c, length, hd)
-        return chunks.gather(3, index).reshape(b_mem, n_kv, q, k * length, hd)
-
-    key, value, mask = gather(memory.key), gather(memory.value), None
-    if memory.padding.attn_mask is not None:
-        tokens = memory.padding.attn_mask.view(b_mem, 1, -1, c, length).expand(b_mem, n_kv, q, c, length)
-        mask = tokens.gather(3, chosen[..., None].expand(b_mem, n_kv, q, k, length)).reshape(b_mem, n_kv, q, 1, -1)
+    key, value, mask = _gather_chunks(memory, chosen)
+    key, value = (x.reshape(b_mem, n_kv, q, k * length, hd) for x in (key, value))
+    mask = None if mask is None else mask.reshape(b_mem, n_kv, q, 1, k * length)
     grouped = query.view(b_mem, n_kv, group, q, hd).transpose(2, 3)  # (B_mem, H_kv, Q, G, hd)
     if memory.logn_base:
         read = mask.sum(-1, keepdim=True) if mask is not None else torch.tensor(float(k * length))
@@ -404,6 +413,57 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
                                          value.view(rows, 1, k * length, hd), dropout_p=dropout_p, scale=scale,
                                          attn_mask=None if mask is None else mask.view(rows, 1, 1, k * length))
     return out.view(b_mem, n_kv, q, group, hd).transpose(2, 3).reshape(b_mem, h, q, hd)
+
+
+def _gather_chunks(memory: MemoryKV, chosen: torch.Tensor):
+    """The k chosen chunks' keys and values, (B_mem, H_kv, Q, k, L, hd) each, and their padding (B_mem, H_kv, Q, k, L)
+    bool or None."""
+    routing = memory.routing
+    b_mem, n_kv, q, k = chosen.shape
+    c, length, hd = routing.num_chunks, routing.chunk_len, memory.key.shape[-1]
+    index = chosen[..., None, None].expand(b_mem, n_kv, q, k, length, hd)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return x.view(b_mem, n_kv, 1, c, length, hd).expand(b_mem, n_kv, q, c, length, hd).gather(3, index)
+
+    mask = None
+    if memory.padding.attn_mask is not None:
+        tokens = memory.padding.attn_mask.view(b_mem, 1, -1, c, length).expand(b_mem, n_kv, q, c, length)
+        mask = tokens.gather(3, chosen[..., None].expand(b_mem, n_kv, q, k, length))
+    return gather(memory.key), gather(memory.value), mask
+
+
+def chunk_weights(query: torch.Tensor, routing: ChunkRouting, chosen: torch.Tensor, scale: float) -> torch.Tensor:
+    """The router-weighted read's mix of a query's k chosen chunks: softmax over their scores, (B_mem, H_kv, Q, k)
+    float32, with gradients to the queries and the summary keys. An unreadable chunk (chosen only because fewer than
+    k are readable) weighs 0; a query with no readable chunk gets uniform weights over outputs its row then drops."""
+    scores = chunk_scores(query, routing, scale, train_queries=True).gather(-1, chosen)
+    scores = scores.masked_fill(~scores.isfinite().any(-1, keepdim=True), 0.0)
+    return scores.softmax(-1)
+
+
+def _attend_router_weighted(query: torch.Tensor, memory: MemoryKV, chosen: torch.Tensor, scale: float,
+                            dropout_p: float) -> torch.Tensor:
+    """Folded queries (B_mem, H, Q, hd): attention inside each of the k chosen chunks, the outputs mixed by
+    `chunk_weights` -> (B_mem, H, Q, hd)."""
+    if memory.logn_base:
+        raise ValueError("memory_logn_scale scales one softmax over the memory; the router-weighted read has one per "
+                         "chunk: set memory_logn_scale 0 or memory_chunk_weights 'attention'")
+    b_mem, h, q, hd = query.shape
+    n_kv, k, length = memory.key.shape[1], chosen.shape[-1], memory.routing.chunk_len
+    group = h // n_kv
+    key, value, mask = _gather_chunks(memory, chosen)  # (B_mem, H_kv, Q, k, L, hd), (B_mem, H_kv, Q, k, L)
+    if mask is not None:  # an unreadable chosen chunk attends its padding instead of an empty softmax; it weighs 0
+        mask = mask | ~mask.any(-1, keepdim=True)
+    grouped = query.view(b_mem, n_kv, group, q, hd).transpose(2, 3)  # (B_mem, H_kv, Q, G, hd)
+    rows = b_mem * n_kv * q * k  # one (query, kv head, chunk) per batch row, 4-D for the fused kernels
+    per_chunk = F.scaled_dot_product_attention(
+        grouped[:, :, :, None].expand(b_mem, n_kv, q, k, group, hd).reshape(rows, 1, group, hd),
+        key.reshape(rows, 1, length, hd), value.reshape(rows, 1, length, hd), dropout_p=dropout_p, scale=scale,
+        attn_mask=None if mask is None else mask.reshape(rows, 1, 1, length))
+    weights = chunk_weights(query, memory.routing, chosen, scale).to(per_chunk.dtype)  # (B_mem, H_kv, Q, k)
+    out = (per_chunk.view(b_mem, n_kv, q, k, group, hd) * weights[..., None, None]).sum(3)  # (B_mem, H_kv, Q, G, hd)
+    return out.transpose(2, 3).reshape(b_mem, h, q, hd)
 
 
 def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.Tensor:

@@ -134,6 +134,56 @@ def test_several_summaries_a_chunk_score_it_by_its_best_readable_block(path):
     torch.testing.assert_close(applied, out, rtol=1e-5, atol=1e-5)
 
 
+def reference_router_weighted(query, memory: MemoryKV, mask, k: int):
+    """Grouped Cross Attention's read, written out: per row, query and kv head, the k chunks of highest score among
+    the readable ones; a softmax over each chosen chunk's real tokens; the chunk outputs mixed by the softmax of
+    their scores."""
+    b, t, h, hd = query.shape
+    r, group = b // memory.key.shape[0], h // NKV
+    out = torch.zeros(b, t, h, hd)
+    for row in range(b):
+        m = row // r
+        for i in range(t):
+            for g in range(NKV):
+                heads = query[row, i, g * group:(g + 1) * group]
+                scores = torch.tensor([float(heads.mean(0) @ memory.routing.summary[m, g, c]) / math.sqrt(hd)
+                                       if mask[m, c * L:(c + 1) * L].any() else -math.inf for c in range(C)])
+                chosen = scores.argsort(descending=True)[:k].tolist()
+                mix = scores[chosen].softmax(-1)
+                for j, head in enumerate(heads):
+                    for weight, c in zip(mix.tolist(), chosen, strict=True):
+                        tokens = [p for p in range(c * L, (c + 1) * L) if mask[m, p]]
+                        if not tokens:
+                            continue
+                        keys, values = memory.key[m, g, tokens], memory.value[m, g, tokens]
+                        out[row, i, g * group + j] += weight * (head @ keys.T / math.sqrt(hd)).softmax(-1) @ values
+    return out.reshape(b, t, h * hd)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_router_weighted_read_is_grouped_cross_attention(k):
+    """memory_chunk_weights='router': a softmax inside each chosen chunk, the chunk outputs mixed by the softmax of
+    their scores (k = 4 on row 1 also chooses an all-padding chunk: it weighs nothing). Against the written-out
+    reference; the probe holds the weights that were applied; the answer's gradient reaches the summary keys and
+    the queries (with one softmax over the chosen tokens it reaches neither: selection is not differentiable)."""
+    memory, mask = routed_memory(k=k)
+    memory.routing.weights = "router"
+    memory.routing.summary.requires_grad_()
+    query = torch.randn(4, 3, NH, HD, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out, folded = attend_memory(query, memory)
+    torch.testing.assert_close(out, reference_router_weighted(query.detach(), memory, mask, k), rtol=1e-5, atol=1e-5)
+    probs = memory_probabilities(folded, memory, scale=HD**-0.5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, NH, 6))
+    values = memory.value.repeat_interleave(NH // NKV, dim=1)
+    applied = (probs @ values).view(2, NH, 2, 3, HD).permute(0, 2, 3, 1, 4).reshape(4, 3, NH * HD)
+    torch.testing.assert_close(applied, out, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    assert memory.routing.summary.grad.abs().sum() > 0 and query.grad.abs().sum() > 0
+    memory.routing.weights, memory.routing.summary.grad = "attention", None
+    attend_memory(query, memory)[0].square().sum().backward()
+    assert memory.routing.summary.grad is None
+
+
 def test_k_keeping_every_chunk_is_full_attention_exactly():
     memory, _ = routed_memory(k=C)
     query = torch.randn(4, 3, NH, HD, generator=torch.Generator().manual_seed(1))
@@ -240,6 +290,30 @@ def test_generate_with_routing_greedy_and_beams(checkpoint_root, fusion):
         expected = full.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, **mode, **kwargs)
         assert torch.equal(routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, **mode, **kwargs),
                            expected)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_router_weights_learn_from_the_answer_and_survive_decoding_and_save(checkpoint_root, fusion, tmp_path):
+    """With memory_chunk_weights='router' and no routing loss the language-model loss alone trains the routers (k
+    = 2 of 4 chunks: with k = 1 the mix is always 1); cached decoding equals a full forward; save and load keep the
+    mode and the logits."""
+    _, routed = routed_pair(checkpoint_root, fusion, k=2, memory_chunk_weights="router", memory_routing_loss=0.0)
+    ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch(chunks=4)
+    mask[1, 3] = 0
+    routed.train()
+    out = routed(input_ids=ids, labels=ids, memory_input_ids=mem, memory_attention_mask=mask)
+    assert out.routing_loss is None
+    out.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in routed.named_parameters() if ".router." in n)
+    routed.eval()
+    prompt, continuation = ids[:, :5], ids[:, 5:]
+    full = logits(routed, ids, mem, mask)
+    torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert loaded.memory_chunk_weights == "router"
+    torch.testing.assert_close(logits(loaded, ids, mem, mask), full, rtol=1e-5, atol=1e-5)
 
 
 def test_rows_sharing_a_memory_read_it_as_copies_would(checkpoint_root):
@@ -442,6 +516,11 @@ def test_refusals(checkpoint_root):
         pair(checkpoint_root, "gca", memory_logn_scale=1)
     with pytest.raises(ValueError, match="built with memory_top_k > 0"):
         pair(checkpoint_root, "gca").memory_top_k = 2
+    with pytest.raises(ValueError, match="memory_chunk_weights must be one of"):
+        pair(checkpoint_root, "gca", memory_top_k=2, memory_chunk_weights="chunks")
+    for reading_options in (dict(), dict(memory_top_k=2, memory_logn_scale=64)):
+        with pytest.raises(ValueError, match="needs memory_top_k > 0 and memory_logn_scale 0"):
+            pair(checkpoint_root, "gca", memory_chunk_weights="router", **reading_options)
 
 
 # --------------------------------------------------------------------------------------------- the logn scale

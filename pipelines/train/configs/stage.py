@@ -9,7 +9,7 @@ from pathlib import Path
 
 from models import PAIRS
 from models.awareness import CONFIG_NAME
-from models.fusion import FUSIONS
+from models.fusion import CHUNK_WEIGHTS, FUSIONS
 from models.placement import resolve_gca_layers
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
 from pipelines.corpora.shards import MANIFEST
@@ -45,6 +45,10 @@ class ModelConfig:
     # With routing: summary keys per chunk, one per block of chunk_len / this tokens, a chunk scoring its best block
     # (must divide the chunk length): one vector per chunk cannot hold every key of a chunk full of similar facts
     memory_summaries: int = 1
+    # With routing: how a query's chosen chunks are mixed. attention: one softmax over their tokens (k >= the chunk
+    # count is full attention). router: Grouped Cross Attention's fusion, a softmax inside each chunk and the chunk
+    # outputs weighted by the softmax of their router scores, so the answer loss trains the routers too
+    memory_chunk_weights: str = "attention"
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
@@ -108,6 +112,12 @@ class ModelConfig:
             p.append(f"model.memory_routing_loss must be >= 0, got {m.memory_routing_loss}")
         if m.memory_summaries < 1:
             p.append(f"model.memory_summaries must be >= 1 (summary keys per chunk), got {m.memory_summaries}")
+        if m.memory_chunk_weights not in CHUNK_WEIGHTS:
+            p.append(f"model.memory_chunk_weights must be one of {', '.join(CHUNK_WEIGHTS)}, got "
+                     f"{m.memory_chunk_weights!r}")
+        elif m.memory_chunk_weights == "router" and (not m.memory_top_k or m.memory_logn_scale):
+            p.append("model.memory_chunk_weights router mixes routing's top-k chunks by their scores: set "
+                     "model.memory_top_k (e.g. 2) and leave model.memory_logn_scale at 0")
         if m.memory_routing_grad and not m.memory_top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")

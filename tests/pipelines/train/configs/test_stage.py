@@ -182,7 +182,10 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     assert (loaded.memory_top_k, loaded.memory_logn_scale, loaded.memory_routing_loss) == (2, 512, 1.0)
     for flags, expected in ((["--model.memory_routing_grad", "true"], "set model.memory_top_k too"),
                             (["--model.memory_top_k", "2", "--model.memory_summaries", "0"],
-                             "model.memory_summaries must be >= 1")):
+                             "model.memory_summaries must be >= 1"),
+                            (["--model.memory_chunk_weights", "router"], "set model.memory_top_k (e.g. 2)"),
+                            (["--model.memory_top_k", "2", "--model.memory_chunk_weights", "tokens"],
+                             "model.memory_chunk_weights must be one of attention, router")):
         with pytest.raises(SystemExit):
             parse_config(flags, DEFAULT)
         assert expected in capsys.readouterr().err
@@ -192,3 +195,6 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     assert (model.memory_summaries, model.routing_trains_summaries) == (4, True)
     loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "summaries"))
     assert (loaded.memory_summaries, loaded.routing_trains_summaries) == (4, False)  # a training choice: not saved
+    config = parse_config(["--model.memory_top_k", "2", "--model.memory_chunk_weights", "router"], DEFAULT)
+    loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "router"))
+    assert loaded.memory_chunk_weights == "router"
