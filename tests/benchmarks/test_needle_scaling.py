@@ -32,3 +32,7 @@ def test_trains_in_phases_saves_scores_each_size_and_the_routers_recall(tmp_path
     full = run("--model", model, "--init-from", str(tmp_path / "m"), "--memories", "2", "--scales", "1",
                "--read-top-k", "0", "--variants", "single")
     assert set(full["accuracy"]) == {"single/1x", "no_memory"}  # the same weights read with full attention
+    # rows F-G of docs/evaluation.md: the router's mix and a summary key per token (chunk_len 24), trained and scored
+    mixed = run("--model", "memory_top_k=2,memory_summaries=24,memory_chunk_weights=router,memory_routing_loss=0",
+                "--phase", "2:", "--memories", "2", "--scales", "1", "--recall", "--variants", "multi_key")
+    assert set(mixed["accuracy"]) == {"multi_key/1x", "no_memory"} and set(mixed["recall"]) == {"multi_key/1x"}
