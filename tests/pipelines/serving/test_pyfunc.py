@@ -14,19 +14,7 @@ from pipelines.data.memory_modes import GCA
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.serving.pyfunc import AwarenessPyfunc, _rows, ensure_tokenizer, signature
-
-
-def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) -> tuple[list[dict], list[str]]:
-    """Stage-0 needle questions as served text: rows of {question, memory} and each question's true value."""
-    tokenizer = needle_tokenizer()
-    rows, values = [], []
-    for index in range(memories):
-        example = make_example(spec, seed=seed, index=index)
-        memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
-        for question in example["input_ids"]:
-            rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
-            values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
-    return rows, values
+from pipelines.serving.tiny import needle_questions
 
 
 def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):
@@ -123,3 +111,4 @@ def test_rows_come_as_a_dataframe_a_dict_or_a_list():
     inputs = signature().inputs.to_dict()
     assert [c["name"] for c in inputs] == ["question", "memory", "memory_store"]
     assert [c.get("required", True) for c in inputs] == [True, False, False]
+
