@@ -112,3 +112,14 @@ def test_rows_come_as_a_dataframe_a_dict_or_a_list():
     assert [c["name"] for c in inputs] == ["question", "memory", "memory_store"]
     assert [c.get("required", True) for c in inputs] == [True, False, False]
 
+
+def test_the_serve_app_loads_an_export_directory_named_by_a_string(tmp_path, checkpoint_root):
+    """pipelines/serving/awareness.yaml may name an export directory (a str from YAML): the app's loader takes it and
+    answers with the pyfunc's defaults."""
+    from pipelines.serving.app import load_pyfunc
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "export", checkpoint_root)
+    pyfunc = load_pyfunc(str(tmp_path / "export"))
+    rows, _ = needle_questions(seed=3, memories=1)
+    assert pyfunc.mode.kind == "gca" and len(pyfunc.predict(None, rows[:1], {"max_new_tokens": 2})) == 1
