@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -547,21 +548,34 @@ class AwarenessModel(nn.Module):
                 param.copy_(tensor)
 
 
+_KEYWORD_LOCK = threading.Lock()
+
+
 @contextmanager
 def _memory_keyword_accepted(decoder: nn.Module):
     """transformers' generate() rejects model kwargs that forward() does not name (a typo check), but `gca_memory`
-    reaches the layers through forward's **kwargs; for the duration of one generate() call the check skips it."""
-    validate = decoder._validate_model_kwargs
+    reaches the layers through forward's **kwargs; while generate() calls are running the check skips it. Threads may
+    generate on one decoder at once (`mlflow models serve` answers concurrent requests in threads): the first to enter
+    installs the skip, the last to leave removes it (a skip per call, each removing its own, left a later call with
+    none: AttributeError, or the check refusing gca_memory)."""
+    with _KEYWORD_LOCK:
+        if not getattr(decoder, "_gca_generates", 0):
+            validate = decoder._validate_model_kwargs
 
-    def validate_without_memory(model_kwargs):
-        model_kwargs.pop("gca_memory", None)
-        return validate(model_kwargs)
+            def validate_without_memory(model_kwargs):
+                model_kwargs.pop("gca_memory", None)
+                return validate(model_kwargs)
 
-    decoder._validate_model_kwargs = validate_without_memory
+            decoder._validate_model_kwargs = validate_without_memory
+            decoder._gca_generates = 0
+        decoder._gca_generates += 1
     try:
         yield
     finally:
-        del decoder._validate_model_kwargs
+        with _KEYWORD_LOCK:
+            decoder._gca_generates -= 1
+            if not decoder._gca_generates:
+                del decoder._validate_model_kwargs, decoder._gca_generates
 
 
 def _routing_loss(gca_memory: GCAMemory | None) -> torch.Tensor | None:

@@ -41,7 +41,6 @@ from ray import serve
 
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, _memory_keyword_accepted
-from pipelines.memory.store import encoder_identity
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
@@ -70,7 +69,7 @@ def load_pyfunc(model: str, tracking_uri: str | None = None):
     """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
     export directory (awareness_config.json; the pyfunc's defaults)."""
     if (Path(model) / CONFIG_NAME).is_file():
-        ensure_tokenizer(AwarenessConfig.load(model).decoder)
+        ensure_tokenizer(AwarenessConfig.load(Path(model)).decoder)  # a str from the YAML config, too
         pyfunc = AwarenessPyfunc()
         pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config={}))
         return pyfunc
@@ -119,32 +118,24 @@ class AwarenessServer:
         if self.pyfunc.mode.kind != "gca":
             raise ValueError(f"{model} reads its memory as {self.pyfunc.mode.kind}: this application serves GCA "
                              f"models (a baseline keeps `mlflow models serve` for now)")
-        torch_model = self.pyfunc.model
-        self.identity = encoder_identity(self.pyfunc.export, dtype=torch_model.memory_encoder.encoder.dtype)
+        self.identity = self.pyfunc.encoder_identity()
         self.max_memory_tokens, self.max_memory_chunks = int(max_memory_tokens), int(max_memory_chunks)
         self.memories = MemoryCache(memory_dir, int(memory_budget_mb * 2**20), self.identity,
                                     encode=self._encode_chunks, prepare=self._prepare)
         self.generate_batch.set_max_batch_size(int(max_batch_size))
         self.generate_batch.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
         self.model_lock = threading.Lock()  # one generate at a time per replica (torch uses every core it has)
+        # where the time goes (GET /v1/stats): questions per serve.batch call, generate calls and seconds inside them
+        self.batching = {"batches": 0, "questions": 0, "sizes": {}, "generates": 0, "generate_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------- model
     def _tokens(self, texts: list[str]) -> list[list[int]]:
         return [self.pyfunc.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
 
-    @torch.no_grad()
     def _encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
-        """Each chunk alone through the model's encoder (as jobs/encode_memory.py does), its unpadded states."""
-        chunks = self._tokens(texts)
-        model = self.pyfunc.model
-        width = max(len(c) for c in chunks)
-        ids = torch.full((len(chunks), 1, width), self.pyfunc.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, chunk in enumerate(chunks):
-            ids[i, 0, : len(chunk)], mask[i, 0, : len(chunk)] = torch.tensor(chunk), 1
+        """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunks), its unpadded states."""
         with self.model_lock:
-            states, _ = model.encode_memory(ids.to(model.device), mask.to(model.device))
-        return [states[i, : len(c)].cpu() for i, c in enumerate(chunks)]
+            return self.pyfunc.encode_chunks(texts)
 
     @torch.no_grad()
     def _prepare(self, store):
@@ -159,14 +150,21 @@ class AwarenessServer:
         input_ids = torch.tensor(ids, device=model.device)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with self.model_lock, torch.no_grad(), _memory_keyword_accepted(model.decoder):
+            began = time.perf_counter()
             # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory)
             out = model.decoder.generate(input_ids=input_ids, gca_memory=memory.gca_memory if memory else None,
                                          max_new_tokens=max_tokens, eos_token_id=self.pyfunc.eos_token_id,
                                          pad_token_id=self.pyfunc.pad_token_id, streamer=streamer, **sampling)
+            self.batching["generates"] += 1
+            self.batching["generate_s"] += time.perf_counter() - began
         return out[:, input_ids.shape[1]:].tolist()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def generate_batch(self, requests: list[Pending]) -> list[tuple[list[int], float | None]]:
+        sizes = self.batching["sizes"]
+        self.batching["batches"] += 1
+        self.batching["questions"] += len(requests)
+        sizes[str(len(requests))] = sizes.get(str(len(requests)), 0) + 1
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             key = (r.memory.id if r.memory else None, len(r.ids), r.max_tokens, r.temperature)
@@ -227,7 +225,8 @@ class AwarenessServer:
     async def stats(self):
         with self.memories.lock:
             held = {"memories": len(self.memories.entries), "bytes": sum(m.nbytes for m in self.memories.entries.values())}
-        return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts}
+        return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts,
+                "batching": self.batching}
 
     # ------------------------------------------------------------------------------------------------- questions
     @app.post("/v1/completions")

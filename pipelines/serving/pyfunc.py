@@ -32,7 +32,7 @@ from models.pairs import RANDOM_WEIGHTS_MARKER
 from pipelines.corpora.tokenizer import VOCAB_SIZE, text_tokenizer, tokenizers_tokenizer
 from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
 from pipelines.data.needle_tokenizer import needle_tokenizer
-from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity
+from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity, write
 
 ENTRY = Path(__file__).with_name("pyfunc_entry.py")  # the file MLflow loads the model from (models from code)
 TOKENIZER_FILE = "tokenizer.json"
@@ -105,11 +105,35 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
             ids[0, i, : len(chunk)], mask[0, i, : len(chunk)] = torch.tensor(chunk), 1
         return {"input_ids": prompt, "memory_input_ids": ids, "memory_attention_mask": mask}
 
+    def encoder_identity(self):
+        """The identity of this model's encoder (pipelines.memory.store), computed once (it hashes the files)."""
+        if self.identity is None:
+            self.identity = encoder_identity(self.export, dtype=self.model.memory_encoder.encoder.dtype)
+        return self.identity
+
+    @torch.no_grad()
+    def encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
+        """Each chunk alone through the model's encoder (as jobs/encode_memory.py does): its unpadded states
+        (tokens, H_enc), on the CPU."""
+        chunks = [self.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), 1, width), self.pad_token_id, dtype=torch.long)  # (C, 1, L_max): one a row
+        mask = torch.zeros_like(ids)
+        for i, chunk in enumerate(chunks):
+            ids[i, 0, : len(chunk)], mask[i, 0, : len(chunk)] = torch.tensor(chunk), 1
+        states, _ = self.model.encode_memory(ids.to(self.model.device), mask.to(self.model.device))
+        return [states[i, : len(c)].cpu() for i, c in enumerate(chunks)]
+
+    def write_store(self, directory: str | Path, texts: list[str], **about: Any) -> dict[str, Any]:
+        """These chunk texts encoded once into a memory store at `directory` (what a row's `memory_store` names).
+        Returns its manifest."""
+        return write(directory, [("memory", i, t) for i, t in enumerate(texts)], self.encode_chunks(texts),
+                     self.encoder_identity(), **about)
+
     def stored_memory(self, directory: str) -> dict[str, torch.Tensor]:
         """A store's states as memory_states/memory_states_mask, checked against this model's encoder; the last store
         read is kept (until its manifest changes), so a run of questions over one repository reads it once."""
-        if self.identity is None:
-            self.identity = encoder_identity(self.export, dtype=self.model.memory_encoder.encoder.dtype)
+        self.encoder_identity()
         manifest = Path(directory) / MANIFEST
         key = (str(Path(directory).resolve()), manifest.stat().st_mtime_ns if manifest.is_file() else 0)
         if key not in self.stores:

@@ -214,6 +214,39 @@ def test_moe_decoder_generates_with_memory(tiny_moe):
     assert torch.equal(out[:, :5], prompt)
 
 
+def test_generate_from_several_threads_at_once_answers_as_alone(tiny):
+    """`mlflow models serve` runs concurrent requests' predict in threads over one model: every generate succeeds and
+    gives what it gives alone, and the decoder is left as it was (no generate-time hook left behind)."""
+    import threading
+
+    open_gates(tiny)
+    mem, mask = memory_batch()
+    prompts = [random_ids(1, 5, vocab=DEC_VOCAB, seed=s) for s in range(4)]
+
+    def answer(prompt):
+        return tiny.generate(prompt, memory_input_ids=mem[:1], memory_attention_mask=mask[:1], max_new_tokens=4,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    alone = [answer(p) for p in prompts]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            for _ in range(5):
+                results.setdefault(i, []).append(answer(prompts[i]))
+        except Exception as error:  # noqa: BLE001 - collected, asserted below
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert all(torch.equal(out, alone[i]) for i, outs in results.items() for out in outs)
+    assert "_validate_model_kwargs" not in vars(tiny.decoder) and "_gca_generates" not in vars(tiny.decoder)
+
+
 def test_only_gca_trains_by_default_and_gradient_checkpointing_matches(checkpoint_root):
     def grads(checkpointing: bool):
         torch.manual_seed(0)  # the same GCA initialisation for both models

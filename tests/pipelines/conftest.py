@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.corpora.tokenizer import cached_tokenizer
-from tests.pipelines.mlflow_server import MlflowServer
+from pipelines.serving.loopback import MlflowServer
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,18 +19,12 @@ from ray.serve.schema import ServeDeploySchema
 
 from pipelines.memory.store import write
 from pipelines.serving.app import AwarenessServer
-from tests.pipelines.serving.conftest import register_tiny_export
-from tests.pipelines.serving.test_register import needle_questions
+from pipelines.serving.loopback import free_port
+from pipelines.serving.tiny import needle_questions, register_tiny_export
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[3]
 NAME = "awareness-serve-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def server(registered, mlflow_server, tmp_path_factory):
     from pipelines.serving.app import build
 
     memory_dir = tmp_path_factory.mktemp("memories")
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})

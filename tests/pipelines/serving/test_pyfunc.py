@@ -14,19 +14,7 @@ from pipelines.data.memory_modes import GCA
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
 from pipelines.serving.pyfunc import AwarenessPyfunc, _rows, ensure_tokenizer, signature
-
-
-def needle_questions(seed: int, memories: int, spec: NeedleSpec = NeedleSpec()) -> tuple[list[dict], list[str]]:
-    """Stage-0 needle questions as served text: rows of {question, memory} and each question's true value."""
-    tokenizer = needle_tokenizer()
-    rows, values = [], []
-    for index in range(memories):
-        example = make_example(spec, seed=seed, index=index)
-        memory = [tokenizer.decode(chunk.tolist()) for chunk in example["memory"]]
-        for question in example["input_ids"]:
-            rows.append({"question": tokenizer.decode(question[1:PROMPT_LEN].tolist()), "memory": memory})
-            values.append(tokenizer.decode(question[PROMPT_LEN:].tolist(), skip_special_tokens=True))
-    return rows, values
+from pipelines.serving.tiny import needle_questions
 
 
 def test_a_real_checkpoint_without_tokenizer_is_refused(tmp_path):
@@ -123,3 +111,15 @@ def test_rows_come_as_a_dataframe_a_dict_or_a_list():
     inputs = signature().inputs.to_dict()
     assert [c["name"] for c in inputs] == ["question", "memory", "memory_store"]
     assert [c.get("required", True) for c in inputs] == [True, False, False]
+
+
+def test_the_serve_app_loads_an_export_directory_named_by_a_string(tmp_path, checkpoint_root):
+    """pipelines/serving/awareness.yaml may name an export directory (a str from YAML): the app's loader takes it and
+    answers with the pyfunc's defaults."""
+    from pipelines.serving.app import load_pyfunc
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "export", checkpoint_root)
+    pyfunc = load_pyfunc(str(tmp_path / "export"))
+    rows, _ = needle_questions(seed=3, memories=1)
+    assert pyfunc.mode.kind == "gca" and len(pyfunc.predict(None, rows[:1], {"max_new_tokens": 2})) == 1

@@ -13,8 +13,7 @@ from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_e
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.serving.register import register_run
 from pipelines.tracking.registry import promote
-from tests.pipelines.serving.conftest import register_tiny_export
-from tests.pipelines.serving.test_pyfunc import needle_questions
+from pipelines.serving.tiny import needle_questions, register_tiny_export
 
 NAME = "awareness-registry-test"
 
@@ -175,7 +174,7 @@ def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_p
     exactly as the pyfunc loaded in process does (the slow learning test scores a trained model over REST)."""
     import mlflow
 
-    from tests.pipelines.mlflow_server import ModelServer
+    from pipelines.serving.loopback import ModelServer
 
     rows, _ = needle_questions(seed=5, memories=2)
     with ModelServer(f"models:/{NAME}@candidate", mlflow_server.uri, tmp_path) as server:

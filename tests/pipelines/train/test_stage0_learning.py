@@ -27,8 +27,8 @@ def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
     assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
     # registered with jobs/register.py and served with `mlflow models serve` (docs/tracking.md's commands): its
     # registry example and fresh needle questions, asked over REST in text
-    from tests.pipelines.mlflow_server import ModelServer
-    from tests.pipelines.serving.test_pyfunc import needle_questions
+    from pipelines.serving.loopback import ModelServer
+    from pipelines.serving.tiny import needle_questions
     from tests.pipelines.serving.test_register import documented_registry_example
 
     registered = subprocess.run([sys.executable, str(ROOT / "jobs" / "register.py"), "--run_id",

@@ -1,4 +1,6 @@
-"""A real `mlflow server` on loopback for tests: a temporary SQLite store and artifact root, stopped by its PID."""
+"""MLflow's own servers as subprocesses on loopback, for tests and benchmarks: `mlflow server` over a temporary SQLite
+store and artifact root, and `mlflow models serve` of one model URI. Each runs in its own session and is stopped by its
+process group (the workers it forks included), never by name."""
 
 from __future__ import annotations
 
@@ -14,23 +16,33 @@ from pathlib import Path
 
 
 class MlflowServer:
-    def __init__(self, root: Path):
-        self.root = root
-        self.port = _free_port()
+    """A tracking server and model registry: SQLite at ROOT/store.db, artifacts under ROOT/artifacts."""
+
+    def __init__(self, root: Path, port: int | None = None):
+        self.root = Path(root)
+        self.port = port or free_port()
         self.process: subprocess.Popen | None = None
         self.uri = f"http://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                        "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'store.db'}",
+                        "--artifacts-destination", str(self.root / "artifacts")]
 
     def start(self, timeout: float = 300) -> "MlflowServer":
-        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'store.db'}",
-                   "--artifacts-destination", str(self.root / "artifacts")]
         # Without its background job runner (GenAI evaluation jobs, unused here) it starts faster and exits on SIGTERM.
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        self.process = _serve(command, env, self.root / "server.log", f"{self.uri}/health", "mlflow server", timeout)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.process = _serve(self.command, env, self.root / "server.log", f"{self.uri}/health", "mlflow server",
+                              timeout)
         return self
 
     def stop(self) -> None:
         _stop(self.process, self.port)
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def _serve(command: list[str], env: dict[str, str], log_path: Path, ready_url: str, what: str,
@@ -69,7 +81,8 @@ def _stop(process: subprocess.Popen | None, port: int) -> None:
     _wait_port_closed(port)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on loopback now (the OS's choice; a server started soon after takes it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -85,21 +98,26 @@ def _wait_port_closed(port: int, timeout: float = 10) -> None:
 
 
 class ModelServer:
-    """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (docs/tracking.md)."""
+    """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (docs/tracking.md).
+    `env` adds to the server's environment (e.g. OMP_NUM_THREADS)."""
 
-    def __init__(self, model_uri: str, tracking_uri: str, root: Path):
-        self.model_uri, self.tracking_uri, self.root = model_uri, tracking_uri, root
-        self.port = _free_port()
+    def __init__(self, model_uri: str, tracking_uri: str, root: Path, *, port: int | None = None, workers: int = 1,
+                 env: dict[str, str] | None = None):
+        self.model_uri, self.tracking_uri, self.root = model_uri, tracking_uri, Path(root)
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.extra_env = dict(env or {})
+        self.command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", self.model_uri, "--env-manager",
+                        "local", "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(workers)]
 
     def start(self, timeout: float = 300) -> "ModelServer":
-        command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", self.model_uri, "--env-manager", "local",
-                   "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
         # the venv's bin on PATH, as after `source .venv/bin/activate`: the scoring server is run as `uvicorn`
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PATH": path}
-        self.process = _serve(command, env, self.root / "serve.log", f"{self.url}/ping", "mlflow models serve", timeout)
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "PATH": path, **self.extra_env}
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.process = _serve(self.command, env, self.root / "serve.log", f"{self.url}/ping", "mlflow models serve",
+                              timeout)
         return self
 
     def predict(self, rows: list[dict], params: dict | None = None) -> list:

@@ -1,0 +1,96 @@
+"""benchmarks/serve_load.py as a user runs it: the dry run's plan (nothing started), and a real quick run (its own
+registry, the Serve app and `mlflow models serve` on loopback, levels 1 and 4) whose report has both systems at each
+level, no errors, every answer equal to the pyfunc's, and the JSON summary as its last line; its servers are gone after."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "benchmarks/serve_load.py"
+
+
+def run(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """The script in a process of its own; on a timeout it gets SIGTERM first (it stops its servers on it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen([sys.executable, SCRIPT, *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        pytest.fail(f"{SCRIPT} {' '.join(args)} ran past {timeout} s: {stderr[-3000:]}")
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    assert done.returncode == 0, stderr[-3000:]
+    return done, json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_the_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
+    done, plan = run("--dry-run", "--workdir", str(tmp_path / "w"), timeout=120)
+    assert plan["dry_run"] and plan["levels"] == [1, 4, 16, 64]
+    assert plan["requests"] == {"1": 64, "4": 64, "16": 128, "64": 512}  # max(64, 8 * clients)
+    ports = {plan["serve_port"], plan["mlflow_port"], plan["registry_port"]}
+    assert len(ports) == 3 and all(str(p) in done.stdout for p in ports)
+    commands = plan["commands"]
+    assert "mlflow models serve -m models:/awareness-serve-load/VERSION --env-manager local --host 127.0.0.1" in (
+        commands["mlflow"]) and "mlflow server --host 127.0.0.1" in commands["registry"]
+    assert "serve.start(http_options={'host': '127.0.0.1'" in commands["serve"]
+    assert not (tmp_path / "w").exists()  # nothing made, nothing started
+    quick = run("--dry-run", "--quick", "--model", "models:/awareness@candidate", "--tracking-uri",
+                "http://127.0.0.1:5000", timeout=120)[1]
+    assert quick["levels"] == [1, 4] and quick["requests"] == {"1": 8, "4": 8} and quick["registry_port"] is None
+    assert "models:/awareness@candidate" in quick["commands"]["mlflow"]
+
+
+def test_the_documented_commands_dry_run():
+    """docs/benchmarks.md and docs/serving.md show `python benchmarks/serve_load.py ...`: each parses and plans."""
+    text = "".join((ROOT / "docs" / name).read_text() for name in ("benchmarks.md", "serving.md"))
+    commands = set(re.findall(r"python benchmarks/serve_load\.py([^\n`]*)", text))
+    assert commands
+    for rest in commands:
+        args = [a for a in rest.split() if a != "--dry-run"]
+        assert run(*args, "--dry-run", timeout=120)[1]["dry_run"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_quick_run_reports_both_systems_with_no_errors_and_the_pyfuncs_answers(tmp_path):
+    done, report = run("--quick", "--workdir", str(tmp_path / "w"), timeout=600)
+    assert report["benchmark"] == "serve_load" and re.fullmatch(r"models:/awareness-serve-load/\d+", report["model"])
+    assert [row["concurrency"] for row in report["levels"]] == [1, 4]
+    for row in report["levels"]:
+        for system in ("serve", "serve_stream", "mlflow"):
+            measured = row[system]
+            assert measured["requests"] == measured["ok"] == 8 and measured["errors"] == 0
+            assert measured["mismatches"] == 0  # every answer is the pyfunc's predict for that question
+            assert measured["rps"] > 0 and 0 < measured["p50_ms"] <= measured["p99_ms"]
+            assert 0 < measured["ttft_p50_ms"] <= measured["p50_ms"]
+        assert row["mlflow"]["ttft_p50_ms"] == row["mlflow"]["p50_ms"]  # no streaming: its TTFT is its latency
+        assert row["serve"]["batching"]["batches"] >= 1 and row["rps_ratio"] > 0
+    assert report["errors"] == 0 and report["mismatches"] == 0
+    assert all(c == {"asked": 8, "errors": 0, "mismatches": 0} for c in report["correctness"].values())
+    tables = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert tables[0].startswith("| clients | Serve req/s | mlflow req/s | Serve / mlflow |")
+    assert [t.split("|")[1].strip() for t in tables[2:4]] == ["1", "4"]  # a row per level, both systems side by side
+    assert tables[4].startswith("| clients | system | req/s | replica ms") and len(tables) == 4 + 2 + 6
+    for row in report["levels"]:  # the CPU each of this run's processes spent per request
+        assert row["serve"]["cpu"]["ms_per_request"]["serve_replica"] > 0
+        assert row["mlflow"]["cpu"]["ms_per_request"]["mlflow_server"] > 0
+    assert "c=4 mlflow:" in done.stderr  # progress per level on stderr
+    for port in filter(None, report["ports"].values()):  # its servers are gone: none of its ports answers
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still answers"
