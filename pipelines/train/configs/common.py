@@ -4,6 +4,7 @@ schedule, DeepSpeed, the workers, the run and its tracking."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -33,9 +34,10 @@ class JobConfig:
         return self
 
 
-def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepSpeedSettings") -> list[str]:
-    """The checks of the sections every training job has: the schedule, the workers, DeepSpeed."""
-    p = [f"train.{name} must be positive, got {getattr(t, name)}" for name in
+def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepSpeedSettings",
+                 tracking: "TrackingSettings") -> list[str]:
+    """The checks of the sections every training job has: the schedule, the workers, DeepSpeed, tracking."""
+    p = tracking.problems() + [f"train.{name} must be positive, got {getattr(t, name)}" for name in
          ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every")
          if getattr(t, name) <= 0]
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
@@ -110,3 +112,13 @@ class TrackingSettings:
     enabled: bool = True  # log params, metrics, plots, checkpoints and the export to MLflow
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory
     experiment: str = "awareness"  # the MLflow experiment the run is logged under
+
+    def problems(self) -> list[str]:
+        """MLflow 3 refuses its file store (`file:` or a bare directory) unless MLFLOW_ALLOW_FILE_STORE is set: said
+        before any cluster time, not as a traceback from the driver's first MLflow call."""
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true")
+        if not self.enabled or not uri or allowed or not uri.startswith(("file:", "/", ".", "~")):
+            return []  # a database, a server, databricks: MLflow's own
+        return [f"tracking.tracking_uri {uri!r} is MLflow's file store, which MLflow refuses: use a database, e.g. "
+                f"sqlite:///{uri.removeprefix('file://').rstrip('/')}/mlflow.db, or an http:// server"]

@@ -316,7 +316,7 @@ class StageConfig(JobConfig):
         p = self.model.problems()
         p += self.needle.problems(self.model.memory, corpus=bool(self.data.train_path),
                                   num_workers=self.scaling.num_workers)
-        p += run_problems(self.train, self.scaling, self.deepspeed)
+        p += run_problems(self.train, self.scaling, self.deepspeed, self.tracking)
         p += self.data.problems()
         p += self.distill.problems(self.stage)
         m, d = self.model, self.data

@@ -104,4 +104,4 @@ class TrafficConfig(JobConfig):
         if 0 < d.train_scenes < t.memories_per_step:
             p.append(f"data.train_scenes ({d.train_scenes}) must hold at least one step's train.memories_per_step "
                      f"({t.memories_per_step}) scenes")
-        return p + run_problems(t, self.scaling, self.deepspeed)
+        return p + run_problems(t, self.scaling, self.deepspeed, self.tracking)

@@ -46,4 +46,4 @@ class Ul2Config(JobConfig):
             p.append(f"data.mixture {self.data.mixture!r} is not one of {sorted(MIXTURES)}")
         if self.data.seq_len < 16:
             p.append(f"data.seq_len must be at least 16 tokens, got {self.data.seq_len}")
-        return p + run_problems(t, self.scaling, self.deepspeed)
+        return p + run_problems(t, self.scaling, self.deepspeed, self.tracking)

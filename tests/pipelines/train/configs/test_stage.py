@@ -198,3 +198,17 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_chunk_weights", "router"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "router"))
     assert loaded.memory_chunk_weights == "router"
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "./mlruns"])
+def test_a_file_store_tracking_uri_is_refused_before_the_run(uri, capsys, monkeypatch):
+    """MLflow 3 refuses its file store with a traceback from the driver's first call; the job says it in one line."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(SystemExit):
+        parse_config(["--tracking.tracking_uri", uri], DEFAULT)
+    assert "is MLflow's file store" in capsys.readouterr().err
+    for fine in (["--tracking.tracking_uri", "sqlite:///tmp/mlflow.db"], ["--tracking.tracking_uri", uri,
+                                                                            "--tracking.enabled", "false"]):
+        parse_config(fine, DEFAULT)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    parse_config(["--tracking.tracking_uri", uri], DEFAULT)
