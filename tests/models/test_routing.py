@@ -140,13 +140,14 @@ def reference_router_weighted(query, memory: MemoryKV, mask, k: int):
     their scores."""
     b, t, h, hd = query.shape
     r, group = b // memory.key.shape[0], h // NKV
+    summary = memory.routing.summary.detach()
     out = torch.zeros(b, t, h, hd)
     for row in range(b):
         m = row // r
         for i in range(t):
             for g in range(NKV):
                 heads = query[row, i, g * group:(g + 1) * group]
-                scores = torch.tensor([float(heads.mean(0) @ memory.routing.summary[m, g, c]) / math.sqrt(hd)
+                scores = torch.tensor([float(heads.mean(0) @ summary[m, g, c]) / math.sqrt(hd)
                                        if mask[m, c * L:(c + 1) * L].any() else -math.inf for c in range(C)])
                 chosen = scores.argsort(descending=True)[:k].tolist()
                 mix = scores[chosen].softmax(-1)
