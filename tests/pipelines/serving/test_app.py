@@ -206,7 +206,7 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     it). Measured: each in-flight client ends within 60 s of the kill (it ends in well under a second: the streamed
     one with a broken chunked body after its 200 and no `[DONE]`, the plain one with Ray Serve's 500), a request sent
     just after the kill ends within its 90 s timeout (it waits for the new replica and is answered), and Serve has a
-    healthy new replica within 120 s (serve.status() HEALTHY under a new actor name; ~20 s here: the controller's next
+    healthy new replica within 120 s (serve.status() HEALTHY under a new actor name; 22-25 s here: the controller's next
     health check, then the model load). Then the same question over the same memory id, which is not created again,
     gets the same answer, and the new replica's GET /v1/stats counters say it read that memory from MEMORY_DIR
     (loaded 1, encoded 0) into an empty cache, not re-encoded it."""
