@@ -1,6 +1,7 @@
 """The Ray Serve application over real HTTP on loopback: a tiny export registered in a real `mlflow server`, served
 from `models:/NAME@candidate`; memories created, deduplicated, evicted and reloaded from disk; every 4xx; streaming;
-answers equal to the pyfunc's."""
+answers equal to the pyfunc's; a replica killed mid-request (the requests end at once, the next replica reads the
+memory from disk)."""
 
 from __future__ import annotations
 
@@ -186,6 +187,119 @@ def test_documented_curl_commands_run(server):
         if "/v1/completions" in command and "stream" not in command:
             assert "choices" in json.loads(out.stdout), out.stdout
 
+
+def _replicas() -> list[str]:
+    """The names of the application's live replica actors (Serve names them SERVE_REPLICA::app#deployment#id)."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::awareness#AwarenessServer#"))
+
+
+def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor_reads_memories_from_disk(server):
+    """Measures what clients see when the only replica dies under their requests, and what the next replica knows.
+
+    A memory is created and a greedy question over it answered. Then a streamed completion (max_tokens 4096,
+    sampled, so it decodes for seconds) starts from a thread, and a plain one queues behind it in the replica (one
+    generate at a time); once the stream's first tokens have arrived, the replica actor is killed with
+    `ray.kill(actor, no_restart=False)` (Serve creates replicas with max_restarts=0: its controller, not Ray, replaces
+    it). Measured: each in-flight client ends within 60 s of the kill (it ends in well under a second: the streamed
+    one with a broken chunked body after its 200 and no `[DONE]`, the plain one with Ray Serve's 500), a request sent
+    just after the kill ends within its 90 s timeout (it waits for the new replica and is answered), and Serve has a
+    healthy new replica within 120 s (serve.status() HEALTHY under a new actor name; 22-25 s here: the controller's next
+    health check, then the model load). Then the same question over the same memory id, which is not created again,
+    gets the same answer, and the new replica's GET /v1/stats counters say it read that memory from MEMORY_DIR
+    (loaded 1, encoded 0) into an empty cache, not re-encoded it."""
+    import threading
+    import time
+
+    import httpx
+    import ray
+    from ray import serve
+
+    client, _, _, port = server
+    rows, _ = needle_questions(seed=11, memories=1)
+    created = client.post("/v1/memories", json={"chunks": rows[0]["memory"]})
+    assert created.status_code in (200, 201), created.text
+    memory = created.json()["id"]
+    question = {"prompt": rows[0]["question"], "memory": memory}
+    before = client.post("/v1/completions", json=question)
+    assert before.status_code == 200, before.text
+    answer = before.json()["choices"][0]["text"]
+    (victim,) = _replicas()
+
+    slow = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 1.0}  # sampled: unlikely to end early
+    requests = {"stream": slow | {"stream": True}, "plain": slow, "gap": {"prompt": "k1 =", "max_tokens": 4}}
+    outcomes = {kind: {} for kind in requests}
+    streaming = threading.Event()
+
+    def ask(kind: str):  # its own client and timeout: a hang fails the join below, it does not stall the suite
+        outcome, events = outcomes[kind], []
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=90 if kind == "gap" else 60) as own:
+                if kind != "stream":
+                    r = own.post("/v1/completions", json=requests[kind])
+                    outcome["status"], outcome["body"] = r.status_code, r.text
+                    return
+                with own.stream("POST", "/v1/completions", json=requests[kind]) as r:
+                    outcome["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[len("data: "):])
+                            streaming.set()
+        except httpx.HTTPError as e:  # a broken stream, a refused or timed-out connection
+            outcome["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            outcome["events"], outcome["ended"] = events, time.monotonic()  # "ended" is set last
+            streaming.set()
+
+    threads = {kind: threading.Thread(target=ask, args=(kind,), daemon=True) for kind in requests}
+    threads["stream"].start()
+    assert streaming.wait(60), "the streamed request never started"
+    threads["plain"].start()  # queued in the replica behind the streamed decode
+    time.sleep(1.0)
+    assert not any("ended" in outcomes[kind] for kind in ("stream", "plain")), f"ended before the kill: {outcomes}"
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+    killed = time.monotonic()
+    threads["gap"].start()
+    for kind in ("stream", "plain"):
+        threads[kind].join(max(0.0, killed + 60 - time.monotonic()))
+        assert not threads[kind].is_alive(), f"the {kind} request hung for 60 s after its replica was killed"
+
+    deadline, status = killed + 120, None
+    while time.monotonic() < deadline:
+        status = serve.status().applications["awareness"].deployments["AwarenessServer"]
+        replicas = _replicas()  # the victim's name leaves at once; the new one appears when the controller notices
+        running = (status.status, status.replica_states) == ("HEALTHY", {"RUNNING": 1})
+        if running and replicas and victim not in replicas:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no healthy replica 120 s after the kill: {status}, replicas {_replicas()}")
+    healthy = time.monotonic() - killed
+    threads["gap"].join(max(0.0, killed + 100 - time.monotonic()))
+    assert not threads["gap"].is_alive(), "a request sent just after the kill hung"
+    for kind, outcome in outcomes.items():
+        print(f"{kind}: {outcome.get('status')} {outcome.get('error') or outcome.get('body', '')[:200]!r} "
+              f"({len(outcome['events'])} events), ended {outcome['ended'] - killed:+.1f} s after the kill")
+    print(f"a new healthy replica {healthy:.1f} s after the kill")
+
+    stream = outcomes["stream"]  # its 200 went out before the kill: the body breaks off, no [DONE]
+    assert stream["status"] == 200 and "[DONE]" not in stream["events"] and "RemoteProtocolError" in stream["error"]
+    for kind in ("plain", "gap"):  # an error status from Serve's proxy, or an answer (the new replica's)
+        outcome = outcomes[kind]
+        assert outcome.get("status") in (200, 500, 503), outcome
+        if outcome["status"] == 200:
+            assert json.loads(outcome["body"])["choices"][0]["finish_reason"] in ("stop", "length")
+
+    stats = client.get("/v1/stats").json()
+    assert stats["encoded"] == stats["loaded"] == stats["memories"] == 0, stats  # a new replica: an empty cache
+    after = client.post("/v1/completions", json=question)  # the same id, not created again
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == answer
+    stats = client.get("/v1/stats").json()
+    assert stats["loaded"] == 1 and stats["encoded"] == 0, stats  # read back from MEMORY_DIR, not re-encoded
+    assert client.get(f"/v1/memories/{memory}").json()["source"] == "cache"
 
 
 def test_the_serve_config_in_the_repository_is_a_valid_serve_deploy_config_for_build():
