@@ -308,7 +308,7 @@ def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float)
         c = routing.num_chunks
         within = scores.view(b_mem, n_kv, h // n_kv, q, c, m // c).softmax(-1).nan_to_num(0.0)
         weights = torch.zeros(b_mem, n_kv, q, c, device=query.device)
-        weights.scatter_(-1, chosen, chunk_weights(query, routing, chosen, scale))
+        weights.scatter_(-1, chosen, chunk_weights(chunk_scores(query, routing, scale), chosen))
         return (within * weights[:, :, None, :, :, None]).reshape(b_mem, h, q, m)
     return scores.softmax(-1).reshape(b_mem, h, q, m)
 
@@ -389,9 +389,11 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     n_kv, group, k, length = memory.key.shape[1], h // memory.key.shape[1], routing.top_k, routing.chunk_len
     if routing.train:
         routing.loss = _routing_loss(query, memory, scale)
+    if routing.weights == "router":  # the scores, with gradients, both choose the chunks and mix them
+        scores = chunk_scores(query, routing, scale, train_queries=True)  # (B_mem, H_kv, Q, C)
+        chosen = scores.detach().topk(k, dim=-1).indices
+        return _attend_router_weighted(query, memory, chosen, chunk_weights(scores, chosen), scale, dropout_p)
     chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
-    if routing.weights == "router":
-        return _attend_router_weighted(query, memory, chosen, scale, dropout_p)
     gathered = routing.path == "gathered" or (routing.path == "auto" and q * k <= routing.num_chunks)
     if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
@@ -433,19 +435,20 @@ def _gather_chunks(memory: MemoryKV, chosen: torch.Tensor):
     return gather(memory.key), gather(memory.value), mask
 
 
-def chunk_weights(query: torch.Tensor, routing: ChunkRouting, chosen: torch.Tensor, scale: float) -> torch.Tensor:
-    """The router-weighted read's mix of a query's k chosen chunks: softmax over their scores, (B_mem, H_kv, Q, k)
-    float32, with gradients to the queries and the summary keys. An unreadable chunk (chosen only because fewer than
-    k are readable) weighs 0; a query with no readable chunk gets uniform weights over outputs its row then drops."""
-    scores = chunk_scores(query, routing, scale, train_queries=True).gather(-1, chosen)
+def chunk_weights(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The router-weighted read's mix of a query's k chosen chunks from the chunk scores (B_mem, H_kv, Q, C):
+    softmax over the chosen ones', (B_mem, H_kv, Q, k) float32, with the scores' gradients. An unreadable chunk
+    (chosen only because fewer than k are readable) weighs 0; a query with no readable chunk gets uniform weights
+    over outputs its row then drops."""
+    scores = scores.gather(-1, chosen)
     scores = scores.masked_fill(~scores.isfinite().any(-1, keepdim=True), 0.0)
     return scores.softmax(-1)
 
 
-def _attend_router_weighted(query: torch.Tensor, memory: MemoryKV, chosen: torch.Tensor, scale: float,
-                            dropout_p: float) -> torch.Tensor:
+def _attend_router_weighted(query: torch.Tensor, memory: MemoryKV, chosen: torch.Tensor, weights: torch.Tensor,
+                            scale: float, dropout_p: float) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd): attention inside each of the k chosen chunks, the outputs mixed by
-    `chunk_weights` -> (B_mem, H, Q, hd)."""
+    `weights` (chunk_weights, (B_mem, H_kv, Q, k)) -> (B_mem, H, Q, hd)."""
     if memory.logn_base:
         raise ValueError("memory_logn_scale scales one softmax over the memory; the router-weighted read has one per "
                          "chunk: set memory_logn_scale 0 or memory_chunk_weights 'attention'")
@@ -461,7 +464,7 @@ def _attend_router_weighted(query: torch.Tensor, memory: MemoryKV, chosen: torch
         grouped[:, :, :, None].expand(b_mem, n_kv, q, k, group, hd).reshape(rows, 1, group, hd),
         key.reshape(rows, 1, length, hd), value.reshape(rows, 1, length, hd), dropout_p=dropout_p, scale=scale,
         attn_mask=None if mask is None else mask.reshape(rows, 1, 1, length))
-    weights = chunk_weights(query, memory.routing, chosen, scale).to(per_chunk.dtype)  # (B_mem, H_kv, Q, k)
+    weights = weights.to(per_chunk.dtype)
     out = (per_chunk.view(b_mem, n_kv, q, k, group, hd) * weights[..., None, None]).sum(3)  # (B_mem, H_kv, Q, G, hd)
     return out.transpose(2, 3).reshape(b_mem, h, q, hd)
 

@@ -4,6 +4,7 @@ process group (the workers it forks included), never by name."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,26 @@ import urllib.request
 from pathlib import Path
 
 
-class MlflowServer:
+class _Subprocess:
+    """A server this module started: stopped by its process group, and a context manager around start/stop."""
+
+    port: int
+    process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        _stop(self.process, self.port)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class MlflowServer(_Subprocess):
     """A tracking server and model registry: SQLite at ROOT/store.db, artifacts under ROOT/artifacts."""
 
     def __init__(self, root: Path, port: int | None = None):
@@ -34,15 +54,6 @@ class MlflowServer:
         self.process = _serve(self.command, env, self.root / "server.log", f"{self.uri}/health", "mlflow server",
                               timeout)
         return self
-
-    def stop(self) -> None:
-        _stop(self.process, self.port)
-
-    def __enter__(self) -> "MlflowServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _serve(command: list[str], env: dict[str, str], log_path: Path, ready_url: str, what: str,
@@ -97,7 +108,7 @@ def _wait_port_closed(port: int, timeout: float = 10) -> None:
         time.sleep(0.2)
 
 
-class ModelServer:
+class ModelServer(_Subprocess):
     """`mlflow models serve` of one model URI on loopback, as a user serves a registered version (docs/tracking.md).
     `env` adds to the server's environment (e.g. OMP_NUM_THREADS)."""
 
@@ -122,19 +133,8 @@ class ModelServer:
 
     def predict(self, rows: list[dict], params: dict | None = None) -> list:
         """POST /invocations with dataframe_records, as docs/tracking.md's curl does; the answers."""
-        import json
-
         body = {"dataframe_records": rows, **({"params": params} if params else {})}
         request = urllib.request.Request(f"{self.url}/invocations", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:
             return json.loads(response.read())["predictions"]
-
-    def stop(self) -> None:
-        _stop(self.process, self.port)
-
-    def __enter__(self) -> "ModelServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
