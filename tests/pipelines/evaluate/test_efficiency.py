@@ -5,6 +5,7 @@ tests/pipelines/memory/test_store.py (gca from a memory store)."""
 
 from __future__ import annotations
 
+import mmap
 import time
 from pathlib import Path
 
@@ -59,13 +60,22 @@ def test_timed_is_the_median_after_one_warm_up(monkeypatch):
     assert seconds == 2.0 and result == 4 and len(calls) == 4  # warm-up + 3, the last call's result
 
 
+def fresh_pages(mib: int) -> mmap.mmap:
+    """`mib` MiB of new anonymous pages, each written: resident whatever malloc kept from earlier tests (a numpy
+    array can reuse memory an earlier test freed, and then RSS does not grow: seen once in a full run)."""
+    block = mmap.mmap(-1, mib * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    return block
+
+
 def test_peak_rss_sees_memory_held_inside_the_block_even_once_freed():
     with PeakRss() as held:
-        block = np.ones(64 * 2**20, dtype=np.uint8)  # 64 MiB, every page written
+        block = fresh_pages(64)
     assert held.grown_mib >= 48  # still held at the end of the block
-    del block
+    block.close()
     with PeakRss() as freed:
-        block = np.ones(64 * 2**20, dtype=np.uint8)
+        block = fresh_pages(64)
         time.sleep(0.1)  # the sampler (every ms) sees it
-        del block
+        block.close()
     assert freed.grown_mib >= 48
