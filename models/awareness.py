@@ -18,6 +18,7 @@ from models.fusion import (CrossReadingLayer, FusedCrossAttention, adopt_merged_
                            check_memory_reading)
 from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer, chunk_mask,
                         chunk_summary_states)
+from models.lexical import question_mask_of, question_prior
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
@@ -46,6 +47,7 @@ class AwarenessConfig:
     memory_routing_loss: float = 1.0  # weight of the auxiliary routing loss in training (with memory_top_k > 0)
     memory_summaries: int = 1  # routing's summary keys per chunk (one per block of chunk_len / this tokens)
     memory_chunk_weights: str = "attention"  # routing's mix of the chosen chunks: attention | router (models/gca.py)
+    memory_lexical_routing: float = 0.0  # weight of the question's lexical prior on chunk scores (models/lexical.py)
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -113,6 +115,7 @@ class AwarenessModel(nn.Module):
         memory_routing_loss: float = 1.0,
         memory_summaries: int = 1,
         memory_chunk_weights: str = "attention",
+        memory_lexical_routing: float = 0.0,
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -124,7 +127,7 @@ class AwarenessModel(nn.Module):
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
         check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries,
-                             memory_chunk_weights)
+                             memory_chunk_weights, memory_lexical_routing)
         self._routers = memory_top_k > 0
         self._memory_top_k = memory_top_k
         self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
@@ -147,7 +150,9 @@ class AwarenessModel(nn.Module):
         self.config.memory_top_k, self.config.memory_logn_scale = memory_top_k, memory_logn_scale
         self.config.memory_routing_loss, self.config.memory_summaries = memory_routing_loss, memory_summaries
         self.config.memory_chunk_weights = memory_chunk_weights
+        self.config.memory_lexical_routing = memory_lexical_routing
         self.memory_summaries, self.memory_chunk_weights = memory_summaries, memory_chunk_weights
+        self.memory_lexical_routing = memory_lexical_routing
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -190,6 +195,7 @@ class AwarenessModel(nn.Module):
         memory_routing_loss: float = 1.0,
         memory_summaries: int = 1,
         memory_chunk_weights: str = "attention",
+        memory_lexical_routing: float = 0.0,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -211,7 +217,8 @@ class AwarenessModel(nn.Module):
         )
         return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
                    memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss,
-                   memory_summaries=memory_summaries, memory_chunk_weights=memory_chunk_weights, config=config,
+                   memory_summaries=memory_summaries, memory_chunk_weights=memory_chunk_weights,
+                   memory_lexical_routing=memory_lexical_routing, config=config,
                    partitioner=partitioner)
 
     @staticmethod
@@ -339,7 +346,38 @@ class AwarenessModel(nn.Module):
             kv.logn_base = self.memory_logn_scale
         if self.memory_top_k:
             self._route(layers, readers, projected, mask, padding, chunk_len)
-        return GCAMemory(layers=layers, states=projected, mask=mask, chunk_len=chunk_len)
+        chunk_ids = None
+        if memory_input_ids is not None and memory_input_ids.dim() == 3:  # the question's lexical prior compares them
+            chunk_ids = (memory_input_ids, mask.view(memory_input_ids.shape))
+        return GCAMemory(layers=layers, states=projected, mask=mask, chunk_len=chunk_len, chunk_ids=chunk_ids)
+
+    def _question_pending(self, gca_memory: GCAMemory | None) -> bool:
+        """Lexical routing over a routed memory whose question prior is not set yet (set_question sets it)."""
+        if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
+            return False
+        routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
+        return bool(routed) and routed[0].prior is None
+
+    def set_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor) -> None:
+        """With `memory_lexical_routing`, scores each memory row's chunks by the rare tokens of its rows' questions
+        (models/lexical.py) and hands every routing layer that prior: once per question, before decoding. Rows
+        (B, T) fold onto the memory's B_mem rows as the GCA blocks fold them (row i reads memory i // (B / B_mem))."""
+        if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
+            return
+        if gca_memory.chunk_ids is None:
+            raise ValueError("memory_lexical_routing compares the question's tokens with the memory's, and this memory "
+                             "came without them: pass memory_input_ids (B, C, L), or load the model with "
+                             "memory_lexical_routing=0 to read encoder states")
+        ids, token_mask = gca_memory.chunk_ids
+        b_mem = ids.shape[0]
+        if input_ids.shape[0] % b_mem:
+            raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch {b_mem}")
+        rows = input_ids.shape[0] // b_mem
+        prior = question_prior(input_ids.view(b_mem, rows, -1), question_mask.view(b_mem, rows, -1).bool(), ids,
+                               token_mask)
+        for kv in gca_memory.layers.values():
+            if kv.routing is not None:
+                kv.routing.prior = self.memory_lexical_routing * prior
 
     def _route(self, layers, readers, projected: torch.Tensor, mask: torch.Tensor, padding: MemoryPadding,
                chunk_len: int | None) -> None:
@@ -420,6 +458,13 @@ class AwarenessModel(nn.Module):
         if gca_memory is None:
             gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask,
                                              segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
+        if self._question_pending(gca_memory):  # the first call over a memory holds its question
+            if input_ids is None:
+                raise ValueError("memory_lexical_routing reads the question's token ids: pass input_ids")
+            if segment_ids is not None:
+                raise ValueError("memory_lexical_routing takes one question a row; packed rows hold several: "
+                                 "train it without packing")
+            self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels))
         out = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
         )
@@ -455,6 +500,8 @@ class AwarenessModel(nn.Module):
             gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask)
         if gca_memory is not None and gca_memory.batch_size != input_ids.shape[0]:
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
+        if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
+            self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
         with _memory_keyword_accepted(self.decoder):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs
@@ -516,6 +563,7 @@ class AwarenessModel(nn.Module):
             memory_routing_loss=config.memory_routing_loss,
             memory_summaries=config.memory_summaries,
             memory_chunk_weights=config.memory_chunk_weights,
+            memory_lexical_routing=config.memory_lexical_routing,
             dtype=dtype,
             device=device,
         )

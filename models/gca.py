@@ -105,6 +105,7 @@ class ChunkRouting:
     train: bool = False  # compute the routing loss (training)
     path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
     weights: str = "attention"  # attention: one softmax over the chosen chunks' tokens | router: GCA's fusion
+    prior: torch.Tensor | None = None  # (B_mem, 1 or R, C) float32: added to the chunk scores (models/lexical.py)
     loss: torch.Tensor | None = None
 
     @property
@@ -351,10 +352,11 @@ def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
 
 
 def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *,
-                 train_queries: bool = False) -> torch.Tensor:
+                 train_queries: bool = False, with_prior: bool = True) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
-    not read the chunk; with S summaries a chunk, the best of its blocks' scores. The queries are detached unless
-    `train_queries` (the router-weighted read): the routing loss trains the summary keys only."""
+    not read the chunk; with S summaries a chunk, the best of its blocks' scores, plus the question's lexical prior
+    when there is one (not `with_prior`: the routing loss, which trains the router's own scores). The queries are
+    detached unless `train_queries` (the router-weighted read): the routing loss trains the summary keys only."""
     b_mem, h, q, hd = query.shape
     n_kv = routing.summary.shape[1]
     grouped = (query if train_queries else query.detach()).view(b_mem, n_kv, h // n_kv, q, hd).mean(2)
@@ -363,9 +365,21 @@ def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *,
         if routing.summary_mask is not None:
             scores = scores.masked_fill(~routing.summary_mask, float("-inf"))
         scores = scores.view(b_mem, n_kv, q, routing.num_chunks, routing.summaries).amax(-1)  # (B_mem, H_kv, Q, C)
+    if with_prior and routing.prior is not None:
+        scores = scores + _per_query(routing.prior, q)
     if routing.chunk_mask is not None:
         scores = scores.masked_fill(~routing.chunk_mask, float("-inf"))
     return scores
+
+
+def _per_query(prior: torch.Tensor, q: int) -> torch.Tensor:
+    """A prior per decoder row (B_mem, R, C) -> per folded query (B_mem, 1, Q, C): row i's T = Q / R queries share
+    row i's prior (R = 1: every query of the memory, e.g. a prompt's beams)."""
+    rows = prior.shape[1]
+    if q % rows:
+        raise ValueError(f"a lexical prior for {rows} rows does not fold onto {q} queries: compute it for the rows "
+                         f"being decoded (AwarenessModel.forward and generate do)")
+    return prior.repeat_interleave(q // rows, dim=1)[:, None] if rows > 1 else prior[:, None]
 
 
 def _select(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
@@ -489,7 +503,7 @@ def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.
         weight = torch.ones(b_mem, 1, q, device=query.device)
         if padding.has_memory is not None:
             weight = weight * padding.has_memory[:, :, :, 0].float().expand(b_mem, 1, q)
-    log_router = chunk_scores(query, routing, scale).log_softmax(-1).masked_fill(teacher == 0, 0.0)
+    log_router = chunk_scores(query, routing, scale, with_prior=False).log_softmax(-1).masked_fill(teacher == 0, 0.0)
     kl = (teacher * (teacher.clamp_min(1e-30).log() - log_router)).sum(-1)  # (B_mem, H_kv, Q)
     return (kl * weight).sum() / (weight.sum() * n_kv).clamp_min(1.0)
 
@@ -547,6 +561,7 @@ class GCAMemory:
     states: torch.Tensor  # (B_mem, M, decoder hidden): the projected memory, kept for inspection and logging
     mask: torch.Tensor  # (B_mem, M) bool
     chunk_len: int | None = None  # L when the memory is C chunks of L positions (routing needs it); None: unknown
+    chunk_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunks' token ids and mask (B_mem, C, L) each
 
     @property
     def batch_size(self) -> int:

@@ -79,7 +79,8 @@ def score_needles(
                              variant=variant, questions_per_row=1)
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
         memory = batch["memory_input_ids"].to(device) if "memory_input_ids" in batch else None
-        logits = model(input_ids=ids, memory_input_ids=memory).logits.float()  # (rows, T, V)
+        # labels say which tokens are the question (lexical routing's prior reads the question, not the answer)
+        logits = model(input_ids=ids, memory_input_ids=memory, labels=labels).logits.float()  # (rows, T, V)
         rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
         predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each digit predict it: (Q, D)
         exact = (predicted == ids[rows, positions]).all(-1).cpu()
@@ -182,7 +183,7 @@ def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec, mode: Mem
             batch = {k: v.to(model.device) for k, v in batch.items()}
             labels = batch.pop("labels")
             target, valid = labels[:, 1:], labels[:, 1:] != IGNORE
-            logits = model(**batch, use_cache=False).logits.float()[:, :-1]
+            logits = model(**batch, labels=labels, use_cache=False).logits.float()[:, :-1]
             if not counted:
                 continue
             if system is mode:

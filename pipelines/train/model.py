@@ -17,7 +17,9 @@ def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp, fusion=cfg.fusion,
                        memory_top_k=cfg.memory_top_k, memory_logn_scale=cfg.memory_logn_scale,
                        memory_routing_loss=cfg.memory_routing_loss, memory_summaries=cfg.memory_summaries,
-                       memory_chunk_weights=cfg.memory_chunk_weights, encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner)
+                       memory_chunk_weights=cfg.memory_chunk_weights,
+                       memory_lexical_routing=cfg.memory_lexical_routing, encoder_checkpoint=cfg.encoder_checkpoint,
+                       partitioner=partitioner)
     return prepare_model(model, cfg, partitioner=partitioner)
 
 

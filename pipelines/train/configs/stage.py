@@ -49,6 +49,10 @@ class ModelConfig:
     # count is full attention). router: Grouped Cross Attention's fusion, a softmax inside each chunk and the chunk
     # outputs weighted by the softmax of their router scores, so the answer loss trains the routers too
     memory_chunk_weights: str = "attention"
+    # With routing: the weight of the question's lexical prior on the chunk scores (models/lexical.py): a chunk holding
+    # the question's rare tokens is scored up by their idf, as BM25 ranks, so among near-alike chunks the one naming
+    # what is asked is read. 0: the learned router alone. Needs one question a row (no packing)
+    memory_lexical_routing: float = 0.0
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
@@ -118,6 +122,9 @@ class ModelConfig:
         elif m.memory_chunk_weights == "router" and (not m.memory_top_k or m.memory_logn_scale):
             p.append("model.memory_chunk_weights router mixes routing's top-k chunks by their scores: set "
                      "model.memory_top_k (e.g. 2) and leave model.memory_logn_scale at 0")
+        if m.memory_lexical_routing < 0 or (m.memory_lexical_routing and not m.memory_top_k):
+            p.append(f"model.memory_lexical_routing ({m.memory_lexical_routing}) weighs the question's lexical prior "
+                     f"on routing's chunk scores: give a weight >= 0, and model.memory_top_k > 0 with a positive one")
         if m.memory_routing_grad and not m.memory_top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")

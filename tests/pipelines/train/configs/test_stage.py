@@ -185,7 +185,10 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
                              "model.memory_summaries must be >= 1"),
                             (["--model.memory_chunk_weights", "router"], "set model.memory_top_k (e.g. 2)"),
                             (["--model.memory_top_k", "2", "--model.memory_chunk_weights", "tokens"],
-                             "model.memory_chunk_weights must be one of attention, router")):
+                             "model.memory_chunk_weights must be one of attention, router"),
+                            (["--model.memory_lexical_routing", "1"], "model.memory_top_k > 0 with a positive one"),
+                            (["--model.memory_top_k", "2", "--model.memory_lexical_routing", "-1"],
+                             "give a weight >= 0")):
         with pytest.raises(SystemExit):
             parse_config(flags, DEFAULT)
         assert expected in capsys.readouterr().err
@@ -198,6 +201,9 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_chunk_weights", "router"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "router"))
     assert loaded.memory_chunk_weights == "router"
+    config = parse_config(["--model.memory_top_k", "2", "--model.memory_lexical_routing", "1.5"], DEFAULT)
+    loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "lexical"))
+    assert loaded.memory_lexical_routing == 1.5
 
 
 @pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "./mlruns"])

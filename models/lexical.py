@@ -1,0 +1,52 @@
+"""The question's lexical prior for chunk routing (`memory_lexical_routing`): a chunk that holds the question's rare
+tokens is scored up before the top-k, as BM25 would rank it.
+
+Why: a learned router scores a chunk by dot products of 16-128 dimensional keys, and among many chunks of near-alike
+facts (a repository's definitions, a needle among similar keys) the right one is often in its top 4 but rarely first;
+the read then mixes in the look-alikes and answers from the wrong one (docs/evaluation.md, "hybrid routing"). An exact
+token match tells them apart at no cost: the chunk naming the asked identifier is the one to read. Hybrid retrieval
+(lexical + dense) is the usual answer in retrieval, and here it only steers which chunks are read; what is read and
+how it is mixed is still learned.
+
+The prior of a decoder row is computed once from its question (the prompt's tokens, never its answer's), so a decoding
+step pays nothing for it beyond adding a (C,) vector to the chunk scores. Scores are BM25's idf without term
+frequency: for each distinct question token present in the memory, idf = ln(1 + (C - n + 0.5) / (n + 0.5)), n the
+chunks that hold it, added to every chunk that holds it. Both sides share the tokenizer (a pair's encoder and decoder
+ids name the same tokens), so ids are compared directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chunk_ids: torch.Tensor,
+                   chunk_mask: torch.Tensor) -> torch.Tensor:
+    """Question tokens (B_mem, R, T) with their mask (B_mem, R, T) bool (which tokens form the question), the
+    memory's chunks (B_mem, C, L) with their token mask (B_mem, C, L) bool -> the prior (B_mem, R, C) float32: the
+    summed idf of the distinct question tokens each chunk holds. A chunk of padding only scores 0."""
+    b, rows, t = question_ids.shape
+    c = chunk_ids.shape[1]
+    # which chunks hold each question token: (B_mem, R, T, C); T x C x L comparisons, once per question
+    holds = torch.stack([((question_ids[:, :, i, None, None] == chunk_ids[:, None]) & chunk_mask[:, None]).any(-1)
+                         for i in range(t)], dim=2)
+    earlier = question_ids[..., :, None] == question_ids[..., None, :]  # (B_mem, R, T, T): token i == token j
+    before = torch.ones(t, t, dtype=torch.bool, device=question_ids.device).tril(-1)  # j < i
+    repeated = (earlier & before & question_mask[..., None, :]).any(-1)  # an earlier question token is the same
+    counted = question_mask & ~repeated  # (B_mem, R, T): each distinct question token once
+    chunks = chunk_mask.any(-1).sum(-1).float()[:, None, None]  # (B_mem, 1, 1): real chunks
+    held_by = holds.sum(-1).float()  # (B_mem, R, T)
+    idf = torch.log1p((chunks - held_by + 0.5) / (held_by + 0.5)) * (held_by > 0) * counted
+    return (holds.float() * idf[..., None]).sum(2)
+
+
+def question_mask_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                     labels: torch.Tensor | None, ignore_index: int = -100) -> torch.Tensor:
+    """Which tokens of each row (B, T) are its question: the attended tokens before the row's first labelled one
+    (labels mark the answer in training and teacher-forced scoring), or every attended token without labels (a
+    prompt given to generate)."""
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if labels is not None:
+        answered = (labels != ignore_index).long().cumsum(-1) > 0  # from the first answer token on
+        mask = mask & ~answered
+    return mask

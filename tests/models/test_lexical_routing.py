@@ -1,0 +1,143 @@
+"""Lexical routing (models/lexical.py): the question's idf prior on chunk scores against a hand-computed case, which
+tokens count as the question, the chunks it makes a query read, that the routing loss ignores it, cached decoding,
+generate and save/load with it, and the refusals."""
+
+import math
+
+import pytest
+import torch
+
+from models import AwarenessModel
+from models.gca import chunk_scores
+from models.lexical import question_mask_of, question_prior
+from tests.conftest import random_ids
+from tests.models.test_awareness import cached_logits
+from tests.models.test_fusion import DEC_VOCAB, logits, memory_batch
+from tests.models.test_routing import routed_pair
+
+ASKED = 100  # the question's rare token; the memories below are filler from FILLER
+FILLER = (300, 496)
+
+
+def idf(chunks: int, holding: int) -> float:
+    return math.log(1 + (chunks - holding + 0.5) / (holding + 0.5))
+
+
+def test_prior_is_the_summed_idf_of_the_distinct_question_tokens_each_chunk_holds():
+    chunks = torch.tensor([[[5, 7, 1, 1], [7, 2, 2, 2], [3, 3, 3, 3], [5, 0, 0, 0]]])  # (1, C=4, L=4)
+    chunk_mask = torch.ones_like(chunks, dtype=torch.bool)
+    chunk_mask[0, 3] = False  # chunk 3 is padding: its 5 is not there, and it is not a chunk of the memory
+    question = torch.tensor([[[5, 7, 7, 9, 2]]])  # (1, R=1, T=5): 7 twice, 9 nowhere in the memory
+    asked = torch.tensor([[[True, True, True, True, False]]])  # the 2 is not part of the question (an answer token)
+    prior = question_prior(question, asked, chunks, chunk_mask)
+    five, seven = idf(3, 1), idf(3, 2)  # 3 real chunks: 5 is in one, 7 in two
+    torch.testing.assert_close(prior, torch.tensor([[[five + seven, seven, 0.0, 0.0]]]))
+
+
+def test_the_question_is_the_tokens_before_the_first_label_or_the_whole_prompt():
+    ids = torch.tensor([[1, 100, 11, 12, 2], [1, 100, 101, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    labels = torch.tensor([[-100, -100, 11, 12, 2], [-100, -100, -100, -100, -100]])
+    assert question_mask_of(ids, attention, labels).tolist() == [[True, True, False, False, False],
+                                                               [True, True, True, False, False]]
+    assert question_mask_of(ids, None, None).all()
+
+
+def needle_memory(seed: int, where: list[int], chunks: int = 4, length: int = 8) -> torch.Tensor:
+    """Filler chunks (B, C, L) with ASKED placed once, in chunk where[b] of row b."""
+    g = torch.Generator().manual_seed(seed)
+    memory = torch.randint(*FILLER, (len(where), chunks, length), generator=g)
+    for row, chunk in enumerate(where):
+        memory[row, chunk, 3] = ASKED
+    return memory
+
+
+@pytest.mark.parametrize("weights", ["attention", "router"])
+def test_a_query_reads_the_chunk_holding_the_questions_rare_token(checkpoint_root, weights):
+    """k = 1 and a heavy prior: every GCA layer's attention lies inside the chunk that names the question's token,
+    wherever it is; without the prior the random routers read elsewhere for some rows."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights=weights, memory_lexical_routing=100.0)
+    where = [0, 1, 2, 3, 3, 1]
+    mem = needle_memory(0, where)
+    prompt = torch.cat([torch.ones(len(where), 1, dtype=torch.long), torch.full((len(where), 1), ASKED)], dim=1)
+    for layer in routed.memory_attention(input_ids=prompt, memory_input_ids=mem):  # (B, H, M)
+        mass = layer.view(len(where), layer.shape[1], 4, 8).sum(-1)  # (B, H, C)
+        for row, chunk in enumerate(where):
+            torch.testing.assert_close(mass[row, :, chunk], torch.ones(layer.shape[1]))
+    routed.memory_lexical_routing = 0.0
+    elsewhere = [layer.view(len(where), layer.shape[1], 4, 8).sum(-1).argmax(-1)
+                 for layer in routed.memory_attention(input_ids=prompt, memory_input_ids=mem)]
+    assert any((chosen != torch.tensor(where)[:, None]).any() for chosen in elsewhere)
+
+
+def test_chosen_chunks_are_the_top_scores_of_router_plus_prior_and_the_loss_ignores_the_prior(checkpoint_root):
+    _, routed = routed_pair(checkpoint_root, "gca", k=2, memory_lexical_routing=1.5)
+    mem = needle_memory(1, [2, 0])
+    prompt = torch.tensor([[1, ASKED, 7], [1, ASKED, 9]])
+    memory = routed.prepare_memory(mem)
+    routed.set_question(memory, prompt, torch.ones_like(prompt, dtype=torch.bool))
+    layer = next(iter(memory.layers.values()))
+    query = torch.randn(2, 4, 3, 16, generator=torch.Generator().manual_seed(0))  # (B_mem, H, Q, hd) folded
+    dense = chunk_scores(query, layer.routing, 0.25, with_prior=False)
+    prior = question_prior(prompt[:, None], torch.ones(2, 1, 3, dtype=torch.bool), mem, torch.ones_like(mem).bool())
+    torch.testing.assert_close(chunk_scores(query, layer.routing, 0.25), dense + 1.5 * prior[:, None])
+    assert prior[0, 0, 2] > 0 and prior[0, 0, [0, 1, 3]].eq(0).all()  # the chunk naming ASKED, and no other
+    # the routing loss trains the router's own scores: the same with and without the prior
+    routed.train()
+    ids = torch.tensor([[1, ASKED, 7, 8, 2], [1, ASKED, 9, 8, 2]])
+    labels = ids.clone()
+    labels[:, :2] = -100
+    with_prior = routed(input_ids=ids, labels=labels, memory_input_ids=mem).routing_loss
+    routed.memory_lexical_routing = 0.0
+    without = routed(input_ids=ids, labels=labels, memory_input_ids=mem).routing_loss
+    torch.testing.assert_close(with_prior, without)
+
+
+def test_cached_decoding_generate_and_save_load_with_lexical_routing(checkpoint_root, tmp_path):
+    """The prior comes from the prompt: cached decoding equals a full forward whose labels mark the continuation
+    as the answer; greedy generate is the argmax of such forwards; save and load keep the weight and the logits."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=2.0)
+    mem, mask = memory_batch(chunks=4)
+    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)  # names chunk 2's tokens
+    continuation = mem[:, 0, :4]  # names chunk 0's: read as question, it would move the prior there
+    ids = torch.cat([prompt, continuation], dim=1)
+    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    full = logits(routed, ids, mem, mask, labels=labels)
+    torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+    # without labels the continuation counts as question: another prior, other chunks read, other logits
+    assert not torch.allclose(logits(routed, ids, mem, mask), full, rtol=1e-4, atol=1e-5)
+    generated = routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=4,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    steps = prompt
+    for _ in range(4):
+        answer = torch.cat([torch.full_like(prompt, -100), steps[:, prompt.shape[1]:]], dim=1)
+        step = logits(routed, steps, mem, mask, labels=answer)
+        steps = torch.cat([steps, step[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, steps)
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert loaded.memory_lexical_routing == 2.0
+    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
+
+
+def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
+    full, routed = routed_pair(checkpoint_root, "gca", k=3, memory_lexical_routing=5.0)
+    ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=3)
+    mem, mask = memory_batch()
+    torch.testing.assert_close(logits(routed, ids, mem, mask), logits(full, ids, mem, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_refusals(checkpoint_root):
+    with pytest.raises(ValueError, match="memory_lexical_routing"):
+        routed_pair(checkpoint_root, "gca", k=0, memory_lexical_routing=1.0)
+    with pytest.raises(ValueError, match="memory_lexical_routing"):
+        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=-1.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=1.0)
+    mem, mask = memory_batch()
+    states, states_mask = routed.encode_memory(mem, mask)
+    ids = random_ids(2, 5, vocab=DEC_VOCAB, seed=0)
+    with pytest.raises(ValueError, match="came without them: pass memory_input_ids"):
+        routed(input_ids=ids, memory_states=states.view(2, 3, 8, -1), memory_states_mask=states_mask.view(2, 3, 8))
+    with pytest.raises(ValueError, match="one question a row"):
+        routed(input_ids=ids, memory_input_ids=mem, position_ids=torch.arange(5).expand(2, 5),
+               segment_ids=torch.zeros(2, 5, dtype=torch.long), memory_segment_ids=torch.zeros(2, 3, dtype=torch.long))
