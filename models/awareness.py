@@ -313,6 +313,7 @@ class AwarenessModel(nn.Module):
         *,
         segment_ids: torch.Tensor | None = None,
         memory_segment_ids: torch.Tensor | None = None,
+        memory_chunk_ids: torch.Tensor | None = None,
     ) -> GCAMemory | None:
         """Encodes (or takes) the memory, projects it once, and computes every GCA layer's keys and values once.
 
@@ -322,7 +323,9 @@ class AwarenessModel(nn.Module):
 
         The chunk length (routing needs it) comes with the memory: memory_input_ids (B, C, L), or memory_states
         (B, C, L, H_enc) with memory_states_mask (B, C, L) (`MemoryStore.memory(chunked=True)`); flat memory_states
-        (B, M, H_enc) have none, which only full attention accepts."""
+        (B, M, H_enc) have none, which only full attention accepts. Lexical routing also reads the chunks' token
+        ids: memory_input_ids have them; chunked memory_states take them as `memory_chunk_ids` (B, C, L)
+        (`MemoryStore.token_ids`)."""
         if memory_input_ids is not None and memory_states is not None:
             raise ValueError("pass either memory_input_ids or memory_states, not both")
         if memory_input_ids is None and memory_states is None:
@@ -349,6 +352,11 @@ class AwarenessModel(nn.Module):
         chunk_ids = None
         if memory_input_ids is not None and memory_input_ids.dim() == 3:  # the question's lexical prior compares them
             chunk_ids = (memory_input_ids, mask.view(memory_input_ids.shape))
+        elif memory_chunk_ids is not None:
+            if memory_states.dim() != 4 or memory_chunk_ids.shape != memory_states.shape[:3]:
+                raise ValueError(f"memory_chunk_ids {tuple(memory_chunk_ids.shape)} must be (batch, chunks, chunk_len) "
+                                 f"of chunked memory_states {tuple(memory_states.shape)}")
+            chunk_ids = (memory_chunk_ids, mask.view(memory_chunk_ids.shape))
         return GCAMemory(layers=layers, states=projected, mask=mask, chunk_len=chunk_len, chunk_ids=chunk_ids)
 
     def _question_pending(self, gca_memory: GCAMemory | None) -> bool:
@@ -366,8 +374,8 @@ class AwarenessModel(nn.Module):
             return
         if gca_memory.chunk_ids is None:
             raise ValueError("memory_lexical_routing compares the question's tokens with the memory's, and this memory "
-                             "came without them: pass memory_input_ids (B, C, L), or load the model with "
-                             "memory_lexical_routing=0 to read encoder states")
+                             "came without them: pass memory_input_ids (B, C, L), or chunked memory_states with "
+                             "memory_chunk_ids (MemoryStore.token_ids)")
         ids, token_mask = gca_memory.chunk_ids
         b_mem = ids.shape[0]
         if input_ids.shape[0] % b_mem:
@@ -440,6 +448,7 @@ class AwarenessModel(nn.Module):
         labels: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         memory_segment_ids: torch.Tensor | None = None,
+        memory_chunk_ids: torch.Tensor | None = None,
         **decoder_kwargs: Any,
     ) -> AwarenessOutput:
         """Like Qwen3ForCausalLM.forward, plus the memory; `gca_memory` reuses memory prepared earlier.
@@ -457,7 +466,8 @@ class AwarenessModel(nn.Module):
             decoder_kwargs["use_cache"] = False
         if gca_memory is None:
             gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask,
-                                             segment_ids=segment_ids, memory_segment_ids=memory_segment_ids)
+                                             segment_ids=segment_ids, memory_segment_ids=memory_segment_ids,
+                                             memory_chunk_ids=memory_chunk_ids)
         if self._question_pending(gca_memory):  # the first call over a memory holds its question
             if input_ids is None:
                 raise ValueError("memory_lexical_routing reads the question's token ids: pass input_ids")
@@ -491,13 +501,15 @@ class AwarenessModel(nn.Module):
         memory_states: torch.Tensor | None = None,
         memory_states_mask: torch.Tensor | None = None,
         gca_memory: GCAMemory | None = None,
+        memory_chunk_ids: torch.Tensor | None = None,
         **generate_kwargs: Any,
     ) -> torch.Tensor:
         """transformers' generate (greedy, sampling, beam search) on the decoder, with the memory's keys/values
         computed once here; expanded rows (beams, num_return_sequences) read their own row's memory."""
         _check_vocabulary(input_ids, self.decoder.config.vocab_size, "input_ids", "decoder")
         if gca_memory is None:
-            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask)
+            gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask,
+                                             memory_chunk_ids=memory_chunk_ids)
         if gca_memory is not None and gca_memory.batch_size != input_ids.shape[0]:
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token

@@ -98,15 +98,20 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
             row["encode_s"], identity = write_filler_store(system, memory, store)
             chunked = bool(model.memory_top_k)  # a routing model reads the store's chunks as chunks
 
-            def first_token():
+            def stored() -> dict[str, torch.Tensor]:
                 states, mask = memory_store.read(store, identity, device=device, chunked=chunked)
-                gca_memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
+                inputs = {"memory_states": states, "memory_states_mask": mask}
+                if chunked and model.memory_lexical_routing:  # the question's prior compares the chunks' ids
+                    inputs["memory_chunk_ids"] = memory_store.MemoryStore(store).token_ids(device=device)
+                return inputs
+
+            def first_token():
+                gca_memory = model.prepare_memory(**stored())
                 logits = model(input_ids=prompt, gca_memory=gca_memory).logits
                 return logits[:, -1].argmax(-1)
 
             prompt = torch.tensor([question], device=device)
-            states, mask = memory_store.read(store, identity, device=device, chunked=chunked)
-            generate_kwargs = {"memory_states": states, "memory_states_mask": mask}
+            generate_kwargs = stored()
         else:
             def first_token():
                 prefix = prompt_memory(memory.tolist(), question, mode)
@@ -137,7 +142,7 @@ def write_filler_store(system: System, memory: np.ndarray, directory: str) -> tu
     seconds, (states, _) = _timed(lambda: system.model.encode_memory(ids), 1)  # (1, C*L, H_enc)
     identity = memory_store.encoder_identity(system.export, dtype=system.model.memory_encoder.encoder.dtype)
     chunks = [("filler", i, "") for i in range(memory.shape[0])]
-    memory_store.write(directory, chunks, states[0].split(memory.shape[1]), identity)
+    memory_store.write(directory, chunks, states[0].split(memory.shape[1]), memory.tolist(), identity)
     return seconds, identity
 
 

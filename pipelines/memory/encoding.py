@@ -134,7 +134,8 @@ class ChunkEncoder:
         keep = [i for i in range(n) if not batch["reject"][i]]
         states = self.encode([list(batch["ids"][i]) for i in keep])
         keys = [f"{batch['path'][i]}#{int(batch['index'][i])}" for i in keep]
-        shard = memory_store.write_shard(self.out, dict(zip(keys, states))) if keep else ""
+        ids = {key: list(batch["ids"][i]) for key, i in zip(keys, keep)}
+        shard = memory_store.write_shard(self.out, dict(zip(keys, states)), ids) if keep else ""
         tokens, where = [0] * n, [""] * n
         for i, key, state in zip(keep, keys, states):
             tokens[i], where[i] = state.shape[0], key

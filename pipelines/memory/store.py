@@ -5,7 +5,8 @@ same encoder, so a query pays the decoder only.
                                 (name, path, index, lines, tokens, and the shard and key of its states), the files
                                 seen, used and rejected (by reason), the sources
     STORE/chunks.jsonl          one line per chunk, in store order: its name and text (header included)
-    STORE/states-*.safetensors  each chunk's encoder states (tokens, H_enc), unpadded, in the encoder's dtype
+    STORE/states-*.safetensors  each chunk's encoder states (tokens, H_enc), unpadded, in the encoder's dtype, and its
+                                token ids (tokens,) under `ids:KEY` (lexical routing compares them with the question's)
 
 What is stored is the encoder's output (`AwarenessModel.encode_memory`), taken before the memory projection: it
 depends on the encoder alone (its checkpoint, the encoder weights an export trained on top of it, its attention),
@@ -42,6 +43,7 @@ from models.awareness import CONFIG_NAME, WEIGHTS_NAME, AwarenessConfig
 MANIFEST = "store.json"
 CHUNKS = "chunks.jsonl"
 FORMAT_VERSION = 1
+IDS_PREFIX = "ids:"  # a chunk's token ids beside its states in the shard (stores from before them have none)
 ENCODER_PREFIX = "memory_encoder."  # the encoder's parameters inside an export's awareness.safetensors
 FIX = "re-encode the repository with this model: python jobs/encode_memory.py --model EXPORT --sources REPO --out STORE"
 
@@ -161,11 +163,16 @@ def chunk_entry(*, path: str, index: int, start_line: int = 0, end_line: int = 0
             "end_line": int(end_line), "tokens": int(tokens), "shard": shard, "key": key}
 
 
-def write_shard(directory: str | Path, states: dict[str, torch.Tensor]) -> str:
-    """Chunk states {key: (tokens, H_enc)} as one safetensors file under `directory` (a Ray actor's batch, or a
-    whole small store); returns its name. Names are unique, so actors write side by side."""
+def write_shard(directory: str | Path, states: dict[str, torch.Tensor], ids: dict[str, list[int]]) -> str:
+    """Chunk states {key: (tokens, H_enc)} and token ids {key: ids} as one safetensors file under `directory` (a Ray
+    actor's batch, or a whole small store); returns its name. Names are unique, so actors write side by side."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in states.items()}
+    for key, chunk in ids.items():
+        if len(chunk) != len(tensors[key]):
+            raise ValueError(f"chunk {key}: {len(chunk)} token ids for {len(tensors[key])} states")
+        tensors[IDS_PREFIX + key] = torch.tensor(list(chunk), dtype=torch.int64)
     name = f"states-{uuid.uuid4().hex[:12]}.safetensors"
-    save_file({k: v.detach().contiguous().cpu() for k, v in states.items()}, str(Path(directory) / name))
+    save_file(tensors, str(Path(directory) / name))
     return name
 
 
@@ -195,18 +202,18 @@ def write_manifest(directory: str | Path, chunks: list[dict[str, Any]], texts: l
 
 
 def write(directory: str | Path, chunks: Iterable[tuple[str, int, str]], states: Iterable[torch.Tensor],
-          identity: EncoderIdentity, **about: Any) -> dict[str, Any]:
+          ids: Iterable[list[int]], identity: EncoderIdentity, **about: Any) -> dict[str, Any]:
     """A whole store in this process: chunks as (path, index, text), each one's states (tokens, H_enc) as
-    `encode_memory` returns them for that chunk alone, unpadded. For stores too large for one process, see
-    pipelines.memory.encoding (Ray Data)."""
+    `encode_memory` returns them for that chunk alone, unpadded, and its token ids. For stores too large for one
+    process, see pipelines.memory.encoding (Ray Data)."""
     directory = clear(directory)
-    entries, texts, tensors = [], [], {}
-    for (path, index, text), state in zip(chunks, states, strict=True):
+    entries, texts, tensors, token_ids = [], [], {}, {}
+    for (path, index, text), state, chunk_ids in zip(chunks, states, ids, strict=True):
         key = f"{len(entries)}"
-        tensors[key] = state
+        tensors[key], token_ids[key] = state, list(chunk_ids)
         entries.append(chunk_entry(path=path, index=index, tokens=state.shape[0], shard="", key=key))
         texts.append(text)
-    shard = write_shard(directory, tensors)
+    shard = write_shard(directory, tensors, token_ids)
     for entry in entries:
         entry["shard"] = shard
     return write_manifest(directory, entries, texts, identity, **about)
@@ -259,6 +266,24 @@ class MemoryStore:
                 for i in positions:
                     out[i] = f.get_tensor(self.chunks[i]["key"])
         return out  # type: ignore[return-value]
+
+    def token_ids(self, *, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The chunks' token ids (1, C, L_max), right-padded with 0 as `memory(chunked=True)` pads the states (its
+        mask says which are real): what lexical routing compares the question with."""
+        by_shard: dict[str, list[int]] = {}
+        for i, chunk in enumerate(self.chunks):
+            by_shard.setdefault(chunk["shard"], []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(self.chunks)
+        for shard, positions in by_shard.items():
+            with safe_open(str(self.directory / shard), framework="pt") as f:
+                stored = set(f.keys())
+                for i in positions:
+                    key = IDS_PREFIX + self.chunks[i]["key"]
+                    if key not in stored:
+                        raise ValueError(f"memory store {str(self.directory)!r} keeps no token ids (written before "
+                                         f"they were stored), which lexical routing reads: {FIX}")
+                    out[i] = f.get_tensor(key)
+        return torch.nn.utils.rnn.pad_sequence(out, batch_first=True)[None].to(device)  # type: ignore[arg-type]
 
     def memory(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, chunked: bool = False):
         """memory_states (1, M, H_enc) and memory_states_mask (1, M): every chunk's states end to end; `chunked`:

@@ -132,18 +132,19 @@ class AwarenessServer:
     def _tokens(self, texts: list[str]) -> list[list[int]]:
         return [self.pyfunc.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
 
-    def _encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
-        """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunks), its unpadded states."""
+    def _encode_chunks(self, texts: list[str]) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunks): its unpadded states, and
+        its token ids."""
         with self.model_lock:
-            return self.pyfunc.encode_chunks(texts)
+            return self.pyfunc.encode_chunks(texts), self.pyfunc.chunk_token_ids(texts)
 
     @torch.no_grad()
     def _prepare(self, store):
         """The memory as the pyfunc reads a store, projected and turned into every GCA layer's K/V once."""
         model = self.pyfunc.model
-        states, mask = store.memory(device=model.device, chunked=bool(model.memory_top_k))
+        inputs = self.pyfunc.store_inputs(store)
         with self.model_lock:
-            return model.prepare_memory(memory_states=states, memory_states_mask=mask)
+            return model.prepare_memory(**inputs)
 
     def _generate(self, ids: list[list[int]], memory, max_tokens: int, temperature: float, streamer=None):
         model = self.pyfunc.model

@@ -72,7 +72,7 @@ class Memory:
 
 class MemoryCache:
     """LRU of prepared memories under `budget_bytes`, written through to `directory`. `encode(texts)` gives each
-    chunk's encoder states (tokens, H_enc); `prepare(store)` turns an opened store into a GCAMemory."""
+    chunk's encoder states (tokens, H_enc) and its token ids; `prepare(store)` turns an opened store into a GCAMemory."""
 
     def __init__(self, directory: str | Path, budget_bytes: int, identity: EncoderIdentity, *, encode, prepare):
         self.directory = Path(directory).expanduser().resolve()
@@ -97,10 +97,10 @@ class MemoryCache:
                 return self.get(id)
             except UnknownMemory:
                 pass
-            states = self._encode(texts)
+            states, ids = self._encode(texts)
             partial = self.directory / f".{id}.partial"
             shutil.rmtree(partial, ignore_errors=True)
-            write(partial, [("memory", i, t) for i, t in enumerate(texts)], states, self.identity, served=True)
+            write(partial, [("memory", i, t) for i, t in enumerate(texts)], states, ids, self.identity, served=True)
             shutil.rmtree(self.directory / id, ignore_errors=True)
             partial.replace(self.directory / id)  # a memory on disk is whole or absent
             self.counts["encoded"] += 1

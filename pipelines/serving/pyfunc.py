@@ -115,7 +115,7 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
         """Each chunk alone through the model's encoder (as jobs/encode_memory.py does): its unpadded states
         (tokens, H_enc), on the CPU."""
-        chunks = [self.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+        chunks = self.chunk_token_ids(texts)
         width = max(len(c) for c in chunks)
         ids = torch.full((len(chunks), 1, width), self.pad_token_id, dtype=torch.long)  # (C, 1, L_max): one a row
         mask = torch.zeros_like(ids)
@@ -124,11 +124,25 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         states, _ = self.model.encode_memory(ids.to(self.model.device), mask.to(self.model.device))
         return [states[i, : len(c)].cpu() for i, c in enumerate(chunks)]
 
+    def chunk_token_ids(self, texts: list[str]) -> list[list[int]]:
+        """Each chunk text's token ids, as the encoder reads them."""
+        return [self.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
     def write_store(self, directory: str | Path, texts: list[str], **about: Any) -> dict[str, Any]:
         """These chunk texts encoded once into a memory store at `directory` (what a row's `memory_store` names).
         Returns its manifest."""
         return write(directory, [("memory", i, t) for i, t in enumerate(texts)], self.encode_chunks(texts),
-                     self.encoder_identity(), **about)
+                     self.chunk_token_ids(texts), self.encoder_identity(), **about)
+
+    def store_inputs(self, store: MemoryStore) -> dict[str, torch.Tensor]:
+        """A store as this model's memory inputs: its states (chunked for a routing model) and, for lexical
+        routing, its chunks' token ids."""
+        routed = bool(self.model.memory_top_k)
+        states, mask = store.memory(device=self.model.device, chunked=routed)
+        inputs = {"memory_states": states, "memory_states_mask": mask}
+        if routed and self.model.memory_lexical_routing:
+            inputs["memory_chunk_ids"] = store.token_ids(device=self.model.device)
+        return inputs
 
     def stored_memory(self, directory: str) -> dict[str, torch.Tensor]:
         """A store's states as memory_states/memory_states_mask, checked against this model's encoder; the last store
@@ -139,9 +153,8 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         if key not in self.stores:
             store = MemoryStore(directory)
             store.check(self.identity)
-            self.stores = {key: store.memory(device=self.model.device, chunked=bool(self.model.memory_top_k))}
-        states, mask = self.stores[key]
-        return {"memory_states": states, "memory_states_mask": mask}
+            self.stores = {key: self.store_inputs(store)}
+        return self.stores[key]
 
     def answer(self, question: str, memory: list[str], max_new_tokens: int, store: str | None = None) -> str:
         if store and memory:

@@ -76,6 +76,7 @@ def test_the_actor_writes_one_shard_and_passes_rejects_through(chunk_encoder):
     assert out["key"] == ["a.py#0", "", "a.py#1"] and out["tokens"] == [3, 0, 2]
     assert out["reject"] == ["", "binary", ""] and out["shard"][1] == "" and out["shard"][0] == out["shard"][2]
     saved = load_file(f"{chunk_encoder.out}/{out['shard'][0]}")
-    assert sorted(saved) == ["a.py#0", "a.py#1"] and saved["a.py#1"].shape == (2, 48)
+    assert sorted(saved) == ["a.py#0", "a.py#1", "ids:a.py#0", "ids:a.py#1"] and saved["a.py#1"].shape == (2, 48)
+    assert saved["ids:a.py#1"].tolist() == [6, 7]  # the chunk's token ids beside its states (lexical routing)
     rejected_only = chunk_encoder({k: v[1:2] for k, v in batch.items()})
     assert rejected_only["shard"] == [""] and rejected_only["key"] == [""]  # nothing to encode, no shard

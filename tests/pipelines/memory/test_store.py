@@ -127,14 +127,17 @@ def test_stored_states_give_the_logits_of_encoding_the_chunks_on_the_fly(store, 
     assert states.shape[1] == int(chunk_mask.sum()) < on_the_fly.shape[1]  # the store keeps no padding
 
 
+@pytest.mark.parametrize("lexical", [0.0, 1.0])
 def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_the_fly(store, export, pair_root,
-                                                                                     tmp_path):
+                                                                                     tmp_path, lexical):
     """memory_top_k 2 of the store's chunks: read chunked (each chunk padded to the longest), the stored states route
-    and read as the chunk texts encoded on the fly do; the pyfunc answers alike from both."""
+    and read as the chunk texts encoded on the fly do; the pyfunc answers alike from both. With lexical routing the
+    store's token ids (those the encoder read) give the question's prior as the chunk ids do."""
     from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
 
     torch.manual_seed(0)
-    model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half", memory_top_k=2))
+    model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half", memory_top_k=2,
+                                  memory_lexical_routing=lexical))
     routed_export = model.save_pretrained(tmp_path / "routed")  # the same encoder as the store's: it reads it
     ensure_tokenizer(model.config.decoder)  # the served model's tokenizer.json
     model.eval()
@@ -144,12 +147,15 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
     assert states.shape[:3] == (1, len(lengths), max(lengths)) and mask.sum(-1).tolist() == [lengths]
     assert len(lengths) > model.memory_top_k  # routing selects
     ids, chunk_mask = padded(model, opened.texts())
-    prompt = torch.tensor([[11, 2001, 30, 4099, 12]])
+    token_ids = opened.token_ids()
+    assert torch.equal(token_ids * mask, ids * chunk_mask)  # the ids the encoder read, padded as the states are
+    prompt = torch.cat([torch.tensor([[11]]), ids[:, 3, 2:6]], dim=1)  # names chunk 3's tokens
+    chunk_ids = {"memory_chunk_ids": token_ids} if lexical else {}
     with torch.no_grad():
-        stored = model(input_ids=prompt, memory_states=states, memory_states_mask=mask).logits
+        stored = model(input_ids=prompt, memory_states=states, memory_states_mask=mask, **chunk_ids).logits
         fresh = model(input_ids=prompt, memory_input_ids=ids, memory_attention_mask=chunk_mask).logits
         model.memory_top_k = len(lengths)
-        every_chunk = model(input_ids=prompt, memory_states=states, memory_states_mask=mask).logits
+        every_chunk = model(input_ids=prompt, memory_states=states, memory_states_mask=mask, **chunk_ids).logits
     torch.testing.assert_close(stored, fresh)
     assert (stored - every_chunk).abs().max() > 1e-4  # two chunks of the store read otherwise than all of them
     pyfunc = AwarenessPyfunc()

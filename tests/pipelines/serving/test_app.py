@@ -144,7 +144,7 @@ def test_bad_input_gets_a_clear_4xx(server, checkpoint_root):
     from pipelines.memory.store import EncoderIdentity
 
     other = EncoderIdentity("elsewhere", "c" * 64, "w" * 64, None, "causal", 64, "float32")
-    write(memory_dir / ("e" * 64), [("m", 0, "k1 = 2 ;")], [torch.zeros(3, 64)], other)
+    write(memory_dir / ("e" * 64), [("m", 0, "k1 = 2 ;")], [torch.zeros(3, 64)], [[5, 6, 7]], other)
     conflict = client.post("/v1/completions", json={"prompt": "k1 =", "memory": "e" * 64})
     assert conflict.status_code == 409 and "another encoder" in conflict.json()["detail"]
     assert str(memory_dir) not in conflict.json()["detail"]

@@ -21,7 +21,7 @@ def cache(directory, budget_bytes: int, encoded: list[list[str]]) -> MemoryCache
 
     def encode(texts):
         encoded.append(list(texts))
-        return [torch.full((len(t), 4), float(i)) for i, t in enumerate(texts)]
+        return [torch.full((len(t), 4), float(i)) for i, t in enumerate(texts)], [[7] * len(t) for t in texts]
 
     return MemoryCache(directory, budget_bytes, IDENTITY, encode=encode,
                        prepare=lambda store: {"kv": torch.zeros(10, 10)})
