@@ -2,7 +2,10 @@
 query reading its top-k chunks (`memory_top_k`, models/gca.py) against full attention over the whole memory.
 
     python benchmarks/memory_routing.py [--quick] [--top-k 4] [--chunk-len 128] [--tokens 1024 4096 16384 65536]
-                                        [--threads N]
+                                        [--threads N] [--chunk-weights router] [--lexical W]
+
+`--chunk-weights router --lexical 1 --top-k 2` is the stage-0 preset's reading (router-mixed chunks, the question's
+lexical prior; the memory's token ids random, the prompt naming some of them).
 
 One model, the tiny pair (random weights, fp32), built with routers; full attention is the same model with
 memory_top_k set to 0, so both sides have the same weights. The memory is given as encoder states (as a memory store
@@ -22,9 +25,10 @@ from models import build_pair
 from timing import timed_side_by_side
 
 
-def build(top_k: int, fusion: str, gca_layers: str):
+def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0):
     torch.manual_seed(0)
-    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, memory_top_k=top_k).eval()
+    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, memory_top_k=top_k,
+                       memory_chunk_weights=chunk_weights, memory_lexical_routing=lexical).eval()
     if fusion == "gca":
         model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)
     return model
@@ -34,16 +38,18 @@ class Decoder:
     """One side of the comparison: a prefilled prompt over a memory prepared with memory_top_k = top_k (the prepared
     memory carries the routing, so later steps need no setting), advanced one token per call."""
 
-    def __init__(self, model, top_k: int, states: torch.Tensor, mask: torch.Tensor, prompt: torch.Tensor):
+    def __init__(self, model, top_k: int, states: torch.Tensor, mask: torch.Tensor, prompt: torch.Tensor,
+                 chunk_ids: torch.Tensor):
         self.model = model
         before, model.memory_top_k = model.memory_top_k, top_k
         try:
             started = time.perf_counter()
-            self.memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
+            self.memory = model.prepare_memory(memory_states=states, memory_states_mask=mask,
+                                               memory_chunk_ids=chunk_ids if top_k else None)
             self.prepare_s = time.perf_counter() - started
+            out = model(input_ids=prompt, gca_memory=self.memory, use_cache=True)  # routed: the question's prior too
         finally:
             model.memory_top_k = before
-        out = model(input_ids=prompt, gca_memory=self.memory, use_cache=True)
         self.cache, self.token = out.cache, out.logits[:, -1:].argmax(-1)
 
     def step(self) -> None:
@@ -60,6 +66,9 @@ def main() -> None:
     parser.add_argument("--fusion", default="gca", choices=["gca", "cross"])
     parser.add_argument("--gca-layers", default="every_k:1", help="gca placement (default: all 4 layers read)")
     parser.add_argument("--repeats", type=int, default=30, help="decoding steps timed per side and size")
+    parser.add_argument("--chunk-weights", default="attention", choices=["attention", "router"],
+                        help="how the routed side mixes its chunks (models/gca.py)")
+    parser.add_argument("--lexical", type=float, default=0.0, help="the routed side's memory_lexical_routing weight")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier "
                         "on a machine shared with other work")
     args = parser.parse_args()
@@ -67,10 +76,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sizes, repeats = ([1024, 4096], 5) if args.quick else (args.tokens, args.repeats)
     torch.set_grad_enabled(False)
-    model = build(args.top_k, args.fusion, args.gca_layers)
+    model = build(args.top_k, args.fusion, args.gca_layers, args.chunk_weights, args.lexical)
     width = model.memory_encoder.hidden_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; tiny pair, fusion {args.fusion}, "
-          f"{len(model.gca_layers)} memory-reading layers, chunks of {args.chunk_len}, routed top-{args.top_k}")
+          f"{len(model.gca_layers)} memory-reading layers, chunks of {args.chunk_len}, routed top-{args.top_k}, "
+          f"chunk weights {args.chunk_weights}, lexical prior {args.lexical}")
     print(f"| {'memory tokens':>13} | {'chunks':>6} | {'full (ms)':>9} | {'routed (ms)':>11} | {'full t/t0':>9} | "
           f"{'routed t/t0':>11} | {'full / routed':>13} | {'prepare full / routed (ms)':>26} |")
     print("|" + "|".join("-" * (w + 2) for w in (13, 6, 9, 11, 9, 11, 13, 26)) + "|")
@@ -81,7 +91,9 @@ def main() -> None:
         generator = torch.Generator().manual_seed(tokens)
         states = torch.randn(1, chunks, args.chunk_len, width, generator=generator)
         mask = torch.ones(1, chunks, args.chunk_len, dtype=torch.bool)
-        full, routed = (Decoder(model, k, states, mask, prompt) for k in (0, args.top_k))
+        chunk_ids = torch.randint(0, 496, (1, chunks, args.chunk_len), generator=generator)
+        prompt[0, 1:4] = chunk_ids[0, chunks // 2, :3]  # the question names a chunk's tokens
+        full, routed = (Decoder(model, k, states, mask, prompt, chunk_ids) for k in (0, args.top_k))
         t_full, t_routed = timed_side_by_side([full.step, routed.step], repeats)
         first = first or (t_full, t_routed)
         print(f"| {chunks * args.chunk_len:>13,} | {chunks:>6} | {t_full * 1e3:9.2f} | {t_routed * 1e3:11.2f} | "

@@ -13,13 +13,14 @@ from pipelines.train.configs.stage import ModelConfig
 def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
     """The pair, its LoRA adapters and what trains, all from the model config; partitioned as it is built under a
     ZeRO-3 `partitioner` (pipelines.train.engine.zero3_loading)."""
+    reading = {"memory_top_k": cfg.memory_top_k, "memory_logn_scale": cfg.memory_logn_scale,
+               "memory_routing_loss": cfg.memory_routing_loss, "memory_summaries": cfg.memory_summaries,
+               "memory_chunk_weights": cfg.memory_chunk_weights, "memory_lexical_routing": cfg.memory_lexical_routing}
+    if cfg.memory != "gca":  # a baseline reads its memory in the prompt: GCA's reading options mean nothing to it
+        reading = {}
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp, fusion=cfg.fusion,
-                       memory_top_k=cfg.memory_top_k, memory_logn_scale=cfg.memory_logn_scale,
-                       memory_routing_loss=cfg.memory_routing_loss, memory_summaries=cfg.memory_summaries,
-                       memory_chunk_weights=cfg.memory_chunk_weights,
-                       memory_lexical_routing=cfg.memory_lexical_routing, encoder_checkpoint=cfg.encoder_checkpoint,
-                       partitioner=partitioner)
+                       encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner, **reading)
     return prepare_model(model, cfg, partitioner=partitioner)
 
 

@@ -70,7 +70,8 @@ class ModelConfig:
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
     # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
     # in_context (its chunks in the prompt: long context), rag (the top rag_k chunks by BM25, queried by the prompt, in
-    # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused.
+    # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
+    # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them.
     memory: str = "gca"
     context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
     rag_k: int = 2  # chunks retrieved per question (rag)
@@ -131,9 +132,6 @@ class ModelConfig:
         if (m.memory_top_k or m.memory_logn_scale) and m.fusion == "merged":
             p.append("model.memory_top_k and model.memory_logn_scale route and scale a memory-only attention: use "
                      "model.fusion gca or cross (merged reads the memory in the decoder's own softmax)")
-        if (m.memory_top_k or m.memory_logn_scale) and m.memory != "gca":
-            p.append(f"model.memory_top_k and model.memory_logn_scale apply to the encoder's memory; model.memory "
-                     f"{m.memory} puts it in the prompt (or leaves it out): set them to 0")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
         targets = m.lora_targets

@@ -172,9 +172,11 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     for expected in ("use model.fusion gca or cross", "model.memory_logn_scale must be 0 (off)",
                      "model.memory_routing_loss must be >= 0"):
         assert expected in err
-    with pytest.raises(SystemExit):
-        parse_config(["--model.memory", "rag", "--model.memory_top_k", "4"], DEFAULT)
-    assert "apply to the encoder's memory" in capsys.readouterr().err
+    # a baseline reads its memory in the prompt: the preset's routing does not reach its model
+    baseline = build_model(parse_config(["--model.memory", "rag", "--model.memory_top_k", "4",
+                                         "--model.memory_lexical_routing", "1"], DEFAULT).model)
+    assert (baseline.memory_top_k, baseline.memory_lexical_routing) == (0, 0.0)
+    assert all(block.router is None for block in baseline.gca_blocks().values())
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_logn_scale", "512"], DEFAULT)
     model = build_model(config.model)
     assert (model.memory_top_k, model.memory_logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
