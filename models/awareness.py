@@ -18,7 +18,7 @@ from models.fusion import (CrossReadingLayer, FusedCrossAttention, adopt_merged_
                            check_memory_reading)
 from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer, chunk_mask,
                         chunk_summary_states)
-from models.lexical import question_mask_of, question_prior
+from models.lexical import packed_question_prior, question_mask_of, question_prior
 from models.loading import load_decoder, load_encoder
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
@@ -366,6 +366,19 @@ class AwarenessModel(nn.Module):
         routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
         return bool(routed) and routed[0].prior is None
 
+    def _set_packed_question(self, gca_memory: GCAMemory, input_ids: torch.Tensor, segment_ids: torch.Tensor,
+                             labels: torch.Tensor | None, memory_segment_ids: torch.Tensor) -> None:
+        if gca_memory.chunk_ids is None:
+            self.set_question(gca_memory, input_ids, torch.ones_like(input_ids))  # raises, naming what is missing
+        ids, token_mask = gca_memory.chunk_ids
+        per_chunk = memory_segment_ids
+        if per_chunk.shape[1] != ids.shape[1]:  # one id per memory position: each chunk's first
+            per_chunk = per_chunk.view(ids.shape[0], ids.shape[1], -1)[..., 0]
+        prior = packed_question_prior(input_ids, segment_ids, labels, ids, token_mask, per_chunk)  # (B, T, C)
+        for kv in gca_memory.layers.values():
+            if kv.routing is not None:
+                kv.routing.prior = self.memory_lexical_routing * prior
+
     def set_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor) -> None:
         """With `memory_lexical_routing`, scores each memory row's chunks by the rare tokens of its rows' questions
         (models/lexical.py) and hands every routing layer that prior: once per question, before decoding. Rows
@@ -471,10 +484,10 @@ class AwarenessModel(nn.Module):
         if self._question_pending(gca_memory):  # the first call over a memory holds its question
             if input_ids is None:
                 raise ValueError("memory_lexical_routing reads the question's token ids: pass input_ids")
-            if segment_ids is not None:
-                raise ValueError("memory_lexical_routing takes one question a row; packed rows hold several: "
-                                 "train it without packing")
-            self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels))
+            if segment_ids is not None:  # packed rows: each token gets its own example's question prior
+                self._set_packed_question(gca_memory, input_ids, segment_ids, labels, memory_segment_ids)
+            else:
+                self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels))
         out = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
         )

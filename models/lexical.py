@@ -50,3 +50,43 @@ def question_mask_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         answered = (labels != ignore_index).long().cumsum(-1) > 0  # from the first answer token on
         mask = mask & ~answered
     return mask
+
+
+def packed_question_prior(input_ids: torch.Tensor, segment_ids: torch.Tensor, labels: torch.Tensor | None,
+                          chunk_ids: torch.Tensor, chunk_mask: torch.Tensor, memory_segments: torch.Tensor,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """Packed rows: several examples a row (segment_ids (B, T), -1 padding), each with its own chunks
+    (memory_segments (B, C), -1 padding) -> the prior of each token's example's question, per token (B, T, C): as
+    `question_prior` gives each example alone (its question: its tokens before its first label; idf over its own
+    chunks), 0 on other examples' chunks and on padding."""
+    b, t = input_ids.shape
+    segments = int(max(segment_ids.max(), memory_segments.max(), 0)) + 1
+    own = segment_ids[..., None] == torch.arange(segments, device=input_ids.device)  # (B, T, S)
+    answer = (labels != ignore_index) if labels is not None else torch.zeros_like(own[..., 0])
+    answered = ((answer[..., None] & own).long().cumsum(1) > 0) & own  # an earlier label in the token's example
+    asked = (segment_ids >= 0) & ~answered.any(-1)  # (B, T): question tokens
+    same = segment_ids[..., :, None] == segment_ids[..., None, :]  # (B, T, T)
+    before = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril(-1)
+    repeated = (same & before & asked[..., None, :] & (input_ids[..., :, None] == input_ids[..., None, :])).any(-1)
+    counted = asked & ~repeated
+    real = chunk_mask.any(-1) & (memory_segments >= 0)  # (B, C)
+    mine = (segment_ids[..., None] == memory_segments[:, None, :]) & real[:, None, :]  # (B, T, C): its example's
+    holds = torch.stack([_held(input_ids[row], chunk_ids[row], chunk_mask[row]) for row in range(b)]) & mine
+    chunks = mine.sum(-1).float()  # (B, T): real chunks of the token's example
+    held_by = holds.sum(-1).float()
+    idf = torch.log1p((chunks - held_by + 0.5) / (held_by + 0.5)) * (held_by > 0) * counted
+    contribution = holds.float() * idf[..., None]  # (B, T, C)
+    per_example = own.float().transpose(1, 2) @ contribution  # (B, S, C)
+    return per_example.gather(1, segment_ids.clamp_min(0)[..., None].expand(b, t, per_example.shape[-1])) * \
+        (segment_ids >= 0)[..., None]
+
+
+def _held(tokens: torch.Tensor, chunk_ids: torch.Tensor, chunk_mask: torch.Tensor) -> torch.Tensor:
+    """tokens (T,), one row's chunks (C, L) and their mask -> (T, C) bool: the chunk holds the token. Over the row's
+    own small vocabulary (torch.unique), so it costs O(T + C*L), not T x C x L."""
+    c = chunk_ids.shape[0]
+    vocab, inverse = torch.unique(torch.cat([tokens, chunk_ids.flatten()]), return_inverse=True)
+    presence = torch.zeros(c, len(vocab), dtype=torch.bool, device=tokens.device)
+    rows = torch.arange(c, device=tokens.device).repeat_interleave(chunk_ids.shape[1])
+    presence[rows[chunk_mask.flatten()], inverse[len(tokens):][chunk_mask.flatten()]] = True
+    return presence[:, inverse[: len(tokens)]].T  # (T, C)

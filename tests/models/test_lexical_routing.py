@@ -138,6 +138,44 @@ def test_refusals(checkpoint_root):
     ids = random_ids(2, 5, vocab=DEC_VOCAB, seed=0)
     with pytest.raises(ValueError, match="came without them: pass memory_input_ids"):
         routed(input_ids=ids, memory_states=states.view(2, 3, 8, -1), memory_states_mask=states_mask.view(2, 3, 8))
-    with pytest.raises(ValueError, match="one question a row"):
-        routed(input_ids=ids, memory_input_ids=mem, position_ids=torch.arange(5).expand(2, 5),
-               segment_ids=torch.zeros(2, 5, dtype=torch.long), memory_segment_ids=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_packed_examples_each_get_their_own_questions_prior(checkpoint_root):
+    """Two examples in one row (question, then a labelled answer), each with its own chunks, one naming its own
+    chunk 1's tokens: packed, each example's logits are its logits alone (its question, its chunks' idf)."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=3.0)
+    mem_a, mem_b = random_ids(1, 3, 8, vocab=496, seed=8), random_ids(1, 3, 8, vocab=496, seed=9)
+    mask_b = torch.ones_like(mem_b)
+    mask_b[0, 2] = 0  # example b's last chunk is padding
+    a = torch.cat([torch.tensor([[1]]), mem_a[:, 1, :3], mem_b[:, 0, :2]], dim=1)  # asks a's chunk 1 (and b's tokens)
+    b = torch.cat([torch.tensor([[1]]), mem_b[:, 1, 2:5], mem_b[:, 1, 2:3]], dim=1)  # a repeated question token
+    label_a, label_b = a.clone(), b.clone()
+    label_a[:, :4], label_b[:, :3] = -100, -100  # a's answer: its last 2 tokens; b's: its last 2
+    alone = [logits(routed, a, mem_a, torch.ones_like(mem_a), labels=label_a),
+             logits(routed, b, mem_b, mask_b, labels=label_b)]
+    inputs = dict(input_ids=torch.cat([a, b], dim=1), labels=torch.cat([label_a, label_b], dim=1),
+                  position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]),
+                  segment_ids=torch.tensor([[0] * 6 + [1] * 5]), memory_input_ids=torch.cat([mem_a, mem_b], dim=1),
+                  memory_attention_mask=torch.cat([torch.ones_like(mem_a), mask_b], dim=1),
+                  memory_segment_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]))
+    with torch.no_grad():
+        packed = routed(**inputs).logits
+    torch.testing.assert_close(packed[:, :6], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, 6:], alone[1], rtol=1e-5, atol=1e-5)
+    routed.memory_lexical_routing = 0.0  # and the prior mattered
+    assert (logits(routed, a, mem_a, torch.ones_like(mem_a), labels=label_a) - alone[0]).abs().max() > 1e-4
+
+
+def test_packed_prior_equals_the_per_row_prior():
+    """packed_question_prior of one example a row is question_prior's."""
+    from models.lexical import packed_question_prior
+
+    chunks = torch.randint(0, 50, (2, 4, 6), generator=torch.Generator().manual_seed(0))
+    chunk_mask = torch.ones_like(chunks, dtype=torch.bool)
+    chunk_mask[1, 3] = False
+    ids = torch.cat([chunks[:, 2, :3], chunks[:, 0, :1], torch.randint(0, 50, (2, 3))], dim=1)  # (2, 7)
+    labels = torch.full_like(ids, -100)
+    labels[:, 5:] = ids[:, 5:]
+    packed = packed_question_prior(ids, torch.zeros_like(ids), labels, chunks, chunk_mask, torch.zeros(2, 4).long())
+    per_row = question_prior(ids[:, None], question_mask_of(ids, None, labels)[:, None], chunks, chunk_mask)  # (2,1,C)
+    torch.testing.assert_close(packed, per_row.expand(2, 7, 4))
