@@ -71,7 +71,8 @@ class ModelConfig:
     # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
     # in_context (its chunks in the prompt: long context), rag (the top rag_k chunks by BM25, queried by the prompt, in
     # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
-    # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them.
+    # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them, as
+    # is fusion merged's (its one softmax holds the decoder's own tokens too: nothing to route or scale apart).
     memory: str = "gca"
     context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
     rag_k: int = 2  # chunks retrieved per question (rag)
@@ -129,9 +130,6 @@ class ModelConfig:
         if m.memory_routing_grad and not m.memory_top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")
-        if (m.memory_top_k or m.memory_logn_scale) and m.fusion == "merged":
-            p.append("model.memory_top_k and model.memory_logn_scale route and scale a memory-only attention: use "
-                     "model.fusion gca or cross (merged reads the memory in the decoder's own softmax)")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
             p.append(f"model.encoder_attention must be causal or bidirectional, got {m.encoder_attention!r}")
         targets = m.lora_targets

@@ -169,14 +169,16 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
         parse_config(["--model.fusion", "merged", "--model.decoder", "full", "--model.memory_top_k", "4",
                       "--model.memory_logn_scale", "1", "--model.memory_routing_loss", "-1"], DEFAULT)
     err = capsys.readouterr().err
-    for expected in ("use model.fusion gca or cross", "model.memory_logn_scale must be 0 (off)",
-                     "model.memory_routing_loss must be >= 0"):
+    for expected in ("model.memory_logn_scale must be 0 (off)", "model.memory_routing_loss must be >= 0"):
         assert expected in err
-    # a baseline reads its memory in the prompt: the preset's routing does not reach its model
-    baseline = build_model(parse_config(["--model.memory", "rag", "--model.memory_top_k", "4",
-                                         "--model.memory_lexical_routing", "1"], DEFAULT).model)
-    assert (baseline.memory_top_k, baseline.memory_lexical_routing) == (0, 0.0)
-    assert all(block.router is None for block in baseline.gca_blocks().values())
+    # a baseline reads its memory in the prompt, merged in the decoder's own softmax: a preset's routing does not
+    # reach their models
+    for system in (["--model.memory", "rag"], ["--model.fusion", "merged", "--model.decoder", "full"]):
+        unrouted = build_model(parse_config([*system, "--model.memory_top_k", "4", "--model.memory_lexical_routing",
+                                             "1", "--model.memory_chunk_weights", "router"], DEFAULT).model)
+        assert (unrouted.memory_top_k, unrouted.memory_lexical_routing, unrouted.memory_chunk_weights) == (
+            0, 0.0, "attention")
+    assert all(block.router is None for block in unrouted.memory_readers().values() if hasattr(block, "router"))
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_logn_scale", "512"], DEFAULT)
     model = build_model(config.model)
     assert (model.memory_top_k, model.memory_logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
