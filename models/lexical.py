@@ -36,8 +36,12 @@ def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chun
     counted = question_mask & ~repeated  # (B_mem, R, T): each distinct question token once
     chunks = chunk_mask.any(-1).sum(-1).float()[:, None, None]  # (B_mem, 1, 1): real chunks
     held_by = holds.sum(-1).float()  # (B_mem, R, T)
-    idf = torch.log1p((chunks - held_by + 0.5) / (held_by + 0.5)) * (held_by > 0) * counted
-    return (holds.float() * idf[..., None]).sum(2)
+    return (holds.float() * (idf(chunks, held_by) * counted)[..., None]).sum(2)
+
+
+def idf(chunks: torch.Tensor, held_by: torch.Tensor) -> torch.Tensor:
+    """BM25's idf of a token held by `held_by` of a memory's `chunks` chunks; 0 for a token no chunk holds."""
+    return torch.log1p((chunks - held_by + 0.5) / (held_by + 0.5)) * (held_by > 0)
 
 
 def question_mask_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -74,8 +78,7 @@ def packed_question_prior(input_ids: torch.Tensor, segment_ids: torch.Tensor, la
     holds = torch.stack([_held(input_ids[row], chunk_ids[row], chunk_mask[row]) for row in range(b)]) & mine
     chunks = mine.sum(-1).float()  # (B, T): real chunks of the token's example
     held_by = holds.sum(-1).float()
-    idf = torch.log1p((chunks - held_by + 0.5) / (held_by + 0.5)) * (held_by > 0) * counted
-    contribution = holds.float() * idf[..., None]  # (B, T, C)
+    contribution = holds.float() * (idf(chunks, held_by) * counted)[..., None]  # (B, T, C)
     per_example = own.float().transpose(1, 2) @ contribution  # (B, S, C)
     return per_example.gather(1, segment_ids.clamp_min(0)[..., None].expand(b, t, per_example.shape[-1])) * \
         (segment_ids >= 0)[..., None]
