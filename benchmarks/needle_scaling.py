@@ -116,7 +116,7 @@ def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, f
             memory = torch.from_numpy(drawn.memory)[None]
             questions = torch.tensor(drawn.questions)
             prepared = model.prepare_memory(memory_input_ids=memory)
-            model.set_question(prepared, questions, torch.ones_like(questions, dtype=torch.bool))  # lexical routing
+            prepared = model.with_question(prepared, questions, torch.ones_like(questions, dtype=torch.bool))
             model(input_ids=questions, memory_input_ids=memory)
             for i, query in queries.items():
                 b, t, h, hd = query.shape

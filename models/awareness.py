@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -360,45 +360,43 @@ class AwarenessModel(nn.Module):
         return GCAMemory(layers=layers, states=projected, mask=mask, chunk_len=chunk_len, chunk_ids=chunk_ids)
 
     def _question_pending(self, gca_memory: GCAMemory | None) -> bool:
-        """Lexical routing over a routed memory whose question prior is not set yet (set_question sets it)."""
+        """Lexical routing over a routed memory that holds no question prior yet (with_question adds one)."""
         if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
             return False
         routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
         return bool(routed) and routed[0].prior is None
 
-    def _set_packed_question(self, gca_memory: GCAMemory, input_ids: torch.Tensor, segment_ids: torch.Tensor,
-                             labels: torch.Tensor | None, memory_segment_ids: torch.Tensor) -> None:
-        if gca_memory.chunk_ids is None:
-            self.set_question(gca_memory, input_ids, torch.ones_like(input_ids))  # raises, naming what is missing
-        ids, token_mask = gca_memory.chunk_ids
-        per_chunk = memory_segment_ids
-        if per_chunk.shape[1] != ids.shape[1]:  # one id per memory position: each chunk's first
-            per_chunk = per_chunk.view(ids.shape[0], ids.shape[1], -1)[..., 0]
-        prior = packed_question_prior(input_ids, segment_ids, labels, ids, token_mask, per_chunk)  # (B, T, C)
-        for kv in gca_memory.layers.values():
-            if kv.routing is not None:
-                kv.routing.prior = self.memory_lexical_routing * prior
-
-    def set_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor) -> None:
-        """With `memory_lexical_routing`, scores each memory row's chunks by the rare tokens of its rows' questions
-        (models/lexical.py) and hands every routing layer that prior: once per question, before decoding. Rows
-        (B, T) fold onto the memory's B_mem rows as the GCA blocks fold them (row i reads memory i // (B / B_mem))."""
+    def with_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor, *,
+                      segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                      memory_segment_ids: torch.Tensor | None = None) -> GCAMemory | None:
+        """With `memory_lexical_routing`: the memory again, each routing layer holding the prior of these rows'
+        questions (models/lexical.py), computed once per question, before decoding; the memory given is left as it
+        was, so one prepared memory (a served memory's K/V) serves every question. Rows (B, T) fold onto the
+        memory's B_mem rows as the GCA blocks fold them (row i reads memory i // (B / B_mem)); packed rows
+        (`segment_ids`, with `labels` and `memory_segment_ids`) get each example's own prior."""
         if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
-            return
+            return gca_memory
         if gca_memory.chunk_ids is None:
             raise ValueError("memory_lexical_routing compares the question's tokens with the memory's, and this memory "
                              "came without them: pass memory_input_ids (B, C, L), or chunked memory_states with "
                              "memory_chunk_ids (MemoryStore.token_ids)")
         ids, token_mask = gca_memory.chunk_ids
-        b_mem = ids.shape[0]
-        if input_ids.shape[0] % b_mem:
-            raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch {b_mem}")
-        rows = input_ids.shape[0] // b_mem
-        prior = question_prior(input_ids.view(b_mem, rows, -1), question_mask.view(b_mem, rows, -1).bool(), ids,
-                               token_mask)
-        for kv in gca_memory.layers.values():
-            if kv.routing is not None:
-                kv.routing.prior = self.memory_lexical_routing * prior
+        if segment_ids is not None:
+            per_chunk = memory_segment_ids
+            if per_chunk.shape[1] != ids.shape[1]:  # one id per memory position: each chunk's first
+                per_chunk = per_chunk.view(ids.shape[0], ids.shape[1], -1)[..., 0]
+            prior = packed_question_prior(input_ids, segment_ids, labels, ids, token_mask, per_chunk)  # (B, T, C)
+        else:
+            b_mem = ids.shape[0]
+            if input_ids.shape[0] % b_mem:
+                raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch {b_mem}")
+            rows = input_ids.shape[0] // b_mem
+            prior = question_prior(input_ids.view(b_mem, rows, -1), question_mask.view(b_mem, rows, -1).bool(), ids,
+                                   token_mask)  # (B_mem, R, C)
+        layers = {i: kv if kv.routing is None else replace(
+                      kv, routing=replace(kv.routing, prior=self.memory_lexical_routing * prior))
+                  for i, kv in gca_memory.layers.items()}
+        return replace(gca_memory, layers=layers)
 
     def _route(self, layers, readers, projected: torch.Tensor, mask: torch.Tensor, padding: MemoryPadding,
                chunk_len: int | None) -> None:
@@ -484,10 +482,10 @@ class AwarenessModel(nn.Module):
         if self._question_pending(gca_memory):  # the first call over a memory holds its question
             if input_ids is None:
                 raise ValueError("memory_lexical_routing reads the question's token ids: pass input_ids")
-            if segment_ids is not None:  # packed rows: each token gets its own example's question prior
-                self._set_packed_question(gca_memory, input_ids, segment_ids, labels, memory_segment_ids)
-            else:
-                self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels))
+            # packed rows: each token gets its own example's question prior
+            gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels),
+                                            segment_ids=segment_ids, labels=labels,
+                                            memory_segment_ids=memory_segment_ids)
         out = self.decoder(
             input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
         )
@@ -526,7 +524,7 @@ class AwarenessModel(nn.Module):
         if gca_memory is not None and gca_memory.batch_size != input_ids.shape[0]:
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
-            self.set_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
+            gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
         with _memory_keyword_accepted(self.decoder):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs

@@ -152,8 +152,10 @@ class AwarenessServer:
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with self.model_lock, torch.no_grad(), _memory_keyword_accepted(model.decoder):
             began = time.perf_counter()
-            # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory)
-            out = model.decoder.generate(input_ids=input_ids, gca_memory=memory.gca_memory if memory else None,
+            # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory);
+            # with lexical routing each row's question prior on a copy, the cached memory left as it was
+            gca_memory = model.with_question(memory.gca_memory, input_ids, torch.ones_like(input_ids)) if memory else None
+            out = model.decoder.generate(input_ids=input_ids, gca_memory=gca_memory,
                                          max_new_tokens=max_tokens, eos_token_id=self.pyfunc.eos_token_id,
                                          pad_token_id=self.pyfunc.pad_token_id, streamer=streamer, **sampling)
             self.batching["generates"] += 1

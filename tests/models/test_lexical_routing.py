@@ -74,8 +74,9 @@ def test_chosen_chunks_are_the_top_scores_of_router_plus_prior_and_the_loss_igno
     _, routed = routed_pair(checkpoint_root, "gca", k=2, memory_lexical_routing=1.5)
     mem = needle_memory(1, [2, 0])
     prompt = torch.tensor([[1, ASKED, 7], [1, ASKED, 9]])
-    memory = routed.prepare_memory(mem)
-    routed.set_question(memory, prompt, torch.ones_like(prompt, dtype=torch.bool))
+    unasked = routed.prepare_memory(mem)
+    memory = routed.with_question(unasked, prompt, torch.ones_like(prompt, dtype=torch.bool))
+    assert all(kv.routing.prior is None for kv in unasked.layers.values())  # the prepared memory is left as it was
     layer = next(iter(memory.layers.values()))
     query = torch.randn(2, 4, 3, 16, generator=torch.Generator().manual_seed(0))  # (B_mem, H, Q, hd) folded
     dense = chunk_scores(query, layer.routing, 0.25, with_prior=False)
@@ -179,3 +180,23 @@ def test_packed_prior_equals_the_per_row_prior():
     packed = packed_question_prior(ids, torch.zeros_like(ids), labels, chunks, chunk_mask, torch.zeros(2, 4).long())
     per_row = question_prior(ids[:, None], question_mask_of(ids, None, labels)[:, None], chunks, chunk_mask)  # (2,1,C)
     torch.testing.assert_close(packed, per_row.expand(2, 7, 4))
+
+
+def test_one_prepared_memory_serves_each_question_with_its_own_prior(checkpoint_root):
+    """As the Serve app does: one memory prepared once, then questions naming different chunks, each generated over
+    it, answer as with the memory encoded for that question alone; the prepared memory keeps no question."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=3.0)
+    mem = needle_memory(2, [1], chunks=4)
+    mem[0, 3, 5] = ASKED + 1  # a second rare token, in chunk 3
+    prepared = routed.prepare_memory(mem)
+    kwargs = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    answers = []
+    for asked in (ASKED, ASKED + 1):
+        prompt = torch.tensor([[1, asked]])
+        shared = routed.generate(prompt, gca_memory=prepared, **kwargs)
+        assert torch.equal(shared, routed.generate(prompt, memory_input_ids=mem, **kwargs))
+        answers.append(shared)
+    assert all(kv.routing.prior is None for kv in prepared.layers.values())
+    two = routed.with_question(prepared, torch.tensor([[1, ASKED], [1, ASKED + 1]]), torch.ones(2, 2, dtype=torch.bool))
+    priors = next(iter(two.layers.values())).routing.prior  # (1, 2, C): each row its own
+    assert priors[0, 0].argmax() == 1 and priors[0, 1].argmax() == 3
