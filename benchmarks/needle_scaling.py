@@ -40,6 +40,8 @@ from pipelines.train.model import build_model
 from pipelines.train.presets import STAGE0
 
 HELD_OUT_SEED = STAGE0.needle.seed + 1  # the stage job's validation memories
+# phases start from the base task (single questions at the base size), not the preset's own curriculum
+BASE_TASK = NeedleConfig(seed=STAGE0.needle.seed)
 
 
 def overrides(text: str, base) -> dict:
@@ -87,7 +89,7 @@ def train(model, config: ModelConfig, phases: list[tuple[int, NeedleConfig]], lr
 @torch.no_grad()
 def evaluate(model, config: ModelConfig, variants: list[str], scales: list[int], memories: int) -> dict[str, float]:
     model.eval()
-    spec, mode = STAGE0.needle.spec(), config.memory_mode()
+    spec, mode = BASE_TASK.spec(), config.memory_mode()
     result = {}
     for variant in variants:
         for scale in scales:
@@ -105,7 +107,7 @@ def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, f
     either kv head) at the question's last prompt token, and beside it (`L/full`) among the top-k chunks by full
     attention's chunk mass for the same query: the routing loss's teacher, which the router can only imitate."""
     model.eval()
-    spec = STAGE0.needle.spec()
+    spec = BASE_TASK.spec()
     queries: dict[int, torch.Tensor] = {}
     hooks = [block.q_norm.register_forward_hook(lambda _m, _i, out, i=i: queries.__setitem__(i, out))
              for i, block in model.memory_readers().items()]
@@ -166,7 +168,7 @@ def main() -> None:
     phases = []
     for phase in args.phase:
         steps, _, text = phase.partition(":")
-        phases.append((int(steps), dataclasses.replace(STAGE0.needle, **overrides(text, NeedleConfig()))))
+        phases.append((int(steps), dataclasses.replace(BASE_TASK, **overrides(text, NeedleConfig()))))
     if phases:
         train(model, config, phases, args.lr, args.memories_per_step, lambda line: print(line, flush=True))
     if args.save:

@@ -30,7 +30,11 @@ STAGE0 = StageConfig(
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full", gca_gate_init=0.3, memory_top_k=2, memory_chunk_weights="router",
                       memory_lexical_routing=1.0),
-    train=TrainConfig(max_steps=6000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,
+    # The RULER tasks the evaluation scores, once the lookup has formed on the base task (needle.base_steps: a
+    # mixture from the first step never left the chance plateau): 4,000 steps of single questions, then 3,000 of the
+    # mixture, the two new answer formats weighted up. All at the base size: routing carries them to 64x.
+    needle=NeedleConfig(variants=["single", "multi_key", "multi_value:3", "multi_query:3"], base_steps=4000),
+    train=TrainConfig(max_steps=7000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,
                       checkpoint_every=500, log_every=50),
     deepspeed=DeepSpeedSettings(zero_stage=2),
     run=RunSettings(name="stage0-tiny"),
