@@ -26,10 +26,8 @@ def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chun
     memory's chunks (B_mem, C, L) with their token mask (B_mem, C, L) bool -> the prior (B_mem, R, C) float32: the
     summed idf of the distinct question tokens each chunk holds. A chunk of padding only scores 0."""
     b, rows, t = question_ids.shape
-    c = chunk_ids.shape[1]
-    # which chunks hold each question token: (B_mem, R, T, C); T x C x L comparisons, once per question
-    holds = torch.stack([((question_ids[:, :, i, None, None] == chunk_ids[:, None]) & chunk_mask[:, None]).any(-1)
-                         for i in range(t)], dim=2)
+    holds = torch.stack([torch.stack([_held(question_ids[m, r], chunk_ids[m], chunk_mask[m]) for r in range(rows)])
+                         for m in range(b)])  # (B_mem, R, T, C): which chunks hold each question token
     earlier = question_ids[..., :, None] == question_ids[..., None, :]  # (B_mem, R, T, T): token i == token j
     before = torch.ones(t, t, dtype=torch.bool, device=question_ids.device).tril(-1)  # j < i
     repeated = (earlier & before & question_mask[..., None, :]).any(-1)  # an earlier question token is the same

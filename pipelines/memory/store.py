@@ -257,19 +257,16 @@ class MemoryStore:
 
     def states(self) -> list[torch.Tensor]:
         """Each chunk's states (tokens, H_enc), in store order."""
-        by_shard: dict[str, list[int]] = {}
-        for i, chunk in enumerate(self.chunks):
-            by_shard.setdefault(chunk["shard"], []).append(i)
-        out: list[torch.Tensor | None] = [None] * len(self.chunks)
-        for shard, positions in by_shard.items():
-            with safe_open(str(self.directory / shard), framework="pt") as f:
-                for i in positions:
-                    out[i] = f.get_tensor(self.chunks[i]["key"])
-        return out  # type: ignore[return-value]
+        return self._tensors("")
 
     def token_ids(self, *, device: str | torch.device = "cpu") -> torch.Tensor:
         """The chunks' token ids (1, C, L_max), right-padded with 0 as `memory(chunked=True)` pads the states (its
         mask says which are real): what lexical routing compares the question with."""
+        ids = self._tensors(IDS_PREFIX)
+        return torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)[None].to(device)
+
+    def _tensors(self, prefix: str) -> list[torch.Tensor]:
+        """Each chunk's tensor stored under `prefix + key`, in store order, each shard opened once."""
         by_shard: dict[str, list[int]] = {}
         for i, chunk in enumerate(self.chunks):
             by_shard.setdefault(chunk["shard"], []).append(i)
@@ -278,12 +275,12 @@ class MemoryStore:
             with safe_open(str(self.directory / shard), framework="pt") as f:
                 stored = set(f.keys())
                 for i in positions:
-                    key = IDS_PREFIX + self.chunks[i]["key"]
+                    key = prefix + self.chunks[i]["key"]
                     if key not in stored:
-                        raise ValueError(f"memory store {str(self.directory)!r} keeps no token ids (written before "
-                                         f"they were stored), which lexical routing reads: {FIX}")
+                        raise ValueError(f"memory store {str(self.directory)!r} keeps no {key!r} (token ids were not "
+                                         f"stored before lexical routing read them): {FIX}")
                     out[i] = f.get_tensor(key)
-        return torch.nn.utils.rnn.pad_sequence(out, batch_first=True)[None].to(device)  # type: ignore[arg-type]
+        return out  # type: ignore[return-value]
 
     def memory(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, chunked: bool = False):
         """memory_states (1, M, H_enc) and memory_states_mask (1, M): every chunk's states end to end; `chunked`:

@@ -256,3 +256,19 @@ def test_the_job_builds_the_same_store_on_ray_data(store, export, repo, tmp_path
     assert built.identity == here.identity
     for a, b in zip(built.states(), here.states(), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_store_without_token_ids_is_refused_by_lexical_routing_with_the_fix(store, tmp_path):
+    """A store written before shards held token ids: its states read as before, its ids are refused naming the fix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old-store"
+    shutil.copytree(store, old)
+    for shard in old.glob("states-*.safetensors"):
+        save_file({k: v for k, v in load_file(str(shard)).items() if not k.startswith("ids:")}, str(shard))
+    opened = MemoryStore(old)
+    assert [s.shape for s in opened.states()] == [s.shape for s in MemoryStore(store).states()]
+    with pytest.raises(ValueError, match="encode_memory.py"):
+        opened.token_ids()
