@@ -17,12 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# bm25s runs a JAX op when imported, if JAX is installed: on a GPU box JAX would then take 75% of the GPU's memory
-# in every process that imports this module (seen on an H200, 2026-11-26: the stage job ran out of memory). Its
-# top-k on the CPU is all the rag baseline needs; a JAX_PLATFORMS set by the user wins.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import bm25s  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 from pipelines.corpora.rows import IGNORE
 
@@ -54,12 +49,23 @@ class MemoryMode:
 GCA, NO_MEMORY = MemoryMode("gca"), MemoryMode("none")  # the GCA system, and any model with its memory withheld
 
 
+def _bm25s():
+    """bm25s, imported on a rag query only. It runs a JAX op when imported, if JAX is installed: on a GPU box JAX
+    then took 75% of the GPU in every process importing this module (an H200, 2026-11-26: the stage job ran out of
+    memory), and its threads made every later fork of the stage driver (Ray's start) a deadlock risk. Its top-k on
+    the CPU is all the rag baseline needs; a JAX_PLATFORMS set by the user wins."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import bm25s  # heavy and JAX-bound: see above
+
+    return bm25s
+
+
 def top_chunks(chunks: list[list[int]], query: list[int], k: int) -> list[int]:
     """Indices of the k chunks BM25 ranks highest for the query, best first (ties: memory order)."""
     if not chunks:
         return []
     k = min(k, len(chunks))
-    retriever = bm25s.BM25()
+    retriever = _bm25s().BM25()
     retriever.index([[str(t) for t in chunk] or [""] for chunk in chunks], show_progress=False)
     scores = retriever.get_scores([str(t) for t in query])  # (chunks,)
     order = np.argsort(-np.asarray(scores), kind="stable")

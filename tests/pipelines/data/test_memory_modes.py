@@ -94,10 +94,12 @@ def test_memory_mode_problems_name_the_field():
     assert "model.rag_k must be positive" in MemoryMode("rag", rag_k=0).problems()[0]
 
 
-def test_importing_the_rag_baseline_keeps_jax_off_the_gpu():
+def test_the_rag_baseline_keeps_jax_off_the_gpu_and_out_of_processes_that_never_retrieve():
     """bm25s runs a JAX op at import when JAX is installed, and JAX then takes 75% of the GPU in that process (a
-    stage job ran out of memory so on an H200): the module sends JAX to the CPU unless the user chose otherwise."""
-    probe = "import os, pipelines.data.memory_modes; print(os.environ['JAX_PLATFORMS'])"
+    stage job ran out of memory so on an H200), its threads making the stage driver's later forks unsafe: importing
+    the module loads no bm25s, and a rag query sends JAX to the CPU unless the user chose otherwise."""
+    probe = ("import os, sys, pipelines.data.memory_modes as m; assert 'bm25s' not in sys.modules; "
+             "assert m.top_chunks([[1, 2], [3]], [3], 1) == [1]; print(os.environ['JAX_PLATFORMS'])")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     chosen = [subprocess.run([sys.executable, "-c", probe], env=env | extra, capture_output=True, text=True,
                              check=True).stdout.strip() for extra in ({}, {"JAX_PLATFORMS": "cuda"})]
