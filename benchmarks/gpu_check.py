@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out REPORT_DIR     # on the GPU box, from the repo root
     python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out REPORT_DIR --dry-run   # the steps and their limits
+    python3 benchmarks/gpu_check.py --bundle .gpu-bundle --out REPORT_DIR --only "gpu tests"   # rerun one step
 
 The box brings Python, a CUDA torch and most libraries; what it lacks (Ray, DeepSpeed, MLflow's client, the
 transformers this project needs, ...) comes as wheels in the bundle `make gpu-check` assembles here
@@ -160,8 +161,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="where gpu-check-report.md is written")
     parser.add_argument("--budget", type=int, default=BUDGET_S, help="seconds for the whole run, install included")
     parser.add_argument("--dry-run", action="store_true", help="print the steps and their time limits, run nothing")
+    parser.add_argument("--only", action="append", default=[], metavar="STEP",
+                        help="run only this step (repeatable; a step's name as --dry-run prints it)")
     args = parser.parse_args()
     plan = steps(sys.executable)
+    unknown = sorted(set(args.only) - {s.name for s in plan})
+    if unknown:
+        parser.error(f"--only {unknown[0]!r}: not a step; the steps: {', '.join(s.name for s in plan)}")
+    plan = [s for s in plan if not args.only or s.name in args.only]
     if args.dry_run:
         for step in plan:
             print(f"{step.limit_s:4d} s  {step.name}: {shlex.join(step.command)[:160]}".replace("\n", " "))

@@ -531,10 +531,14 @@ class AwarenessModel(nn.Module):
             )
 
     def gradient_checkpointing_enable(self) -> None:
-        """Checkpoints every decoder layer, GCA block and encoder layer (non-reentrant: the memory is a keyword)."""
+        """Checkpoints every decoder layer, GCA block and encoder layer, in training mode (transformers checkpoints a
+        layer only while it trains). Non-reentrant (the memory is a keyword), so no input needs requires_grad:
+        transformers' hook that sets it on the embeddings' output is removed, else a frozen encoder's whole forward
+        would be kept for a backward that updates nothing in it (proto1 ran out of an H100's 80 GiB so)."""
         kwargs = {"use_reentrant": False}
-        self.decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.memory_encoder.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        for model in (self.decoder, self.memory_encoder.encoder):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.disable_input_require_grads()
 
     # ------------------------------------------------------------------------------------------- save / load
     def save_pretrained(self, directory: str | Path, *, merged: bool = False) -> Path:

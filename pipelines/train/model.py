@@ -47,5 +47,5 @@ def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Parti
     model.routing_trains_summaries = cfg.memory_routing_grad
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    return model
+    return model.train()  # from_pretrained leaves the pair in eval mode, where no layer is checkpointed
 

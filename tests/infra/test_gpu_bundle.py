@@ -98,6 +98,9 @@ def test_the_gpu_box_script_fits_one_device_command():
     for step in steps:
         if step.command[1] == "-c":
             compile(step.command[2], step.name, "exec")
+    only = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", "unused", "--dry-run", "--only",
+                           "gpu tests"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert only.returncode == 0 and only.stdout.count(" s  ") == 1 and "gpu tests" in only.stdout, only.stderr
     stage2 = next(s for s in steps if s.name.startswith("stage2 proto1")).command
     for flag, value in (("--deepspeed.precision", "bf16"), ("--deepspeed.zero_stage", "3"),
                         ("--scaling.use_gpu", "true"), ("--train.max_steps", "50"), ("--model.pair", "proto1")):
