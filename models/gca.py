@@ -48,8 +48,8 @@ attends to their tokens only:
   chunk outputs are mixed by the softmax of their router scores, queries and summary keys both with gradients, so
   the answer loss itself trains the router (the KL routing loss may stay on beside it, or be set to 0). It reads
   differently from full attention at any k (k >= C keeps full attention, and a model trained at k < C reads its
-  weighted form), and it always takes the gathered path: O(Q * k * L) per layer, fine for the short question blocks
-  of needle rows, heavy for long prompts. Measured in docs/evaluation.md.
+  weighted form). Few queries take the gathered path (O(Q * k * L)); long blocks attend inside every chunk and give
+  the unchosen ones weight 0 (O(Q * M), no per-query copies of the memory). Measured in docs/evaluation.md.
 * **GQA: one selection per kv head**, scored with the mean of its query heads' queries (the mean of their scores):
   the group's heads then share one gathered key/value set, as they share keys in GQA, so memory traffic per token is
   k*L per kv head; per query head selection would gather G times as much.
@@ -406,9 +406,13 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     if routing.weights == "router":  # the scores, with gradients, both choose the chunks and mix them
         scores = chunk_scores(query, routing, scale, train_queries=True)  # (B_mem, H_kv, Q, C)
         chosen = scores.detach().topk(k, dim=-1).indices
-        return _attend_router_weighted(query, memory, chosen, chunk_weights(scores, chosen), scale, dropout_p)
+        weights = chunk_weights(scores, chosen)
+        if _reads_gathered(routing, q):
+            return _attend_router_weighted(query, memory, chosen, weights, scale, dropout_p)
+        return _attend_every_chunk(query, memory, torch.zeros_like(scores, dtype=weights.dtype).scatter(
+            -1, chosen, weights), scale, dropout_p)
     chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
-    gathered = routing.path == "gathered" or (routing.path == "auto" and q * k <= routing.num_chunks)
+    gathered = _reads_gathered(routing, q)
     if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
         if memory.logn_base:
@@ -431,16 +435,24 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     return out.view(b_mem, n_kv, q, group, hd).transpose(2, 3).reshape(b_mem, h, q, hd)
 
 
+def _reads_gathered(routing: ChunkRouting, queries: int) -> bool:
+    """The gathered path (each query's k chunks copied out) for few queries, as a decoding step has; the whole memory
+    once (masked, or every chunk attended) when queries x k exceed the chunks: the cheaper form for long blocks."""
+    return routing.path == "gathered" or (routing.path == "auto" and queries * routing.top_k <= routing.num_chunks)
+
+
 def _gather_chunks(memory: MemoryKV, chosen: torch.Tensor):
     """The k chosen chunks' keys and values, (B_mem, H_kv, Q, k, L, hd) each, and their padding (B_mem, H_kv, Q, k, L)
     bool or None."""
     routing = memory.routing
     b_mem, n_kv, q, k = chosen.shape
     c, length, hd = routing.num_chunks, routing.chunk_len, memory.key.shape[-1]
-    index = chosen[..., None, None].expand(b_mem, n_kv, q, k, length, hd)
+    # whole chunks, from the memory itself: gathering from a view expanded over the queries would make the backward
+    # fill and scatter into a (Q, C, L, hd) gradient, the whole memory once per query (a fifth of a stage-0 step)
+    index = chosen.reshape(b_mem, n_kv, q * k, 1).expand(b_mem, n_kv, q * k, length * hd)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        return x.view(b_mem, n_kv, 1, c, length, hd).expand(b_mem, n_kv, q, c, length, hd).gather(3, index)
+        return x.reshape(b_mem, n_kv, c, length * hd).gather(2, index).view(b_mem, n_kv, q, k, length, hd)
 
     mask = None
     if memory.padding.attn_mask is not None:
@@ -480,6 +492,33 @@ def _attend_router_weighted(query: torch.Tensor, memory: MemoryKV, chosen: torch
         attn_mask=None if mask is None else mask.reshape(rows, 1, 1, length))
     weights = weights.to(per_chunk.dtype)
     out = (per_chunk.view(b_mem, n_kv, q, k, group, hd) * weights[..., None, None]).sum(3)  # (B_mem, H_kv, Q, G, hd)
+    return out.transpose(2, 3).reshape(b_mem, h, q, hd)
+
+
+def _attend_every_chunk(query: torch.Tensor, memory: MemoryKV, weights: torch.Tensor, scale: float,
+                        dropout_p: float) -> torch.Tensor:
+    """The router-weighted read for long query blocks (training): folded queries (B_mem, H, Q, hd) attend inside
+    every chunk, one chunk a head of one SDPA call, and the outputs are mixed by `weights` (B_mem, H_kv, Q, C), 0 on
+    the chunks not chosen. The same result as `_attend_router_weighted`, at Q x C x L instead of Q x k x L scores,
+    without copying each query's chunks out (whose backward scatters into the memory once per query)."""
+    b_mem, h, q, hd = query.shape
+    n_kv, c, length = memory.key.shape[1], memory.routing.num_chunks, memory.routing.chunk_len
+    group = h // n_kv
+    rows = b_mem * n_kv
+    grouped = query.view(b_mem, n_kv, group, q, hd).transpose(2, 3).reshape(rows, 1, q * group, hd)  # (.., Q*G, hd)
+    mask = None
+    if memory.padding.attn_mask is not None:  # (B_mem, 1, 1 or Q, M) -> per chunk, (rows, C, Q*G or 1, L)
+        tokens = memory.padding.attn_mask.view(b_mem, 1, -1, c, length).transpose(2, 3)  # (B_mem, 1, C, 1|Q, L)
+        tokens = tokens | ~tokens.any(-1, keepdim=True)  # a chunk with nothing readable attends its padding; weighs 0
+        if tokens.shape[3] > 1:
+            tokens = tokens[:, :, :, :, None].expand(b_mem, 1, c, q, group, length).reshape(b_mem, 1, c, q * group,
+                                                                                             length)
+        mask = tokens.expand(b_mem, n_kv, *tokens.shape[2:]).reshape(rows, c, tokens.shape[3], length)
+    per_chunk = F.scaled_dot_product_attention(
+        grouped.expand(rows, c, q * group, hd), memory.key.reshape(rows, c, length, hd),
+        memory.value.reshape(rows, c, length, hd), attn_mask=mask, dropout_p=dropout_p, scale=scale)  # (rows,C,Q*G,hd)
+    per_chunk = per_chunk.view(b_mem, n_kv, c, q, group, hd)
+    out = torch.einsum("bncqgd,bnqc->bnqgd", per_chunk, weights.to(per_chunk.dtype))  # (B_mem, H_kv, Q, G, hd)
     return out.transpose(2, 3).reshape(b_mem, h, q, hd)
 
 

@@ -26,7 +26,7 @@ def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chun
     memory's chunks (B_mem, C, L) with their token mask (B_mem, C, L) bool -> the prior (B_mem, R, C) float32: the
     summed idf of the distinct question tokens each chunk holds. A chunk of padding only scores 0."""
     b, rows, t = question_ids.shape
-    holds = torch.stack([torch.stack([_held(question_ids[m, r], chunk_ids[m], chunk_mask[m]) for r in range(rows)])
+    holds = torch.stack([_held(question_ids[m].flatten(), chunk_ids[m], chunk_mask[m]).view(rows, t, -1)
                          for m in range(b)])  # (B_mem, R, T, C): which chunks hold each question token
     earlier = question_ids[..., :, None] == question_ids[..., None, :]  # (B_mem, R, T, T): token i == token j
     before = torch.ones(t, t, dtype=torch.bool, device=question_ids.device).tril(-1)  # j < i

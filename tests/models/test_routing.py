@@ -10,6 +10,7 @@ import torch
 from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, gca_parameter_count, set_trainable
 from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, memory_probabilities
 from models.gca import _routing_loss as routing_loss
+import models.gca as gca
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, ENC_VOCAB, logits, memory_batch, pair, reading
@@ -542,3 +543,36 @@ def test_logn_scale_changes_only_rows_reading_more_than_n_train(checkpoint_root,
         assert torch.equal(out[0], expected[0]) != changed
     base.memory_logn_scale = 0
     assert torch.equal(logits(base, ids, mem, mask), expected)
+
+
+@pytest.mark.parametrize("fusion", FUSIONS)
+def test_router_weighted_read_of_long_blocks_equals_the_gathered_read_with_gradients(checkpoint_root, fusion,
+                                                                                    monkeypatch):
+    """Long query blocks (training) attend inside every chunk and weigh the unchosen 0 instead of copying each
+    query's chunks out: same logits and same gradients as the gathered read, padded chunks and packed rows too."""
+    _, routed = routed_pair(checkpoint_root, fusion, k=2, memory_chunk_weights="router")
+    routed.train()
+    ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch(chunks=4)
+    mask[1, 3] = 0
+    mask[1, 2, 4:] = 0
+    a, b = random_ids(1, 5, vocab=DEC_VOCAB, seed=6), random_ids(1, 4, vocab=DEC_VOCAB, seed=7)
+    mem_a, mem_b = random_ids(1, 2, 8, vocab=ENC_VOCAB, seed=8), random_ids(1, 3, 8, vocab=ENC_VOCAB, seed=9)
+    packed = dict(input_ids=torch.cat([a, b], dim=1), position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]]),
+                  segment_ids=torch.tensor([[0] * 5 + [1] * 4]), memory_input_ids=torch.cat([mem_a, mem_b], dim=1),
+                  memory_attention_mask=torch.ones(1, 5, 8, dtype=torch.long),
+                  memory_segment_ids=torch.tensor([[0, 0, 1, 1, 1]]))
+    for inputs in (dict(input_ids=ids, memory_input_ids=mem, memory_attention_mask=mask), packed):
+        results = []
+        for gathered in (True, False):
+            monkeypatch.setattr(gca, "_reads_gathered", lambda routing, queries, g=gathered: g)
+            routed.zero_grad()
+            out = routed(**inputs, labels=inputs["input_ids"])
+            out.loss.backward()
+            results.append((out.logits.detach(), {n: p.grad.clone() for n, p in routed.named_parameters()
+                                                  if p.grad is not None}))
+        (want, want_grads), (got, got_grads) = results
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got_grads.keys() == want_grads.keys() and any(".router." in n for n in got_grads)
+        for name in want_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
