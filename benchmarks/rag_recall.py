@@ -1,0 +1,65 @@
+"""How often BM25's top-k chunks hold every chunk a needle question's answer needs: the ceiling of any `rag` system on
+the needle suite, whatever its decoder learned (what the top-k leaves out it can only guess, at 1 in 1,000 for three
+digits). Same probes as `jobs/evaluate.py`'s needle suite (pipelines.evaluate.needle.make_probe: same seed, sizes and
+variants) and the same retrieval as the rag baseline (pipelines.data.memory_modes.top_chunks over the question's
+tokens). No model, no Ray: seconds.
+
+    python benchmarks/rag_recall.py
+    python benchmarks/rag_recall.py --k 2 --multipliers 1 4 16 64 --memories 32
+
+Prints a table (recall with its 95% Wilson interval per variant and memory size) and a JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipelines.data.memory_modes import top_chunks
+from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.evaluate.metrics import rate_interval
+from pipelines.evaluate.needle import NeedleSuite, make_probe
+from pipelines.train.presets import STAGE0
+
+
+def recall(variant: str, spec: NeedleSpec, multiplier: int, suite: NeedleSuite, k: int, hops: int = 2) -> tuple[int, int]:
+    """(questions whose evidence chunks are all in the top k, questions) over the suite's probes of one cell."""
+    held = asked = 0
+    for index in range(suite.memories):
+        probe = make_probe(variant, spec, multiplier, suite.seed, index, hops, suite.hard_distractors)
+        chunks = probe.memory.tolist()
+        for question, evidence in zip(probe.questions, probe.evidence, strict=True):
+            held += set(evidence) <= set(top_chunks(chunks, question, k))
+            asked += 1
+    return held, asked
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=STAGE0.model.rag_k, help="chunks retrieved (the rag baseline's rag_k)")
+    parser.add_argument("--multipliers", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--variants", nargs="+", default=["single", "multi_key", "multi_value", "multi_query",
+                                                          "variable_tracking"])
+    parser.add_argument("--memories", type=int, default=NeedleSuite().memories, help="probe memories per cell")
+    args = parser.parse_args()
+    suite, spec = NeedleSuite(memories=args.memories), STAGE0.needle.spec()
+    print(f"BM25 top-{args.k} recall of every evidence chunk, {args.memories} probe memories a cell "
+          f"(training memory: {spec.chunks} chunks of {spec.chunk_len} tokens)")
+    print("| task | " + " | ".join(f"{m}x" for m in args.multipliers) + " |")
+    print("|---|" + "---|" * len(args.multipliers))
+    rows = {}
+    for variant in args.variants:
+        for hops in (suite.hops if variant == "variable_tracking" else [2]):
+            name = f"{variant}_{hops}" if variant == "variable_tracking" else variant
+            cells = [recall(variant, spec, m, suite, args.k, hops) for m in args.multipliers]
+            rows[name] = {f"{m}x": round(held / asked, 4) for m, (held, asked) in zip(args.multipliers, cells)}
+            shown = []
+            for held, asked in cells:
+                low, high = rate_interval(held, asked)
+                shown.append(f"{held / asked:.2f} ({low:.2f}-{high:.2f})")
+            print(f"| {name} | " + " | ".join(shown) + " |")
+    print(json.dumps({"benchmark": "rag_recall", "k": args.k, "memories": args.memories, "recall": rows}))
+
+
+if __name__ == "__main__":
+    main()
