@@ -83,9 +83,7 @@ def file_records(item: dict, tokenizer, settings: Stage0Settings) -> list[dict]:
         facts = syntax.facts(kind, tree, rel)
         chunks = chunking.chunk_file(rel, text, tokenizer, chunk_tokens=settings.chunk_tokens, boundaries=cuts)
         return [record(item, rel, kind, chunks=chunks, facts=facts, text=text)]
-    if kind == "html":
-        text = docs.html_to_text(text)
-    return [document_record(item, rel, text, tokenizer, settings)]
+    return [document_record(item, rel, readable_text(rel, text), tokenizer, settings)]
 
 
 def chunk_records(item: dict, tokenizer, settings: Stage0Settings, *, syntax_cuts: bool = True) -> list[dict]:
@@ -97,11 +95,22 @@ def chunk_records(item: dict, tokenizer, settings: Stage0Settings, *, syntax_cut
         return rejected
     if kind == "jsonl":  # one document per line, chunked as file_records does
         return jsonl_records(item, rel, text, tokenizer, settings)
-    if kind == "html":
-        text = docs.html_to_text(text)
-    cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8"))) if syntax_cuts and kind in syntax.GRAMMARS else None
-    chunks = chunking.chunk_file(rel, text, tokenizer, chunk_tokens=settings.chunk_tokens, boundaries=cuts)
+    text = readable_text(rel, text)
+    chunks = text_chunks(rel, text, tokenizer, settings.chunk_tokens, syntax_cuts=syntax_cuts)
     return [record(item, rel, kind, chunks=chunks, text=text)]
+
+
+def readable_text(path: str, text: str) -> str:
+    """What a memory holds of a file: an HTML page's text, any other file as it is."""
+    return docs.html_to_text(text) if sources.kind_of(path) == "html" else text
+
+
+def text_chunks(path: str, text: str, tokenizer, chunk_tokens: int, *, syntax_cuts: bool = True) -> list[chunking.Chunk]:
+    """A file's memory chunks from its readable text, its kind read from the path (code cut at tree-sitter nodes):
+    what a repository's memory holds, whether the file was read from disk or sent to the server."""
+    kind = sources.kind_of(path)
+    cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8"))) if syntax_cuts and kind in syntax.GRAMMARS else None
+    return chunking.chunk_file(path, text, tokenizer, chunk_tokens=chunk_tokens, boundaries=cuts)
 
 
 def read_item(item: dict, settings: Stage0Settings) -> tuple[str, str | None, str, list[dict]]:

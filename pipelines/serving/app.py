@@ -3,8 +3,9 @@ an HTTP API with memories as resources (pipelines.serving.memories) and batched,
 
     serve run pipelines/serving/awareness.yaml          (docs/serving.md)
 
-Routes: POST /v1/memories {"chunks": [text, ...]} -> {id, chunks, tokens, encoder, ...}; GET / DELETE
-/v1/memories/{id}; POST /v1/completions {prompt, memory, max_tokens, temperature, stop, stream}.
+Routes: POST /v1/memories {"chunks": [text, ...]} or {"files": [{path, text}, ...]} (a repository, chunked here) ->
+{id, chunks, tokens, encoder, ...}; GET / DELETE /v1/memories/{id}; POST /v1/completions {prompt, memory, max_tokens,
+temperature, stop, stream}.
 
 Answers are the pyfunc's: the replica loads the very AwarenessPyfunc that `mlflow models serve` runs (its tokenizer,
 end-of-answer token and decoding) and reads the memory the way the pyfunc reads a memory store, so a greedy answer here
@@ -36,21 +37,40 @@ import mlflow.pyfunc
 import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from ray import serve
 
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, _memory_keyword_accepted
+from pipelines.corpora.tasks import readable_text, text_chunks
+from pipelines.corpora.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
 
 logger = logging.getLogger("ray.serve")
-CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]}'
+CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]} or {"files": [{"path": ..., "text": ...}]}'
+MAX_CHARS_PER_TOKEN = 16  # files larger than this many characters a memory token are refused before tokenizing
+
+
+class SourceFile(BaseModel):
+    path: str = Field(min_length=1, max_length=1024)  # a label: it heads the file's chunks, nothing is opened by it
+    text: str
 
 
 class MemoryRequest(BaseModel):
-    chunks: list[str] = Field(min_length=1)
+    """Chunk texts, or a repository's files, chunked as the corpora chunk them (pipelines.corpora.tasks.text_chunks:
+    code at tree-sitter nodes, each chunk headed by its path) into chunks of at most `chunk_tokens` tokens."""
+    chunks: list[str] | None = Field(default=None, min_length=1)
+    files: list[SourceFile] | None = Field(default=None, min_length=1)
+    chunk_tokens: int = Field(default=512, ge=16, le=8192)
+
+    @model_validator(mode="after")
+    def one_source(self):
+        if (self.chunks is None) == (self.files is None):
+            raise ValueError('give "chunks" (chunk texts) or "files" ([{"path": ..., "text": ...}]: a repository to '
+                             'chunk), one of the two')
+        return self
 
 
 class CompletionRequest(BaseModel):
@@ -119,6 +139,11 @@ class AwarenessServer:
             raise ValueError(f"{model} reads its memory as {self.pyfunc.mode.kind}: this application serves GCA "
                              f"models (a baseline keeps `mlflow models serve` for now)")
         self.identity = self.pyfunc.encoder_identity()
+        decoder = Path(self.pyfunc.model.config.decoder)
+        # source files are chunked over the model's own tokenizer, which only a Qwen-vocabulary model has
+        self.repository_tokenizer = (QwenTokenizer(decoder) if self.pyfunc.model.decoder.config.vocab_size >= VOCAB_SIZE
+                                     else None)
+        self.max_chunk_tokens = int(self.pyfunc.model.memory_encoder.encoder.config.max_position_embeddings)
         self.max_memory_tokens, self.max_memory_chunks = int(max_memory_tokens), int(max_memory_chunks)
         self.memories = MemoryCache(memory_dir, int(memory_budget_mb * 2**20), self.identity,
                                     encode=self._encode_chunks, prepare=self._prepare)
@@ -192,19 +217,39 @@ class AwarenessServer:
         except StoreMismatch as e:
             raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
 
+    def _chunk_files(self, files: list[SourceFile], chunk_tokens: int) -> list[str]:
+        """A repository's files as memory chunks, the corpora's chunker over the model's own tokenizer."""
+        if self.repository_tokenizer is None:
+            raise HTTPException(422, "this model reads the needle vocabulary (stage 0's synthetic task), which has "
+                                     'no tokens for source files: send "chunks" instead of "files"')
+        if chunk_tokens > self.max_chunk_tokens:
+            raise HTTPException(422, f"chunk_tokens {chunk_tokens}: this model's encoder reads chunks of at most "
+                                     f"{self.max_chunk_tokens} tokens")
+        return [chunk.text for f in files for chunk in text_chunks(f.path, readable_text(f.path, f.text),
+                                                                   self.repository_tokenizer, chunk_tokens)]
+
     @app.post("/v1/memories")
     async def create_memory(self, body: MemoryRequest):
-        if len(body.chunks) > self.max_memory_chunks:
-            raise HTTPException(413, f"{len(body.chunks)} chunks: this server takes at most "
+        chunks = body.chunks
+        if body.files is not None:
+            size = sum(len(f.text) for f in body.files)
+            if size > MAX_CHARS_PER_TOKEN * self.max_memory_tokens:  # refused before any tokenizing
+                raise HTTPException(413, f"{size} characters of files: this server takes at most "
+                                         f"{self.max_memory_tokens} tokens a memory")
+            chunks = await asyncio.to_thread(self._chunk_files, body.files, body.chunk_tokens)
+            if not chunks:
+                raise HTTPException(422, "the files hold no text to remember")
+        if len(chunks) > self.max_memory_chunks:
+            raise HTTPException(413, f"{len(chunks)} chunks: this server takes at most "
                                      f"{self.max_memory_chunks} chunks and {self.max_memory_tokens} tokens a memory")
-        tokens = sum(len(c) for c in self._tokens(body.chunks))
+        tokens = sum(len(c) for c in self._tokens(chunks))
         if tokens > self.max_memory_tokens:
             raise HTTPException(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
                                      f"(and {self.max_memory_chunks} chunks) a memory")
-        if any(not c for c in self._tokens(body.chunks)):
+        if any(not c for c in self._tokens(chunks)):
             raise HTTPException(422, "every chunk needs at least one token")
         try:
-            memory, how = await asyncio.to_thread(self.memories.create, body.chunks)
+            memory, how = await asyncio.to_thread(self.memories.create, chunks)
         except StoreMismatch as e:
             raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
         return JSONResponse(memory.describe() | {"source": how}, status_code=201 if how == "encoded" else 200)

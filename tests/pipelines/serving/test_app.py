@@ -307,6 +307,70 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     assert client.get(f"/v1/memories/{memory}").json()["source"] == "cache"
 
 
+SHAPES_PY = """\"\"\"Shapes.\"\"\"
+
+
+class Square:
+    def __init__(self, side):
+        self.side = side
+
+    def area(self):
+        return self.side * self.side
+
+
+class Circle:
+    def __init__(self, radius):
+        self.radius = radius
+
+    def area(self):
+        return 3.14159 * self.radius ** 2
+
+
+def largest(shapes):
+    return max(shapes, key=lambda shape: shape.area())
+"""
+
+
+def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, tmp_path):
+    """POST /v1/memories {"files": [...]}: the corpora's chunker (tree-sitter cuts, a path header a chunk) over the
+    model's own tokenizer gives the chunks, so the memory is the one those chunk texts make; a path is only a label.
+    A needle-vocabulary model refuses files (no tokens for them) in a 422 naming the fix."""
+    from models import PAIRS, build_pair, write_random_checkpoints
+    from pipelines.corpora.tasks import readable_text, text_chunks
+    from pipelines.corpora.tokenizer import QwenTokenizer
+    from pipelines.serving.pyfunc import ensure_tokenizer
+
+    client, _, restart, _ = server
+    files = [{"path": "shapes/geometry.py", "text": SHAPES_PY}, {"path": "/etc/passwd", "text": "not this file"}]
+    refused = client.post("/v1/memories", json={"files": files})
+    assert refused.status_code == 422 and 'send "chunks"' in refused.json()["detail"]
+    both = client.post("/v1/memories", json={"files": files, "chunks": ["x"]})
+    assert both.status_code == 422 and "one of the two" in both.text
+
+    decoder, encoder = write_random_checkpoints(PAIRS["tiny-text"], tmp_path / "checkpoints")
+    export = tmp_path / "tiny-text-export"
+    build_pair("tiny-text", checkpoint_root=tmp_path / "checkpoints", gca_layers="upper_half").save_pretrained(export)
+    restart(model=str(export))
+    try:
+        created = client.post("/v1/memories", json={"files": files, "chunk_tokens": 48})
+        assert created.status_code == 201, created.text
+        ensure_tokenizer(decoder)
+        tokenizer = QwenTokenizer(decoder)
+        expected = [c.text for f in files for c in text_chunks(f["path"], readable_text(f["path"], f["text"]),
+                                                               tokenizer, 48)]
+        assert created.json()["chunks"] == len(expected) >= 3  # the classes and the function apart
+        assert expected[-1] == "### /etc/passwd [chunk 0]\nnot this file"  # a label: nothing was opened
+        same = client.post("/v1/memories", json={"chunks": expected})
+        assert same.status_code == 200 and same.json()["id"] == created.json()["id"]
+        asked = client.post("/v1/completions", json={"prompt": "def area", "memory": created.json()["id"],
+                                                     "max_tokens": 3})
+        assert asked.status_code == 200, asked.text
+        too_long = client.post("/v1/memories", json={"files": files, "chunk_tokens": 4096})
+        assert too_long.status_code == 422 and "1024 tokens" in too_long.json()["detail"]
+    finally:
+        restart()
+
+
 def test_the_serve_config_in_the_repository_is_a_valid_serve_deploy_config_for_build():
     """pipelines/serving/awareness.yaml (what `serve run` / `serve deploy` read, docs/serving.md): Ray Serve's own
     schema accepts it, its import path is the application builder, and its args are the deployment's arguments."""
