@@ -5,7 +5,7 @@ variants) and the same retrieval as the rag baseline (pipelines.data.memory_mode
 tokens). No model, no Ray: seconds.
 
     python benchmarks/rag_recall.py
-    python benchmarks/rag_recall.py --k 2 --multipliers 1 4 16 64 --memories 32
+    python benchmarks/rag_recall.py --k 1 --multipliers 1 4 --variants single variable_tracking --memories 3
 
 Prints a table (recall with its 95% Wilson interval per variant and memory size) and a JSON line last.
 """

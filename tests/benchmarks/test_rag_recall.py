@@ -1,5 +1,6 @@
-"""benchmarks/rag_recall.py: the share of needle questions whose evidence chunks all lie in BM25's top k, against a
-count made here by hand from the same probes and the same retrieval."""
+"""benchmarks/rag_recall.py as its docstring shows it: the share of needle questions whose evidence chunks all lie in
+BM25's top k, against a count made here by hand from the same probes and the same retrieval; the default run covers
+every task and size."""
 
 import json
 import subprocess
@@ -29,3 +30,14 @@ def test_recall_is_the_share_of_questions_whose_evidence_bm25_keeps():
         assert summary["recall"][name]["4x"] == round(sum(e <= kept for e, kept in pairs) / len(pairs), 4)
     # a chain of three facts rarely fits the top chunk whole, a single fact mostly does
     assert summary["recall"]["variable_tracking_3"]["1x"] < summary["recall"]["single"]["1x"]
+
+
+def test_the_default_run_covers_every_task_and_size():
+    done = subprocess.run([sys.executable, "benchmarks/rag_recall.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    recall = json.loads(done.stdout.strip().splitlines()[-1])["recall"]
+    assert set(recall) == {"single", "multi_key", "multi_value", "multi_query", "variable_tracking_2",
+                           "variable_tracking_3"}
+    assert all(set(sizes) == {"1x", "4x", "16x", "64x"} and all(0 <= r <= 1 for r in sizes.values())
+               for sizes in recall.values())
