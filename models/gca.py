@@ -448,11 +448,12 @@ def _gather_chunks(memory: MemoryKV, chosen: torch.Tensor):
     b_mem, n_kv, q, k = chosen.shape
     c, length, hd = routing.num_chunks, routing.chunk_len, memory.key.shape[-1]
     # whole chunks, from the memory itself: gathering from a view expanded over the queries would make the backward
-    # fill and scatter into a (Q, C, L, hd) gradient, the whole memory once per query (a fifth of a stage-0 step)
-    index = chosen.reshape(b_mem, n_kv, q * k, 1).expand(b_mem, n_kv, q * k, length * hd)
+    # fill and scatter into a (Q, C, L, hd) gradient, the whole memory once per query. A view, never a reshape: the
+    # keys are a transposed (B, M, H_kv, hd) projection, and merging L with hd would copy the memory every step.
+    index = chosen.reshape(b_mem, n_kv, q * k, 1, 1).expand(b_mem, n_kv, q * k, length, hd)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(b_mem, n_kv, c, length * hd).gather(2, index).view(b_mem, n_kv, q, k, length, hd)
+        return x.view(b_mem, n_kv, c, length, hd).gather(2, index).view(b_mem, n_kv, q, k, length, hd)
 
     mask = None
     if memory.padding.attn_mask is not None:

@@ -576,3 +576,30 @@ def test_router_weighted_read_of_long_blocks_equals_the_gathered_read_with_gradi
         assert got_grads.keys() == want_grads.keys() and any(".router." in n for n in got_grads)
         for name in want_grads:
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_decoding_steps_gather_copies_its_chunks_not_the_memory(checkpoint_root):
+    """One query's k chunks come out of the memory's own keys and values (a transposed projection): no operation of
+    the gather makes a tensor the memory's size, which a decoding step at 64k memory tokens paid per layer (2.7x its
+    1k time, caught by the efficiency suite)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in [] if func.is_view else out if isinstance(out, (tuple, list)) else [out]:  # views copy nothing
+                if isinstance(t, torch.Tensor):
+                    LargestOutput.largest = max(LargestOutput.largest, t.numel())
+            return out
+
+    _, routed = routed_pair(checkpoint_root, "gca", k=2)
+    mem, mask = memory_batch(b=1, chunks=32)
+    kv = next(iter(routed.prepare_memory(mem, mask).layers.values()))
+    chosen = torch.tensor([[[[3, 17]]]]).expand(1, kv.key.shape[1], 1, 2)  # (B_mem, H_kv, Q = 1, k)
+    with LargestOutput():
+        key, value, _ = gca._gather_chunks(kv, chosen)
+    assert key.shape[-3:] == (2, kv.routing.chunk_len, kv.key.shape[-1])
+    torch.testing.assert_close(key[0, :, 0, 1], kv.key[0, :, 17 * kv.routing.chunk_len:18 * kv.routing.chunk_len])
+    assert LargestOutput.largest <= key.numel() < kv.key.numel() / 8
