@@ -79,7 +79,7 @@ class TrafficRecipe:
         """Built whole on every worker (18.7M parameters at the defaults), then handed to deepspeed.initialize."""
         vlm = build_vlm(config)
         if config.model.gradient_checkpointing:
-            vlm.decoder.gradient_checkpointing_enable()
+            vlm.decoder.activation_checkpointing_enable()  # transformers 5.24 deprecates the gradient_ name
         return YesNoObjective(vlm).train()
 
     def parameter_groups(self, model: nn.Module) -> dict[str, list[torch.nn.Parameter]]:

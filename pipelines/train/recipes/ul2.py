@@ -53,7 +53,7 @@ class Ul2Recipe:
                                              encoder_layers=cfg.encoder_layers,
                                              decoder_start_token_id=worker["start_token"])
         if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()  # transformers 5.24 deprecates the gradient_ name
         return model.train()
 
     def parameter_groups(self, model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:

@@ -195,7 +195,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(model):
     model(input_ids=enc, labels=labels).loss.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()  # the name the UL2 recipe calls (transformers deprecates the gradient_ one)
+    assert model.is_activation_checkpointing
     model(input_ids=enc, labels=labels).loss.backward()
     for name, grad in want.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-5, rtol=1e-4)

@@ -44,9 +44,9 @@ def test_gates_encoder_scale_and_checkpointing(checkpoint_root):
                                gradient_checkpointing=True))
     assert all(math.isclose(v, math.tanh(0.5), abs_tol=1e-6) for v in model.gate_values().values())
     assert model.memory_encoder.grad_scale == 10.0
-    assert model.decoder.is_gradient_checkpointing and model.memory_encoder.encoder.is_gradient_checkpointing
+    assert model.decoder.is_activation_checkpointing and model.memory_encoder.encoder.is_activation_checkpointing
     cross = build_model(config(checkpoint_root, fusion="cross", gca_gate_init=0.5))  # cross has no gates to open
-    assert cross.gate_values() == {} and not cross.decoder.is_gradient_checkpointing
+    assert cross.gate_values() == {} and not cross.decoder.is_activation_checkpointing
 
 
 def test_checkpointing_keeps_fewer_activations_and_the_frozen_encoder_none(checkpoint_root):
