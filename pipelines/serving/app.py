@@ -242,11 +242,12 @@ class AwarenessServer:
         if len(chunks) > self.max_memory_chunks:
             raise HTTPException(413, f"{len(chunks)} chunks: this server takes at most "
                                      f"{self.max_memory_chunks} chunks and {self.max_memory_tokens} tokens a memory")
-        tokens = sum(len(c) for c in self._tokens(chunks))
+        token_ids = self._tokens(chunks)
+        tokens = sum(len(c) for c in token_ids)
         if tokens > self.max_memory_tokens:
             raise HTTPException(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
                                      f"(and {self.max_memory_chunks} chunks) a memory")
-        if any(not c for c in self._tokens(chunks)):
+        if any(not c for c in token_ids):
             raise HTTPException(422, "every chunk needs at least one token")
         try:
             memory, how = await asyncio.to_thread(self.memories.create, chunks)
