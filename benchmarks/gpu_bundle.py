@@ -53,12 +53,21 @@ BUNDLE = {
     "hjson": "DeepSpeed's", "jsonschema": "ray's", "jsonschema-specifications": "jsonschema's",
     "referencing": "jsonschema's", "rpds-py": "referencing's", "bm25s": "the rag baseline (imported by the suites)",
     "fastokens": "the offline tokenizer (pipelines.corpora.tokenizer imports it)",
+    # the serving steps (gpu_check.py --only "serve demo"): what Ray Serve's proxy, controller and replica imported,
+    # read off each process's sys.modules during a serve_load run here, less what the box has
+    "uvicorn": "Ray Serve's HTTP proxy", "httptools": "uvicorn's HTTP parser", "websockets": "uvicorn's",
+    "watchfiles": "ray.serve's", "grpcio-reflection": "Ray Serve's gRPC proxy (imported at start)",
+    "grpcio": "grpcio-reflection's generated code refuses the box's 1.84 (H100, 2026-11-26)",
+    "protobuf": "at the version the lock's grpcio and Ray are used with here",
+    "tree-sitter": "the app's repository chunker (pipelines.corpora.syntax)",
+    "dashscope": "Qwen's BPE ranks for a random-weight Qwen3-vocabulary pair's tokenizer (found, not imported: the "
+                 "proto1 serving step stopped on it, H100, 2026-11-26)",
 }
 # This project's dependencies that the GPU checks import and the box already holds at a usable version: the box's
 # own torch is the point, the rest are its image's (KINDS.md). tests/infra/test_gpu_bundle.py holds every project
 # dependency the checks import to BUNDLE or here (fastokens, in neither, stopped the first run on an H200).
 BOX_PROVIDES = {"torch", "numpy", "packaging", "psutil", "pyarrow", "pyyaml", "safetensors", "tiktoken", "tokenizers",
-                "tqdm"}
+                "tqdm", "markdown-it-py", "httpx"}
 SDIST_ONLY = {"deepspeed"}
 RAY_DROPPED = (re.compile(r"^ray/jars/"), re.compile(r"^ray/dashboard/client/build/.*\.map$"),
                re.compile(r"^ray/rllib/"))
@@ -131,6 +140,20 @@ def pack(wheels: list[Path], out: Path, part_mib: int) -> list[Path]:
     return parts
 
 
+def bundle_export(export: Path, into: Path) -> list[Path]:
+    """The export (export/) and the base checkpoints its config names (decoder/, encoder/) copied into `into`, for
+    the box to serve (gpu_check.py's "serve demo" points the config there); the files copied."""
+    import json
+
+    export = export.resolve()
+    config = json.loads((export / "awareness_config.json").read_text())
+    shutil.rmtree(into, ignore_errors=True)
+    for name, source in (("export", export), ("decoder", Path(config["decoder"])),
+                         ("encoder", Path(config["encoder"]))):
+        shutil.copytree(source if source.is_absolute() else export / source, into / name)
+    return [f for f in into.rglob("*") if f.is_file()]
+
+
 def travelling_mib() -> float:
     """What a device call carries besides the bundle: tracked and untracked-not-ignored files."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
@@ -150,8 +173,13 @@ def main() -> None:
     parser.add_argument("--python", default="3.12", help="the GPU box's Python (3.12 on this workplace's boxes)")
     parser.add_argument("--out", type=Path, default=OUT, help="where the parts go (ignored by git)")
     parser.add_argument("--part-mib", type=int, default=60, help="the largest part, in MiB")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="a trained export (e.g. make demo's) to serve there, with the base checkpoints it names")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the command; no network")
     args = parser.parse_args()
+    if args.export and not (args.export / "awareness_config.json").is_file():
+        parser.error(f"--export {args.export}: no awareness_config.json there (give an export directory, e.g. a "
+                     f"checkpoint's export/)")
     requirements = plan(args.python)
     out = args.out.resolve()
     print(f"bundle for CPython {args.python}, manylinux x86_64, at {LOCK.name}'s versions ({len(requirements)} wheels):")
@@ -159,6 +187,8 @@ def main() -> None:
         name = requirement.split("==")[0]
         how = "built here from the sdist" if name in SDIST_ONLY else "PyPI wheel"
         print(f"  {requirement:<44} {how}: {BUNDLE[name]}")
+    if args.export:
+        print(f"  and the export {args.export} with its base checkpoints, as {out}/export/")
     if args.dry_run:
         print(f"(dry run) would write {out}/bundle.tar.xz.part000..., parts of at most {args.part_mib} MiB")
         print(f"run there, in one device call:\n  {command([], out)}")
@@ -171,10 +201,15 @@ def main() -> None:
         downloaded = sum(w.stat().st_size for w in download_dir.glob("*.whl")) / 2**20
         parts = pack(wheels, out, args.part_mib)
     shutil.rmtree(download_dir)
-    total, tree = sum(p.stat().st_size for p in parts) / 2**20, travelling_mib()
+    exported = bundle_export(args.export, out / "export") if args.export else []
+    total = sum(p.stat().st_size for p in parts + exported) / 2**20
+    tree = travelling_mib()
     print(f"wheels as downloaded: {downloaded:.1f} MiB; bundle: {total:.1f} MiB in {len(parts)} part(s)")
     for part in parts:
         print(f"  {part.relative_to(ROOT) if part.is_relative_to(ROOT) else part}: {part.stat().st_size / 2**20:.1f} MiB")
+    if exported:
+        size = sum(f.stat().st_size for f in exported) / 2**20
+        print(f"  {out / 'export'}: {size:.1f} MiB (the export, its checkpoints)")
     fits = total + tree <= CALL_LIMIT_MIB
     print(f"a device call carries the bundle and {tree:.1f} MiB of working tree: {total + tree:.1f} of "
           f"{CALL_LIMIT_MIB} MiB, {'fits in one call' if fits else 'does NOT fit in one call'}")

@@ -19,6 +19,12 @@ Then, each step in a child process with its own time limit (one that hangs costs
 4. benchmarks/gpu_mfu.py: proto1's training step in bf16, tokens/s and MFU (last: measured before, so what a GPU
    has not yet seen runs first).
 
+Two serving steps run only when named (`--only "serve demo" --only "serve proto1"`; with the four above they would
+not fit one device command): benchmarks/serve_load.py with a GPU replica (`num_gpus: 1`, bf16, --serve-only: the box
+has no MLflow server) over the export the bundle carries (`gpu_bundle.py --export`, a trained `make demo` export) or
+the tiny random one, and over proto1 (random weights, the 0.6B pair) at levels 1, 4, 16: requests/s, TTFT and
+whether every answer equals the pyfunc's in the same process.
+
 REPORT_DIR/gpu-check-report.md gets each step's command, status, seconds and output tail, and the versions seen;
 REPORT_DIR/<step>.log each step's whole output.
 """
@@ -47,10 +53,14 @@ class Step:
     name: str
     command: list[str]
     limit_s: int
+    default: bool = True  # run without --only; the rest only when named
 
 
-def steps(python: str) -> list[Step]:
+def steps(python: str, bundle: Path = ROOT / ".gpu-bundle") -> list[Step]:
     stage2 = WORK / "stage2"
+    # the serving steps: benchmarks/serve_load.py with a GPU replica; its table and JSON summary end the output
+    serve = [python, "benchmarks/serve_load.py", "--device", "cuda", "--dtype", "bfloat16", "--serve-only",
+             "--threads", "4"]
     return [
         Step("versions", [python, "-c", VERSIONS], 20),
         Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-s", "-p", "no:cacheprovider",
@@ -70,7 +80,16 @@ def steps(python: str) -> list[Step]:
                                                        root=str(CHECKPOINTS))], 60),
         # measured on an H200 before (docs/benchmarks.md): last, so the checks not yet seen on a GPU come first
         Step("gpu_mfu", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3"], 50),
+        Step("serve demo", [python, "-c", SERVE_DEMO.format(bundle=str(bundle), work=str(WORK), serve=serve)], 170,
+             default=False),
+        Step("serve proto1", [python, "-c", SERVE_PROTO1.format(root=str(CHECKPOINTS), work=str(WORK), serve=serve)],
+             230, default=False),
     ]
+
+
+def steps_to_run(plan: list[Step], only: list[str]) -> list[Step]:
+    """The steps named by --only, in plan order; without --only, the default ones."""
+    return [s for s in plan if s.name in only] if only else [s for s in plan if s.default]
 
 
 VERSIONS = """
@@ -105,6 +124,33 @@ system = load_system("gca", export, {{"memory": "gca", "needle": {{"chunk_len": 
 print("export", export, "dtype", next(system.model.parameters()).dtype)
 for tokens in (16384, 65536):
     print(json.dumps(efficiency_row(system, tokens, decode_tokens=16, repeats=3)))
+"""
+
+SERVE_DEMO = """
+import json, shutil, subprocess, sys, pathlib
+bundled, work = pathlib.Path({bundle!r}) / "export", pathlib.Path({work!r}) / "serve-demo"
+model = []
+if bundled.is_dir():  # relocated as a user moves an export: its config names where the base checkpoints are now
+    shutil.copytree(bundled, work, dirs_exist_ok=True)
+    config = json.loads((work / "export" / "awareness_config.json").read_text())
+    config["decoder"], config["encoder"] = str(work / "decoder"), str(work / "encoder")
+    (work / "export" / "awareness_config.json").write_text(json.dumps(config, indent=2))
+    model = ["--model", str(work / "export")]
+print("serving", model[1] if model else "the tiny random export (the bundle carries no trained export)", flush=True)
+sys.exit(subprocess.run({serve!r} + model + ["--levels", "1", "4", "16", "64", "--requests", "192",
+                                              "--time-limit", "15"]).returncode)
+"""
+
+SERVE_PROTO1 = """
+import pathlib, subprocess, sys, torch
+from models import PAIRS, AwarenessModel, write_random_checkpoints
+root, export = pathlib.Path({root!r}), pathlib.Path({work!r}) / "serve-proto1"
+if not (root / "Qwen3-0.6B").is_dir():
+    write_random_checkpoints(PAIRS["proto1"], root, dtype=torch.bfloat16)
+if not export.is_dir():  # proto1 with its GCA blocks as built (random weights: noise for answers, a real cost)
+    AwarenessModel.from_pretrained_pair(root / "Qwen3-0.6B", root / "Qwen3-Embedding-0.6B").save_pretrained(export)
+sys.exit(subprocess.run({serve!r} + ["--model", str(export), "--levels", "1", "4", "16", "--requests", "48",
+                                     "--time-limit", "15"]).returncode)
 """
 
 
@@ -164,11 +210,11 @@ def main() -> None:
     parser.add_argument("--only", action="append", default=[], metavar="STEP",
                         help="run only this step (repeatable; a step's name as --dry-run prints it)")
     args = parser.parse_args()
-    plan = steps(sys.executable)
+    plan = steps(sys.executable, args.bundle.resolve())
     unknown = sorted(set(args.only) - {s.name for s in plan})
     if unknown:
         parser.error(f"--only {unknown[0]!r}: not a step; the steps: {', '.join(s.name for s in plan)}")
-    plan = [s for s in plan if not args.only or s.name in args.only]
+    plan = steps_to_run(plan, args.only)
     if args.dry_run:
         for step in plan:
             print(f"{step.limit_s:4d} s  {step.name}: {shlex.join(step.command)[:160]}".replace("\n", " "))

@@ -5,6 +5,7 @@ at rising concurrency (issue 27).
     python benchmarks/serve_load.py --model models:/awareness@candidate --tracking-uri http://127.0.0.1:5000
     python benchmarks/serve_load.py --quick             (levels 1 and 4, a few requests: what the test runs)
     python benchmarks/serve_load.py --dry-run           (the plan: levels, requests, ports, commands; starts nothing)
+    python benchmarks/serve_load.py --model EXPORT --device cuda --dtype bfloat16 --serve-only   (a GPU replica)
 
 (a) The Ray Serve application (pipelines/serving/app.py), started in this process on a local Ray: the memory created
 once with POST /v1/memories, every question a POST /v1/completions naming it (`memory: id`). Two passes per level:
@@ -33,6 +34,10 @@ Without --model it makes its own setup: random tiny checkpoints, an `mlflow serv
 directory), and the tiny export with open gates registered there (pipelines.serving.tiny). `--model` takes
 `models:/NAME@ALIAS` or `models:/NAME/VERSION` (with `--tracking-uri`; an alias is resolved to its version once, so both
 servers serve the same version), or an export directory (registered into a local `mlflow server`, as a needle run).
+`--device` / `--dtype` place the model in both servers and in this process (pipelines.serving.pyfunc.placement); a
+GPU gives the Serve replica `num_gpus: 1` (pipelines/serving/awareness-gpu.yaml) and mlflow its
+MLFLOW_PYFUNC_INFERENCE_CONFIG. `--serve-only` leaves mlflow out (a GPU box without MLflow's server): an export is then
+served as a directory, no registry, and the reference answers are the same pyfunc's in this process.
 Prints a markdown table on stdout, progress on stderr, and a one-line JSON summary as the last line of stdout.
 """
 
@@ -74,8 +79,11 @@ class Plan:
     batch_wait_ms: float
     workdir: str
     serve_port: int
-    mlflow_port: int  # mlflow models serve
+    mlflow_port: int | None  # mlflow models serve; None with --serve-only
     registry_port: int | None  # the own `mlflow server`, when one is started
+    device: str = "auto"
+    dtype: str = "auto"
+    gpus: int = 0  # the Serve replica's num_gpus (1 when the model is placed on a GPU)
     commands: dict[str, str] = field(default_factory=dict)
 
 
@@ -91,6 +99,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads in each server (and this process)")
     p.add_argument("--max-batch-size", type=int, default=8, help="the Serve app's serve.batch max_batch_size")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="the Serve app's batch_wait_timeout_s, in ms")
+    p.add_argument("--device", default="auto",
+                   help="where both servers place the model: auto (a GPU if seen), cpu, cuda")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoints' own), float32, bfloat16 or float16")
+    p.add_argument("--serve-only", action="store_true", help="no mlflow: the Serve app alone, an export served as a "
+                                                             "directory (for a box without MLflow's server)")
     p.add_argument("--workdir", default=None, help="where the setup, memory store and logs go (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="levels 1 and 4, 8 requests each, 60 s a level")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit without starting anything")
@@ -103,8 +116,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.model.startswith("models:/") and not (args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))) else []
     problems += [f"--model {args.model}: no such export directory"] if (
         args.model and not args.model.startswith("models:/") and not Path(args.model).is_dir()) else []
+    problems += ["--serve-only takes an export directory or nothing, not models:/ (it starts no registry client)"] if (
+        args.serve_only and args.model.startswith("models:/")) else []
     if problems:
         p.error("; ".join(problems))
+    from pipelines.serving.pyfunc import placement
+
+    try:  # a dry run plans a GPU run on a machine without one
+        placement("cpu" if args.dry_run else args.device, args.dtype)
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
@@ -115,24 +136,44 @@ def make_plan(args: argparse.Namespace) -> Plan:
     workdir = args.workdir or (str(Path(tempfile.gettempdir()) / "serve-load-XXXXXX") if args.dry_run
                                else tempfile.mkdtemp(prefix="serve-load-"))
     tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    own_registry = not args.model.startswith("models:/")
+    own_registry = not args.model.startswith("models:/") and not args.serve_only
     registry = MlflowServer(Path(workdir) / "mlflow", free_port()) if own_registry else None
-    model = args.model if args.model.startswith("models:/") else f"models:/{NAME}/VERSION"
+    if args.serve_only:
+        model = args.model or f"{workdir}/export"
+    else:
+        model = args.model if args.model.startswith("models:/") else f"models:/{NAME}/VERSION"
+    import torch
+
+    gpus = int(args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()))
     plan = Plan(model=args.model, tracking_uri=registry.uri if registry else tracking, levels=list(args.levels),
                 requests={c: args.requests or max(64, 8 * c) for c in args.levels}, time_limit_s=args.time_limit,
                 request_timeout_s=args.request_timeout, threads=args.threads, max_batch_size=args.max_batch_size,
-                batch_wait_ms=args.batch_wait_ms, workdir=workdir, serve_port=free_port(), mlflow_port=free_port(),
-                registry_port=registry.port if registry else None)
-    served = ModelServer(model, plan.tracking_uri or "", Path(workdir) / "mlflow-serve", port=plan.mlflow_port)
+                batch_wait_ms=args.batch_wait_ms, workdir=workdir, serve_port=free_port(),
+                mlflow_port=None if args.serve_only else free_port(), registry_port=registry.port if registry else None,
+                device=args.device, dtype=args.dtype, gpus=gpus)
     if registry:
         plan.commands["registry"] = shlex.join(registry.command)
-    plan.commands["mlflow"] = (f"OMP_NUM_THREADS={args.threads} MLFLOW_TRACKING_URI={plan.tracking_uri} "
-                               + shlex.join(served.command))
+    if not args.serve_only:
+        served = ModelServer(model, plan.tracking_uri or "", Path(workdir) / "mlflow-serve", port=plan.mlflow_port)
+        plan.commands["mlflow"] = (f"OMP_NUM_THREADS={args.threads} MLFLOW_TRACKING_URI={plan.tracking_uri} "
+                                   f"MLFLOW_PYFUNC_INFERENCE_CONFIG='{json.dumps(placement_config(plan))}' "
+                                   + shlex.join(served.command))
     plan.commands["serve"] = (f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
-                              f"{{'host': '127.0.0.1', 'port': {plan.serve_port}}}); serve.run(build({{'model': "
-                              f"'{model}', 'memory_dir': '{workdir}/memories', 'max_batch_size': {args.max_batch_size},"
-                              f" 'batch_wait_timeout_s': {args.batch_wait_ms / 1000}}}))")
+                              f"{{'host': '127.0.0.1', 'port': {plan.serve_port}}}); serve.run(AwarenessServer.options("
+                              f"ray_actor_options={replica_options(plan)}).bind(model='{model}', memory_dir="
+                              f"'{workdir}/memories', max_batch_size={args.max_batch_size}, batch_wait_timeout_s="
+                              f"{args.batch_wait_ms / 1000}, device='{args.device}', dtype='{args.dtype}'))")
     return plan
+
+
+def placement_config(plan: Plan) -> dict[str, str]:
+    """The pyfunc's placement settings (pipelines.serving.pyfunc.PLACEMENT) as this run asks for them."""
+    return {"device": plan.device, "dtype": plan.dtype}
+
+
+def replica_options(plan: Plan) -> dict[str, float]:
+    """The Serve replica's ray_actor_options: a GPU of its own when the model is placed on one."""
+    return {"num_cpus": 1, **({"num_gpus": plan.gpus} if plan.gpus else {})}
 
 
 def progress(line: str) -> None:
@@ -160,6 +201,14 @@ def setup_model(plan: Plan, stack: ExitStack):
     if plan.model.startswith("models:/"):
         return resolve_version(plan.model, plan.tracking_uri), None
     workdir = Path(plan.workdir)
+    if plan.mlflow_port is None:  # --serve-only: the export itself, no registry
+        if plan.model:
+            return plan.model, None
+        from models import PAIRS, write_random_checkpoints
+
+        write_random_checkpoints(PAIRS["tiny"], workdir / "checkpoints")
+        tiny_export(workdir / "export", workdir / "checkpoints")
+        return str(workdir / "export"), None
     progress(f"starting mlflow server on 127.0.0.1:{plan.registry_port}")
     registry = stack.enter_context(MlflowServer(workdir / "mlflow", plan.registry_port))
     export = Path(plan.model) if plan.model else workdir / "export"
@@ -177,18 +226,27 @@ def start_serve(plan: Plan, model: str, stack: ExitStack) -> None:
     import ray
     from ray import serve
 
-    from pipelines.serving.app import build
+    from pipelines.serving.app import AwarenessServer
 
-    env = {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(plan.threads),
+    # this repository first, then whatever this process was given (a GPU box's bundled site, benchmarks/gpu_check.py)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(plan.threads),
            **({"MLFLOW_TRACKING_URI": plan.tracking_uri} if plan.tracking_uri else {})}
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=plan.gpus, include_dashboard=False,
+             log_to_driver=False, runtime_env={"env_vars": env})
     stack.callback(ray.shutdown)
     stack.callback(serve.shutdown)  # runs first (last in, first out)
     serve.start(http_options={"host": "127.0.0.1", "port": plan.serve_port})
-    args = {"model": model, "memory_dir": str(Path(plan.workdir) / "memories"), "tracking_uri": plan.tracking_uri,
-            "max_batch_size": plan.max_batch_size, "batch_wait_timeout_s": plan.batch_wait_ms / 1000}
-    serve.run(build(args), name="serve-load", route_prefix="/")
+    app = AwarenessServer.options(ray_actor_options=replica_options(plan)).bind(
+        model=model, memory_dir=str(Path(plan.workdir) / "memories"), tracking_uri=plan.tracking_uri,
+        max_batch_size=plan.max_batch_size, batch_wait_timeout_s=plan.batch_wait_ms / 1000, device=plan.device,
+        dtype=plan.dtype)
+    try:
+        serve.run(app, name="serve-load", route_prefix="/")
+    except RuntimeError as error:  # Serve says only that the deployment failed; its status holds the replica's error
+        status = serve.status().applications.get("serve-load")
+        why = [d.message for d in status.deployments.values()] if status else []
+        raise RuntimeError(f"{error}: {' | '.join(why) or 'no deployment status'}") from error
 
 
 # ---------------------------------------------------------------------------------------------- clients
@@ -324,7 +382,8 @@ def generate_ms(pyfunc, store: Path, questions: list[str], batch: int, repeats: 
     model = pyfunc.model
     states, mask = MemoryStore(store).memory(device=model.device, chunked=bool(model.memory_top_k))
     memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
-    ids = torch.tensor([pyfunc.tokenizer.encode(questions[i % len(questions)]).ids for i in range(batch)])
+    ids = torch.tensor([pyfunc.tokenizer.encode(questions[i % len(questions)]).ids for i in range(batch)],
+                       device=model.device)
     times = []
     for _ in range(repeats + 2):  # two untimed
         began = time.perf_counter()
@@ -410,7 +469,8 @@ async def run_levels(plan: Plan, systems: dict[str, Any], questions: list[str], 
                 progress(f"c={concurrency} {name}: {r['ok']}/{r['requests']} ok, {r['rps']} req/s, p50 {r['p50_ms']} "
                          f"ms, p99 {r['p99_ms']} ms, ttft p50 {r['ttft_p50_ms']} ms, errors {r['errors']}, "
                          f"mismatches {r['mismatches']}" + (f", {r['error_sample'][0]}" if r["errors"] else ""))
-            row["rps_ratio"] = round(row["serve"]["rps"] / row["mlflow"]["rps"], 2) if row["mlflow"]["rps"] else None
+            mlflow_rps = row.get("mlflow", {}).get("rps")
+            row["rps_ratio"] = round(row["serve"]["rps"] / mlflow_rps, 2) if mlflow_rps else None
             rows.append(row)
     return correctness, rows
 
@@ -424,8 +484,9 @@ def table(rows: list[dict[str, Any]]) -> str:
              "Serve TTFT p50 / p99 ms (stream) | mlflow TTFT p50 / p99 ms (= latency) | Serve stream req/s | "
              "mean batch | errors S / stream / M |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    absent = {"rps": "-", "p50_ms": "-", "p99_ms": "-", "ttft_p50_ms": "-", "ttft_p99_ms": "-", "errors": "-"}
     for row in rows:
-        s, t, m = row["serve"], row["serve_stream"], row["mlflow"]
+        s, t, m = row["serve"], row["serve_stream"], row.get("mlflow", absent)  # absent: --serve-only
         lines.append(f"| {row['concurrency']} | {s['rps']} | {m['rps']} | {row['rps_ratio']} | "
                      f"{pair(s, 'p50_ms', 'p99_ms')} | {pair(m, 'p50_ms', 'p99_ms')} | "
                      f"{pair(t, 'ttft_p50_ms', 'ttft_p99_ms')} | {pair(m, 'ttft_p50_ms', 'ttft_p99_ms')} | {t['rps']} | "
@@ -439,7 +500,7 @@ def cpu_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| clients | system | req/s | replica ms (in generate) | proxy ms | mlflow server ms | client ms | "
              "Ray rest ms | cores busy: this run / machine |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        for name in ("serve", "serve_stream", "mlflow"):
+        for name in [n for n in ("serve", "serve_stream", "mlflow") if n in row]:
             r = row[name]
             ms, cpu = r["cpu"]["ms_per_request"], r["cpu"]
             generate = (f" ({r['batching']['generate_s'] / max(r['ok'], 1) * 1000:.1f})" if "batching" in r else "")
@@ -451,12 +512,17 @@ def cpu_table(rows: list[dict[str, Any]]) -> str:
 
 
 def summary(plan: Plan, model: str, floor: dict[str, float], correctness, rows) -> dict[str, Any]:
-    errors = sum(row[name]["errors"] for row in rows for name in ("serve", "serve_stream", "mlflow"))
+    systems = [name for name in ("serve", "serve_stream", "mlflow") if name in correctness]
+    errors = sum(row[name]["errors"] for row in rows for name in systems)
     errors += sum(c["errors"] for c in correctness.values())
-    mismatches = sum(row[name]["mismatches"] for row in rows for name in ("serve", "serve_stream", "mlflow"))
+    mismatches = sum(row[name]["mismatches"] for row in rows for name in systems)
     mismatches += sum(c["mismatches"] for c in correctness.values())
     at16 = next((row["rps_ratio"] for row in rows if row["concurrency"] == 16), None)
-    return {"benchmark": "serve_load", "model": model, "threads": plan.threads, "cpus": os.cpu_count(),
+    import torch
+
+    return {"benchmark": "serve_load", "model": model, "device": plan.device, "dtype": plan.dtype,
+            "gpus": plan.gpus, "gpu": torch.cuda.get_device_name(0) if plan.gpus else None,
+            "threads": plan.threads, "cpus": os.cpu_count(),
             "ports": {"serve": plan.serve_port, "mlflow": plan.mlflow_port, "registry": plan.registry_port},
             "max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms,
             "in_process_ms": floor, "correctness": correctness, "errors": errors,
@@ -466,37 +532,42 @@ def summary(plan: Plan, model: str, floor: dict[str, float], correctness, rows) 
 
 # ---------------------------------------------------------------------------------------------- main
 def run(plan: Plan) -> dict[str, Any]:
-    import mlflow
     import torch
 
+    from pipelines.serving.app import load_pyfunc
     from pipelines.serving.loopback import ModelServer
     from pipelines.serving.tiny import needle_questions
 
     torch.set_num_threads(plan.threads)
     with ExitStack() as stack:
         model, registry = setup_model(plan, stack)
-        progress(f"serving {model}; starting mlflow models serve on 127.0.0.1:{plan.mlflow_port} and Serve on "
-                 f"127.0.0.1:{plan.serve_port}")
-        served = ModelServer(model, plan.tracking_uri or "", Path(plan.workdir) / "mlflow-serve",
-                             port=plan.mlflow_port, env={"OMP_NUM_THREADS": str(plan.threads)})
-        stack.callback(served.stop)
+        served = None
+        if plan.mlflow_port is not None:
+            served = ModelServer(model, plan.tracking_uri or "", Path(plan.workdir) / "mlflow-serve",
+                                 port=plan.mlflow_port, env={"OMP_NUM_THREADS": str(plan.threads),
+                                                             "MLFLOW_PYFUNC_INFERENCE_CONFIG":
+                                                                 json.dumps(placement_config(plan))})
+            stack.callback(served.stop)
+        progress(f"serving {model} ({plan.device}, {plan.dtype}); Serve on 127.0.0.1:{plan.serve_port}"
+                 + (f", mlflow models serve on 127.0.0.1:{plan.mlflow_port}" if served else ""))
         with ThreadPoolExecutor(1) as pool:  # mlflow models serve loads while Ray and Serve start
-            starting = pool.submit(served.start)
+            starting = pool.submit(served.start) if served else None
             start_serve(plan, model, stack)
-            mlflow.set_tracking_uri(plan.tracking_uri)
-            pyfunc = mlflow.pyfunc.load_model(model)
-            starting.result()
+            # the reference, in this process: the very pyfunc both servers load, placed as they place it
+            pyfunc = load_pyfunc(model, plan.tracking_uri, plan.device, plan.dtype)
+            if starting:
+                starting.result()
         rows, _ = needle_questions(seed=QUESTION_SEED, memories=1)
         chunks, questions = rows[0]["memory"], [r["question"] for r in rows]
-        expected = dict(zip(questions, pyfunc.predict(rows)))  # the reference: predict over the chunk texts
+        expected = dict(zip(questions, pyfunc.predict(None, rows)))  # the reference: predict over the chunk texts
         store = Path(plan.workdir) / "store"
-        pyfunc.unwrap_python_model().write_store(store, chunks, served=True)  # encoded once, for mlflow's rows
+        pyfunc.write_store(store, chunks, served=True)  # encoded once, for mlflow's rows
         began = time.perf_counter()
-        stored = [pyfunc.predict({"question": q, "memory_store": str(store)})[0] for q in questions]
+        stored = [pyfunc.predict(None, {"question": q, "memory_store": str(store)})[0] for q in questions]
         # the model alone, in this process (servers idle): a predict over the store as mlflow's rows ask it, and the
         # replica's generate at batch 1 and at its largest batch
         floor = {"predict": round((time.perf_counter() - began) / len(questions) * 1000, 2),
-                 **{f"generate_batch_{b}": generate_ms(pyfunc.unwrap_python_model(), store, questions, b)
+                 **{f"generate_batch_{b}": generate_ms(pyfunc, store, questions, b)
                     for b in sorted({1, plan.max_batch_size})}}
         if stored != [expected[q] for q in questions]:
             raise AssertionError(f"the pyfunc answers differently over the store: {stored} vs {list(expected.values())}")
@@ -508,10 +579,11 @@ def run(plan: Plan) -> dict[str, Any]:
         progress(f"memory {memory[:12]} ({len(chunks)} chunks) created on Serve, store {store} for mlflow; "
                  f"{len(questions)} questions; in this process, ms: {floor}")
         serve_url = f"http://127.0.0.1:{plan.serve_port}"
-        roots = {"mlflow_server": served.process.pid, **({"registry": registry.process.pid} if registry else {})}
+        roots = {**({"mlflow_server": served.process.pid} if served else {}),
+                 **({"registry": registry.process.pid} if registry else {})}
         systems = {"serve": ServeClient(serve_url, memory, stream=False),
                    "serve_stream": ServeClient(serve_url, memory, stream=True),
-                   "mlflow": MlflowModelClient(served.url, str(store))}
+                   **({"mlflow": MlflowModelClient(served.url, str(store))} if served else {})}
         correctness, levels = asyncio.run(run_levels(plan, systems, questions, expected, roots))
         return summary(plan, model, floor, correctness, levels)
 
@@ -522,9 +594,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.dry_run:
         print(f"serve_load plan (dry run, nothing started): workdir {plan.workdir}")
         for c in plan.levels:
-            print(f"  level {c:>3} clients: {plan.requests[c]} requests per system (Serve, Serve streamed, mlflow), "
+            print(f"  level {c:>3} clients: {plan.requests[c]} requests per system (Serve, Serve streamed"
+                  f"{'' if plan.mlflow_port is None else ', mlflow'}), "
                   f"at most {plan.time_limit_s:g} s")
-        print(f"  ports: Serve {plan.serve_port}, mlflow models serve {plan.mlflow_port}"
+        print(f"  ports: Serve {plan.serve_port}"
+              + (f", mlflow models serve {plan.mlflow_port}" if plan.mlflow_port else "")
               + (f", mlflow server {plan.registry_port}" if plan.registry_port else ""))
         for name, command in plan.commands.items():
             print(f"  {name}: {command}")

@@ -9,7 +9,9 @@ temperature, stop, stream}.
 
 Answers are the pyfunc's: the replica loads the very AwarenessPyfunc that `mlflow models serve` runs (its tokenizer,
 end-of-answer token and decoding) and reads the memory the way the pyfunc reads a memory store, so a greedy answer here
-equals `predict` for the same question over the same memory.
+equals `predict` for the same question over the same memory. A baseline (in_context, rag, none) is served the same
+way: its memories are the chunk texts (pipelines.serving.memories.TextMemories) and each question's prompt holds them
+as the pyfunc puts them there (all, the BM25 top-k, or none).
 
 Batching: `@serve.batch` gathers the questions that arrive within `batch_wait_timeout_s` (up to `max_batch_size`)
 from every client, and each group of them over one memory with one prompt length and the same decoding settings
@@ -44,13 +46,14 @@ from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, _memory_keyword_accepted
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.corpora.tokenizer import VOCAB_SIZE, QwenTokenizer
-from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, UnknownMemory
-from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
+from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, TextMemories, UnknownMemory
+from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
 
 logger = logging.getLogger("ray.serve")
 CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]} or {"files": [{"path": ..., "text": ...}]}'
 MAX_CHARS_PER_TOKEN = 16  # files larger than this many characters a memory token are refused before tokenizing
+IN_CONTEXT_QUESTION_ROOM = 256  # decoder positions an in_context memory leaves for the question and its answer
 
 
 class SourceFile(BaseModel):
@@ -85,17 +88,27 @@ class CompletionRequest(BaseModel):
 app = FastAPI(title="Awareness")
 
 
-def load_pyfunc(model: str, tracking_uri: str | None = None):
+def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto"):
     """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
-    export directory (awareness_config.json; the pyfunc's defaults)."""
+    export directory (awareness_config.json; the pyfunc's defaults), loaded onto `device` in `dtype`
+    (pipelines.serving.pyfunc.placement: "auto" is a GPU when the process sees one, the checkpoints' dtype)."""
+    where, wanted_dtype = placement(device, dtype)  # bad values fail here, before anything loads
     if (Path(model) / CONFIG_NAME).is_file():
         ensure_tokenizer(AwarenessConfig.load(Path(model)).decoder)  # a str from the YAML config, too
         pyfunc = AwarenessPyfunc()
-        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config={}))
+        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)},
+                                            model_config={"device": device, "dtype": dtype}))
         return pyfunc
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    return mlflow.pyfunc.load_model(model).unwrap_python_model()
+    pyfunc = mlflow.pyfunc.load_model(model, model_config={"device": device, "dtype": dtype}).unwrap_python_model()
+    loaded = pyfunc.model.device
+    if loaded.type != where.type or (where.index is not None and loaded.index != where.index) or (
+            wanted_dtype is not None and pyfunc.model.decoder.dtype != wanted_dtype):
+        # a version registered before the pyfunc took a placement: MLflow drops model_config keys it was not logged with
+        raise ValueError(f"{model} loaded on {loaded} in {pyfunc.model.decoder.dtype}, not the {device} / {dtype} "
+                         f"asked for: it predates placement settings; register it again (jobs/register.py)")
+    return pyfunc
 
 
 @dataclass
@@ -132,21 +145,25 @@ class _Timing:
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01):
-        self.pyfunc = load_pyfunc(model, tracking_uri)
+                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto"):
+        self.pyfunc = load_pyfunc(model, tracking_uri, device, dtype)
         self.model_name = model
-        if self.pyfunc.mode.kind != "gca":
-            raise ValueError(f"{model} reads its memory as {self.pyfunc.mode.kind}: this application serves GCA "
-                             f"models (a baseline keeps `mlflow models serve` for now)")
-        self.identity = self.pyfunc.encoder_identity()
+        self.reads = self.pyfunc.mode.kind  # gca: through the encoder; in_context / rag / none: in the prompt
         decoder = Path(self.pyfunc.model.config.decoder)
         # source files are chunked over the model's own tokenizer, which only a Qwen-vocabulary model has
         self.repository_tokenizer = (QwenTokenizer(decoder) if self.pyfunc.model.decoder.config.vocab_size >= VOCAB_SIZE
                                      else None)
         self.max_chunk_tokens = int(self.pyfunc.model.memory_encoder.encoder.config.max_position_embeddings)
         self.max_memory_tokens, self.max_memory_chunks = int(max_memory_tokens), int(max_memory_chunks)
-        self.memories = MemoryCache(memory_dir, int(memory_budget_mb * 2**20), self.identity,
-                                    encode=self._encode_chunks, prepare=self._prepare)
+        budget = int(memory_budget_mb * 2**20)
+        if self.reads == "gca":
+            self.memories = MemoryCache(memory_dir, budget, self.pyfunc.encoder_identity(),
+                                        encode=self._encode_chunks, prepare=self._prepare)
+        else:
+            self.memories = TextMemories(memory_dir, budget, self.reads, tokenize=self._tokens)
+        if self.reads == "in_context":  # the whole memory goes in the prompt: the decoder's positions bound it
+            positions = int(self.pyfunc.model.decoder.config.max_position_embeddings)
+            self.max_memory_tokens = min(self.max_memory_tokens, positions - IN_CONTEXT_QUESTION_ROOM)
         self.generate_batch.set_max_batch_size(int(max_batch_size))
         self.generate_batch.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
         self.model_lock = threading.Lock()  # one generate at a time per replica (torch uses every core it has)
@@ -179,7 +196,8 @@ class AwarenessServer:
             began = time.perf_counter()
             # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory);
             # with lexical routing each row's question prior on a copy, the cached memory left as it was
-            gca_memory = model.with_question(memory.gca_memory, input_ids, torch.ones_like(input_ids)) if memory else None
+            gca_memory = (model.with_question(memory.gca_memory, input_ids, torch.ones_like(input_ids))
+                          if memory and memory.gca_memory is not None else None)
             out = model.decoder.generate(input_ids=input_ids, gca_memory=gca_memory,
                                          max_new_tokens=max_tokens, eos_token_id=self.pyfunc.eos_token_id,
                                          pad_token_id=self.pyfunc.pad_token_id, streamer=streamer, **sampling)
@@ -288,7 +306,13 @@ class AwarenessServer:
         vocab = self.pyfunc.model.decoder.config.vocab_size
         if max(ids) >= vocab:
             raise HTTPException(422, f"the prompt holds token ids >= the decoder's vocabulary ({vocab})")
+        if self.reads != "gca":  # a baseline reads its memory in the prompt (all of it, its BM25 top-k, or none)
+            ids = self.pyfunc.encode(body.prompt, memory.texts if memory else [])["input_ids"][0].tolist()
         max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
+        positions = self.pyfunc.model.decoder.config.max_position_embeddings
+        if len(ids) > positions:  # the answer may run past them (rotary positions extrapolate), the prompt may not
+            raise HTTPException(422, f"{len(ids)} prompt tokens{' with the memory' if self.reads != 'gca' else ''} "
+                                     f"exceed the decoder's {positions} positions")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.stream:
             return StreamingResponse(self._stream(body, ids, memory, max_tokens, stops, start),

@@ -12,6 +12,10 @@ What the cache holds per memory is what every question over it reads: the encode
 `AwarenessModel.prepare_memory`'s GCAMemory (the projection and each GCA layer's keys and values, computed once per
 memory, not once per request). Its bytes count against the budget; the least recently used memories leave first
 (they stay on disk).
+
+A baseline (in_context, rag, none: pipelines.data.memory_modes) has no encoder to read with: its memories are
+TextMemories, the chunk texts and their token ids, which every question puts in its prompt as training did. Same
+ids (over the reading mode instead of an encoder), same routes, same directory rules.
 """
 
 from __future__ import annotations
@@ -61,18 +65,21 @@ class Memory:
     id: str
     chunks: int
     tokens: int
-    encoder: EncoderIdentity
-    gca_memory: Any  # models.gca.GCAMemory (batch 1), read by every question over this memory
+    encoder: EncoderIdentity | None  # None: a baseline's memory, read as text
+    gca_memory: Any  # models.gca.GCAMemory (batch 1), read by every question over this memory; None for a baseline
     nbytes: int
+    texts: list[str] | None = None  # a baseline's chunk texts, put in each question's prompt
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "chunks": self.chunks, "tokens": self.tokens, "bytes": self.nbytes,
-                "encoder": asdict(self.encoder)}
+                "encoder": asdict(self.encoder) if self.encoder else None}
 
 
 class MemoryCache:
     """LRU of prepared memories under `budget_bytes`, written through to `directory`. `encode(texts)` gives each
     chunk's encoder states (tokens, H_enc) and its token ids; `prepare(store)` turns an opened store into a GCAMemory."""
+
+    marker = MANIFEST  # the file that makes MEMORY_DIR/<id>/ a memory (written last)
 
     def __init__(self, directory: str | Path, budget_bytes: int, identity: EncoderIdentity, *, encode, prepare):
         self.directory = Path(directory).expanduser().resolve()
@@ -112,7 +119,7 @@ class MemoryCache:
             if id in self.entries:
                 self.entries.move_to_end(id)
                 return self.entries[id], "cache"
-            if not (self.path(id) / MANIFEST).is_file():
+            if not (self.path(id) / self.marker).is_file():
                 raise UnknownMemory(id)
             self.counts["loaded"] += 1
             return self._load(id), "disk"
@@ -137,11 +144,51 @@ class MemoryCache:
         with self.lock:
             path = self.path(id)
             found = self.entries.pop(id, None) is not None
-            if (path / MANIFEST).is_file():
+            if (path / self.marker).is_file():
                 shutil.rmtree(path)
                 found = True
             if not found:
                 raise UnknownMemory(id)
 
 
-__all__ = ["ID", "Memory", "MemoryCache", "StoreMismatch", "UnknownMemory", "memory_id", "tensor_bytes"]
+class TextMemories(MemoryCache):
+    """A baseline's memories: chunk texts named by sha256 over the reading mode (`reads`: in_context, rag, none) and
+    the texts, kept as MEMORY_DIR/<id>/chunks.json and warm under the same LRU budget (the texts, and 8 bytes a token
+    for the prompt ids each question builds from them; `tokenize(texts)` counts the tokens)."""
+
+    marker = "chunks.json"
+
+    def __init__(self, directory: str | Path, budget_bytes: int, reads: str, *, tokenize):
+        super().__init__(directory, budget_bytes, None, encode=None, prepare=None)
+        self.reads, self._tokenize = reads, tokenize
+
+    def create(self, texts: list[str]) -> tuple[Memory, str]:
+        id = hashlib.sha256(json.dumps({"reads": self.reads, "chunks": texts}, sort_keys=True).encode()).hexdigest()
+        with self.lock:
+            try:
+                return self.get(id)
+            except UnknownMemory:
+                pass
+            partial = self.directory / f".{id}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            (partial / self.marker).write_text(json.dumps({"reads": self.reads, "chunks": texts}))
+            shutil.rmtree(self.directory / id, ignore_errors=True)
+            partial.replace(self.directory / id)
+            self.counts["encoded"] += 1  # tokenized: the nearest a baseline comes to encoding
+            return self._load(id), "encoded"
+
+    def _load(self, id: str) -> Memory:
+        saved = json.loads((self.path(id) / self.marker).read_text())
+        if saved.get("reads") != self.reads:  # an id names its mode, so only a hand-edited file gets here
+            raise StoreMismatch(f"memory {id} was made for a {saved.get('reads')} model; this one reads {self.reads}")
+        texts = saved["chunks"]
+        tokens = sum(len(ids) for ids in self._tokenize(texts))
+        memory = Memory(id, len(texts), tokens, None, None, 8 * tokens + sum(len(t) for t in texts), texts)
+        self.entries[id] = memory
+        self._evict()
+        return memory
+
+
+__all__ = ["ID", "Memory", "MemoryCache", "StoreMismatch", "TextMemories", "UnknownMemory", "memory_id",
+           "tensor_bytes"]

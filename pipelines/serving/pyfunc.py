@@ -36,6 +36,26 @@ from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity, writ
 
 ENTRY = Path(__file__).with_name("pyfunc_entry.py")  # the file MLflow loads the model from (models from code)
 TOKENIZER_FILE = "tokenizer.json"
+# where the model is loaded: logged with every registered version, so a loader may override them (model_config=,
+# MLFLOW_PYFUNC_INFERENCE_CONFIG); "auto": a GPU when there is one, the checkpoints' own dtype
+PLACEMENT = {"device": "auto", "dtype": "auto"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype | None]:
+    """The device and dtype a model is loaded with: device "auto" is the first GPU when this process sees one (a
+    Serve replica with num_gpus: 1 sees exactly its own), else the CPU; dtype "auto" keeps the checkpoints' own."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: use auto (the checkpoints' own) or one of {', '.join(DTYPES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this process sees no GPU (give a Serve replica num_gpus: 1, or use cpu)")
+    return where, DTYPES.get(dtype)
 
 
 def ensure_tokenizer(decoder_dir: str | Path) -> Path:
@@ -65,11 +85,12 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         self.export = context.artifacts["export"]
         self.mode = system_mode(read_system(self.export))
-        self.model = AwarenessModel.from_pretrained(self.export).eval()
+        settings = context.model_config or {}
+        device, dtype = placement(str(settings.get("device", "auto")), str(settings.get("dtype", "auto")))
+        self.model = AwarenessModel.from_pretrained(self.export, device=device, dtype=dtype).eval()
         path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
         self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
         self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text
-        settings = context.model_config or {}
         self.max_new_tokens = int(settings.get("max_new_tokens", 32))
         eos = settings.get("eos_token")
         self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else self.model.decoder.generation_config.eos_token_id
@@ -164,6 +185,7 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
                              f"memory's chunk texts (`memory`), not a memory_store")
         inputs = self.encode(question, memory) if not store else {
             "input_ids": self.encode(question, [])["input_ids"], **self.stored_memory(store)}
+        inputs = {name: tensor.to(self.model.device) for name, tensor in inputs.items()}  # a GPU-placed model
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
         return self.decode(out[0, inputs["input_ids"].shape[1]:].tolist())

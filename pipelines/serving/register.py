@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from models import AwarenessConfig
 from pipelines.corpora.tokenizer import EOS
-from pipelines.serving.pyfunc import ENTRY, ensure_tokenizer, signature
+from pipelines.serving.pyfunc import ENTRY, PLACEMENT, ensure_tokenizer, signature
 from pipelines.tracking.checkpoints import open_uri
 from pipelines.tracking.registry import (DEFAULT_NAME, MODEL_ARTIFACT, checkpoint_record, lineage_tags, log_pyfunc,
                                          pinned_requirements, register_version)
@@ -38,7 +38,8 @@ def register_run(run_id: str, *, tracking_uri: str | None = None, name: str = DE
             checkpoint_tags = {"checkpoint.step": str(step), "checkpoint.uri": record["uri"]}
         config = AwarenessConfig.load(export)
         ensure_tokenizer(config.decoder)
-        settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params)}
+        settings = {"max_new_tokens": max_new_tokens or _answer_length(run.data.params), **_answer_end(run.data.params),
+                    **PLACEMENT}
         log_pyfunc(client, run_id, ENTRY, {"export": str(export)}, signature(),
                    settings, _requirements(), artifact)
     tags = lineage_tags(run, config, sweep_run_id) | checkpoint_tags

@@ -92,9 +92,16 @@ def test_the_gpu_box_script_fits_one_device_command():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     steps = check.steps(sys.executable)
-    assert [s.name for s in steps] == ["versions", "gpu tests", "stage2 corpus", "stage2 proto1 50 steps",
-                                       "ttft 16k 64k", "gpu_mfu"]
-    assert sum(s.limit_s for s in steps) <= check.BUDGET_S <= 540  # the device's 600 s command, install and report
+    default = check.steps_to_run(steps, [])
+    assert [s.name for s in default] == ["versions", "gpu tests", "stage2 corpus", "stage2 proto1 50 steps",
+                                         "ttft 16k 64k", "gpu_mfu"]
+    assert sum(s.limit_s for s in default) <= check.BUDGET_S <= 540  # the device's 600 s command, install and report
+    serving = check.steps_to_run(steps, ["serve proto1", "versions", "serve demo"])  # named: in plan order
+    assert [s.name for s in serving] == ["versions", "serve demo", "serve proto1"]
+    assert sum(s.limit_s for s in serving) <= check.BUDGET_S  # the serving checks: one device command of their own
+    for step in serving[1:]:
+        code = step.command[2]
+        assert "'--device', 'cuda', '--dtype', 'bfloat16', '--serve-only'" in code and "serve_load.py" in code
     for step in steps:
         if step.command[1] == "-c":
             compile(step.command[2], step.name, "exec")
@@ -108,7 +115,8 @@ def test_the_gpu_box_script_fits_one_device_command():
 
 
 GPU_CHECK_IMPORTS = ["models", "pipelines.corpora.random_rows", "pipelines.train.driver", "pipelines.train.recipes.jobs",
-                     "pipelines.evaluate.common", "pipelines.evaluate.efficiency", "gpu_mfu",
+                     "pipelines.evaluate.common", "pipelines.evaluate.efficiency", "gpu_mfu", "serve_load",
+                     "pipelines.serving.app",
                      *sorted(f"tests.gpu.{p.stem}" for p in (ROOT / "tests" / "gpu").glob("test_*.py"))]
 
 WHAT_THEY_IMPORT = """
@@ -139,3 +147,22 @@ def test_every_dependency_the_gpu_checks_import_travels_or_is_on_the_box():
                if d not in bundle.BUNDLE and d not in bundle.BOX_PROVIDES and modules_of.get(d) not in bundled_modules]
     assert imported & dependencies >= {"torch", "transformers", "fastokens"}  # the probe saw the imports
     assert not missing, f"the GPU checks import {missing}: add them to benchmarks/gpu_bundle.py's BUNDLE"
+
+
+def test_a_trained_export_travels_with_its_base_checkpoints(tmp_path, checkpoint_root):
+    """`gpu_bundle.py --export`: the export and the two checkpoints its config names, side by side, so the box's
+    "serve demo" step can point the config at them."""
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "trained", checkpoint_root)
+    planned = subprocess.run([sys.executable, "benchmarks/gpu_bundle.py", "--dry-run", "--export",
+                              str(tmp_path / "trained")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert planned.returncode == 0 and f"and the export {tmp_path / 'trained'} with its base checkpoints" in (
+        planned.stdout), planned.stderr
+    wrong = subprocess.run([sys.executable, "benchmarks/gpu_bundle.py", "--dry-run", "--export", str(tmp_path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "no awareness_config.json there" in wrong.stderr
+    copied = bundle.bundle_export(tmp_path / "trained", tmp_path / "bundle" / "export")
+    names = {f.relative_to(tmp_path / "bundle" / "export").as_posix() for f in copied}
+    assert {"export/awareness_config.json", "export/awareness.safetensors", "decoder/config.json",
+            "decoder/model.safetensors", "encoder/model.safetensors"} <= names

@@ -371,13 +371,61 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
         restart()
 
 
-def test_the_serve_config_in_the_repository_is_a_valid_serve_deploy_config_for_build():
-    """pipelines/serving/awareness.yaml (what `serve run` / `serve deploy` read, docs/serving.md): Ray Serve's own
-    schema accepts it, its import path is the application builder, and its args are the deployment's arguments."""
-    config = yaml.safe_load((ROOT / "pipelines" / "serving" / "awareness.yaml").read_text())
+@pytest.mark.parametrize("reads", ["rag", "in_context"])
+def test_a_baseline_is_served_with_its_memory_in_the_prompt(server, tmp_path, checkpoint_root, reads):
+    """A baseline export behind the same routes: its memory is the chunk texts (no encoder runs, no encoder identity),
+    deduplicated by content, and every answer, plain or streamed, is the pyfunc's `predict` over the same chunks
+    (the memory put in the prompt as training put it: all of it for in_context, BM25's top-k for rag)."""
+    from pipelines.serving.app import load_pyfunc
+    from tests.pipelines.evaluate.test_job import export_of
+
+    client, memory_dir, restart, _ = server
+    export = export_of(tmp_path, checkpoint_root, reads)
+    restart(model=str(export))
+    try:
+        rows, _ = needle_questions(seed=4, memories=1)
+        reference = load_pyfunc(str(export))
+        created = client.post("/v1/memories", json={"chunks": rows[0]["memory"]})
+        assert created.status_code == 201, created.text
+        memory = created.json()
+        assert memory["encoder"] is None and memory["chunks"] == len(rows[0]["memory"])
+        assert memory["tokens"] == sum(len(ids) for ids in reference.chunk_token_ids(rows[0]["memory"]))
+        assert (memory_dir / memory["id"] / "chunks.json").is_file()
+        again = client.post("/v1/memories", json={"chunks": rows[0]["memory"]})
+        assert again.status_code == 200 and again.json()["id"] == memory["id"]
+        expected = reference.predict(None, rows[:3], {"max_new_tokens": 4})
+        for row, want in zip(rows[:3], expected):
+            asked = client.post("/v1/completions", json={"prompt": row["question"], "memory": memory["id"],
+                                                         "max_tokens": 4})
+            assert asked.status_code == 200 and asked.json()["choices"][0]["text"] == want, asked.text
+            prompt = len(reference.tokenizer.encode(row["question"]).ids)
+            assert asked.json()["usage"]["prompt_tokens"] > prompt  # the memory is in the prompt
+        with client.stream("POST", "/v1/completions", json={"prompt": rows[0]["question"], "memory": memory["id"],
+                                                            "max_tokens": 4, "stream": True}) as streamed:
+            events = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected[0]
+        assert client.delete(f"/v1/memories/{memory['id']}").status_code == 200
+        assert client.get(f"/v1/memories/{memory['id']}").status_code == 404
+    finally:
+        restart()
+
+
+@pytest.mark.parametrize("name", ["awareness.yaml", "awareness-gpu.yaml"])
+def test_the_serve_configs_in_the_repository_are_valid_serve_deploy_configs_for_build(name):
+    """pipelines/serving/awareness.yaml and awareness-gpu.yaml (what `serve run` / `serve deploy` read,
+    docs/serving.md): Ray Serve's own schema accepts each, its import path is the application builder, its args are
+    the deployment's arguments, and the GPU one gives each replica a GPU and places the model there in bf16."""
+    from pipelines.serving.pyfunc import placement
+
+    config = yaml.safe_load((ROOT / "pipelines" / "serving" / name).read_text())
     (application,) = ServeDeploySchema.model_validate(config).applications
     assert application.import_path == "pipelines.serving.app:build"
     inits = [vars(c)["__init__"] for c in AwarenessServer.func_or_class.__mro__ if "__init__" in vars(c)]
     accepted = next(p for p in (inspect.signature(i).parameters for i in inits) if "model" in p)  # under the ingress
     assert set(application.args) <= set(accepted) and "model" in application.args
-    assert [d.name for d in application.deployments] == ["AwarenessServer"]
+    (deployment,) = application.deployments
+    assert deployment.name == "AwarenessServer"
+    assert placement("cpu", application.args.get("dtype", "auto"))  # a dtype the loader takes
+    if name == "awareness-gpu.yaml":
+        assert deployment.ray_actor_options.num_gpus == 1
+        assert (application.args["device"], application.args["dtype"]) == ("cuda", "bfloat16")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipelines.memory.store import EncoderIdentity, StoreMismatch
-from pipelines.serving.memories import MemoryCache, UnknownMemory, memory_id, tensor_bytes
+from pipelines.serving.memories import MemoryCache, TextMemories, UnknownMemory, memory_id, tensor_bytes
 
 IDENTITY = EncoderIdentity("enc", "c" * 64, "w" * 64, None, "causal", 4, "float32")
 PREPARED_BYTES = 400  # what prepare() below holds per memory: a (10, 10) float32
@@ -108,3 +108,29 @@ def test_a_store_from_another_encoder_is_refused(tmp_path):
     reader = MemoryCache(tmp_path, PREPARED_BYTES, other, encode=None, prepare=lambda store: {})
     with pytest.raises(StoreMismatch):
         reader.get(memory.id)
+
+
+def test_a_baselines_memories_are_its_texts_kept_on_disk_and_named_by_its_reading(tmp_path):
+    """TextMemories (in_context / rag / none): the chunk texts, encoded by nothing; the same texts are one memory for
+    one reading mode and another for another; a new cache (a restarted replica) reads them back from disk; the LRU
+    budget evicts them as it does encoded ones; a file made for another mode is refused."""
+    tokenize = lambda texts: [t.split() for t in texts]  # noqa: E731
+    rag = TextMemories(tmp_path, 10_000, "rag", tokenize=tokenize)
+    memory, how = rag.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"])
+    assert how == "encoded" and (memory.chunks, memory.tokens, memory.encoder, memory.gca_memory) == (2, 12, None, None)
+    assert memory.texts == ["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"] and memory.describe()["encoder"] is None
+    assert rag.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"]) == (memory, "cache")
+    in_context = TextMemories(tmp_path, 10_000, "in_context", tokenize=tokenize)
+    assert in_context.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"])[0].id != memory.id
+    restarted = TextMemories(tmp_path, 10_000, "rag", tokenize=tokenize)
+    reread, how = restarted.get(memory.id)
+    assert how == "disk" and reread.texts == memory.texts
+    with pytest.raises(StoreMismatch, match="made for a rag model; this one reads in_context"):
+        in_context.get(memory.id)
+    small = TextMemories(tmp_path, 1, "rag", tokenize=tokenize)
+    first = small.create(["a b"])[0]
+    small.create(["c d"])
+    assert list(small.entries) != [first.id] and first.id not in small.entries and small.counts["evicted"] == 1
+    small.delete(first.id)
+    with pytest.raises(UnknownMemory):
+        small.get(first.id)

@@ -123,3 +123,53 @@ def test_the_serve_app_loads_an_export_directory_named_by_a_string(tmp_path, che
     pyfunc = load_pyfunc(str(tmp_path / "export"))
     rows, _ = needle_questions(seed=3, memories=1)
     assert pyfunc.mode.kind == "gca" and len(pyfunc.predict(None, rows[:1], {"max_new_tokens": 2})) == 1
+
+
+def test_placement_names_the_device_and_dtype_and_refuses_what_cannot_be(monkeypatch):
+    from pipelines.serving.pyfunc import placement
+
+    assert placement() == (torch.device("cpu"), None)  # no GPU seen: the CPU, the checkpoints' dtype
+    assert placement("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype 'bf16': use auto .* or one of float32, bfloat16, float16"):
+        placement("cpu", "bf16")
+    with pytest.raises(ValueError, match="device 'tpu0': use auto, cpu, cuda or cuda:N"):
+        placement("tpu0")
+    with pytest.raises(ValueError, match="sees no GPU .*num_gpus: 1"):
+        placement("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a replica with num_gpus: 1 sees
+    assert placement("auto", "bfloat16") == (torch.device("cuda"), torch.bfloat16)
+
+
+def test_an_export_served_in_bfloat16_answers_from_bfloat16_weights(tmp_path, checkpoint_root):
+    """The app's loader places an export as asked: every weight (GCA blocks, loaded over the checkpoints) in bf16,
+    and it answers."""
+    from pipelines.serving.app import load_pyfunc
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "export", checkpoint_root)
+    pyfunc = load_pyfunc(str(tmp_path / "export"), dtype="bfloat16")
+    assert {p.dtype for p in pyfunc.model.parameters()} == {torch.bfloat16}
+    rows, _ = needle_questions(seed=3, memories=1)
+    assert len(pyfunc.predict(None, rows[:2], {"max_new_tokens": 2})) == 2
+
+
+def test_predict_hands_generate_its_inputs_on_the_models_device(tmp_path, checkpoint_root, monkeypatch):
+    """The question and the memory are tokenized on the CPU; a GPU-placed model needs them on its GPU (an H100 run
+    of `predict` stopped at the encoder's embedding: "index is on cpu"). Here the model reports the meta device."""
+    from pipelines.serving.app import load_pyfunc
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "export", checkpoint_root)
+    pyfunc = load_pyfunc(str(tmp_path / "export"))
+    seen = {}
+
+    def generate(**inputs):
+        seen.update({name: value.device for name, value in inputs.items() if isinstance(value, torch.Tensor)})
+        return torch.zeros((1, inputs["input_ids"].shape[1] + 1), dtype=torch.long)
+
+    monkeypatch.setattr(type(pyfunc.model), "device", property(lambda self: torch.device("meta")))
+    monkeypatch.setattr(pyfunc.model, "generate", generate)
+    rows, _ = needle_questions(seed=3, memories=1)
+    pyfunc.predict(None, rows[:1], {"max_new_tokens": 1})
+    assert seen.keys() >= {"input_ids", "memory_input_ids", "memory_attention_mask"}
+    assert set(seen.values()) == {torch.device("meta")}

@@ -184,3 +184,25 @@ def test_served_over_rest_answers_as_the_pyfunc(registered, mlflow_server, tmp_p
     here = mlflow.pyfunc.load_model(f"models:/{NAME}@candidate").predict(rows)
     assert served == here and len(served) == len(rows)
     assert len(limited[0].split()) <= 1  # request params reach predict
+
+
+def test_a_loader_places_a_registered_version_on_a_device_in_a_dtype(registered, mlflow_server, monkeypatch):
+    """Every version logs the pyfunc's placement settings (device, dtype: "auto"), so a loader may override them:
+    the Serve app's `dtype: bfloat16` (pipelines/serving/awareness-gpu.yaml), or MLFLOW_PYFUNC_INFERENCE_CONFIG for
+    `mlflow models serve`. MLflow drops a model_config key a version was not logged with: without the logged keys
+    this would load float32 silently."""
+    import json
+
+    import mlflow
+
+    from pipelines.serving.app import load_pyfunc
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    uri = f"models:/{NAME}@candidate"
+    assert load_pyfunc(uri).model.decoder.dtype == torch.float32  # the checkpoints' own, on this GPU-less machine
+    placed = load_pyfunc(uri, dtype="bfloat16").model
+    assert placed.device.type == "cpu" and {p.dtype for p in placed.parameters()} == {torch.bfloat16}
+    monkeypatch.setenv("MLFLOW_PYFUNC_INFERENCE_CONFIG", json.dumps({"dtype": "bfloat16"}))
+    assert mlflow.pyfunc.load_model(uri).unwrap_python_model().model.decoder.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="this process sees no GPU"):
+        load_pyfunc(uri, device="cuda")
