@@ -46,7 +46,9 @@ class SweepConfig:
 
     name: str = "sweep"  # Tune experiment name; trials' Ray Train runs are <name>-<trial id>
     num_samples: int = 8  # trials drawn from the space below
-    lora_ranks: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  # the decoder's LoRA ranks to draw from
+    # the decoder's LoRA ranks to draw from; None: 8 16 32 64 for a LoRA decoder, and no rank searched for a decoder
+    # trained in full or frozen (a baseline's recipe sweep: learning rate and the rest)
+    lora_ranks: list[int] | None = None
     # None: upper_third, upper_half, every_k:4, last:4 and an explicit list (the middle and the last layer)
     placements: list[str] | None = None
     # how the decoder reads the memory (gca cross merged); None: the base config's model.fusion alone. Placement
@@ -87,14 +89,15 @@ class SweepConfig:
             p.append(f"sweep.memory_top_ks must be integers >= 0 (0: the whole memory), got {self.memory_top_ks}")
         if self.num_samples <= 0:
             p.append(f"sweep.num_samples must be positive, got {self.num_samples}")
-        if not self.lora_ranks or any(r <= 0 for r in self.lora_ranks):
+        if self.lora_ranks is not None and (not self.lora_ranks or any(r <= 0 for r in self.lora_ranks)):
             p.append(f"sweep.lora_ranks must be positive integers, got {self.lora_ranks}")
         if not 0 < self.lr_min <= self.lr_max:
             p.append(f"need 0 < sweep.lr_min <= sweep.lr_max, got {self.lr_min}, {self.lr_max}")
         if self.mode not in ("min", "max"):
             p.append(f"sweep.mode must be min or max, got {self.mode!r}")
-        if base.model.decoder != "lora":
-            p.append(f"a LoRA-rank sweep needs model.decoder=lora, the base config has {base.model.decoder!r}")
+        if self.lora_ranks and base.model.decoder != "lora":
+            p.append(f"sweep.lora_ranks needs model.decoder=lora, the base config has {base.model.decoder!r}: leave "
+                     f"sweep.lora_ranks out to sweep the rest with the decoder trained as the base says")
         evaluations = base.train.max_steps // base.train.eval_every
         if evaluations < 1:
             p.append(f"train.max_steps ({base.train.max_steps}) < train.eval_every ({base.train.eval_every}): "
@@ -106,6 +109,11 @@ class SweepConfig:
             p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
                      f"on small machines), got {self.trial_cpus}")
         return p
+
+    def lora_rank_choices(self, base: StageConfig) -> list[int]:
+        if self.lora_ranks:
+            return list(self.lora_ranks)
+        return [8, 16, 32, 64] if base.model.decoder == "lora" else [base.model.lora_rank]
 
     def fusion_choices(self, base: StageConfig) -> list[str]:
         return list(self.fusions) if self.fusions else [base.model.fusion]
@@ -188,7 +196,7 @@ def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     space = {
         "fusion": ray.tune.choice(sweep.fusion_choices(base)),
         "memory_top_k": ray.tune.choice(sweep.memory_top_k_choices(base)),
-        "lora_rank": ray.tune.choice(sweep.lora_ranks),
+        "lora_rank": ray.tune.choice(sweep.lora_rank_choices(base)),
         "gca_layers": ray.tune.choice(sweep.placement_specs(base)),
         "lr": ray.tune.loguniform(sweep.lr_min, sweep.lr_max),
         "base": base.to_dict(), "sweep_name": sweep.name, "parent_run_id": parent.run_id, "metric": sweep.metric,

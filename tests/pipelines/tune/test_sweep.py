@@ -163,6 +163,11 @@ def test_sweep_config_collects_every_problem():
     for text in ("num_samples", "lora_ranks", "last:9", "lr_min", "trial_cpus", "model.decoder=lora", "concat"):
         assert text in problems, text
     assert SweepConfig().problems(base) == []
+    # a decoder trained in full (a baseline's recipe): no rank to search unless asked for, and then a clear problem
+    full = dataclasses_replace_decoder(base, "full")
+    assert SweepConfig().problems(full) == [] and SweepConfig().lora_rank_choices(full) == [base.model.lora_rank]
+    assert SweepConfig().lora_rank_choices(base) == [8, 16, 32, 64]
+    assert "leave sweep.lora_ranks out" in "".join(SweepConfig(lora_ranks=[8]).problems(full))
     assert SweepConfig().placement_specs(base) == ["upper_third", "upper_half", "every_k:4", "last:4", "2,3"]
     assert SweepConfig().for_base(base).metric == "needle_val_loss"
 
