@@ -40,6 +40,7 @@ import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
+import ray
 from ray import serve
 
 from models import AwarenessConfig
@@ -48,6 +49,7 @@ from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.corpora.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, TextMemories, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
+from pipelines.tracking.tracker import for_other_nodes
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
 
 logger = logging.getLogger("ray.serve")
@@ -111,6 +113,19 @@ def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto
     return pyfunc
 
 
+def replica_tracking_uri(tracking_uri: str | None) -> str | None:
+    """The tracking URI as this replica reaches it. A loopback URI names the MLflow server on the cluster's head
+    (cluster.yaml runs it there, and `serve deploy` is run there): a replica on another node reaches it at the head's
+    address. Unchanged on the head, on one machine, or for any other URI."""
+    if not tracking_uri or not ray.is_initialized():
+        return tracking_uri
+    head = next((n["NodeManagerAddress"] for n in ray.nodes()
+                 if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})), None)
+    if head is None or head == ray.util.get_node_ip_address():
+        return tracking_uri
+    return for_other_nodes(tracking_uri, head)
+
+
 @dataclass
 class Pending:
     """One question waiting in a batch."""
@@ -146,7 +161,7 @@ class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
                  batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto"):
-        self.pyfunc = load_pyfunc(model, tracking_uri, device, dtype)
+        self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype)
         self.model_name = model
         self.reads = self.pyfunc.mode.kind  # gca: through the encoder; in_context / rag / none: in the prompt
         decoder = Path(self.pyfunc.model.config.decoder)

@@ -429,3 +429,22 @@ def test_the_serve_configs_in_the_repository_are_valid_serve_deploy_configs_for_
     if name == "awareness-gpu.yaml":
         assert deployment.ray_actor_options.num_gpus == 1
         assert (application.args["device"], application.args["dtype"]) == ("cuda", "bfloat16")
+
+
+def test_a_replica_on_a_gpu_node_reaches_the_heads_mlflow_server(monkeypatch):
+    """`serve deploy` on cluster.yaml's head with MLFLOW_TRACKING_URI=http://127.0.0.1:5000: a replica on a GPU node
+    asks the head's address (where the server runs); on the head, or for any other URI, the URI is unchanged."""
+    import ray
+
+    from pipelines.serving.app import replica_tracking_uri
+
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.5", "Resources": {"CPU": 0.0, "node:__internal_head__": 1}},
+             {"Alive": True, "NodeManagerAddress": "10.0.0.7", "Resources": {"GPU": 8.0}}]
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    assert replica_tracking_uri("http://127.0.0.1:5000") == "http://10.0.0.5:5000"
+    assert replica_tracking_uri("http://mlflow.internal:5000") == "http://mlflow.internal:5000"
+    assert replica_tracking_uri(None) is None
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")
+    assert replica_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
