@@ -371,7 +371,7 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
         restart()
 
 
-@pytest.mark.parametrize("reads", ["rag", "in_context"])
+@pytest.mark.parametrize("reads", ["rag", pytest.param("in_context", marks=pytest.mark.slow)])  # each: a restart
 def test_a_baseline_is_served_with_its_memory_in_the_prompt(server, tmp_path, checkpoint_root, reads):
     """A baseline export behind the same routes: its memory is the chunk texts (no encoder runs, no encoder identity),
     deduplicated by content, and every answer, plain or streamed, is the pyfunc's `predict` over the same chunks
