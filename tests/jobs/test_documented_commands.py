@@ -80,6 +80,7 @@ class DocPaths:
         subprocess.run(["git", "init", "-q", str(self.sources)], check=True)  # the curriculum mines its history
         (self.root / "my.yaml").write_text("train:\n  max_steps: 5\n")
         (self.root / "ul2.yaml").write_text("train:\n  max_steps: 5\n")
+        (self.root / "config.yaml").write_text("train:\n  max_steps: 100\n")  # --config FILE: long enough to sweep
 
     corpus = property(lambda self: self.root / "C")
     export = property(lambda self: self.root / "export")
@@ -95,7 +96,7 @@ class DocPaths:
                 "--model.vision_path": str(self.siglip), "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
                 "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus),
-                "--corpus": str(self.corpus), "--teacher": str(self.export)}
+                "--corpus": str(self.corpus), "--teacher": str(self.export), "--config": str(self.root / "config.yaml")}
 
 
 def with_test_paths(args: list[str], paths: DocPaths) -> list[str]:
