@@ -175,7 +175,7 @@ class AwarenessServer:
             self.memories = MemoryCache(memory_dir, budget, self.pyfunc.encoder_identity(),
                                         encode=self._encode_chunks, prepare=self._prepare)
         else:
-            self.memories = TextMemories(memory_dir, budget, self.reads, tokenize=self._tokens)
+            self.memories = TextMemories(memory_dir, budget, self.reads, tokenize=self.pyfunc.chunk_token_ids)
         if self.reads == "in_context":  # the whole memory goes in the prompt: the decoder's positions bound it
             positions = int(self.pyfunc.model.decoder.config.max_position_embeddings)
             self.max_memory_tokens = min(self.max_memory_tokens, positions - IN_CONTEXT_QUESTION_ROOM)
@@ -186,9 +186,6 @@ class AwarenessServer:
         self.batching = {"batches": 0, "questions": 0, "sizes": {}, "generates": 0, "generate_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------- model
-    def _tokens(self, texts: list[str]) -> list[list[int]]:
-        return [self.pyfunc.text_tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
-
     def _encode_chunks(self, texts: list[str]) -> tuple[list[torch.Tensor], list[list[int]]]:
         """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunks): its unpadded states, and
         its token ids."""
@@ -275,7 +272,7 @@ class AwarenessServer:
         if len(chunks) > self.max_memory_chunks:
             raise HTTPException(413, f"{len(chunks)} chunks: this server takes at most "
                                      f"{self.max_memory_chunks} chunks and {self.max_memory_tokens} tokens a memory")
-        token_ids = self._tokens(chunks)
+        token_ids = self.pyfunc.chunk_token_ids(chunks)
         tokens = sum(len(c) for c in token_ids)
         if tokens > self.max_memory_tokens:
             raise HTTPException(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
@@ -322,7 +319,7 @@ class AwarenessServer:
         if max(ids) >= vocab:
             raise HTTPException(422, f"the prompt holds token ids >= the decoder's vocabulary ({vocab})")
         if self.reads != "gca":  # a baseline reads its memory in the prompt (all of it, its BM25 top-k, or none)
-            ids = self.pyfunc.encode(body.prompt, memory.texts if memory else [])["input_ids"][0].tolist()
+            ids = self.pyfunc.prompt_with_memory(ids, memory.chunk_ids if memory else [])
         max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
         positions = self.pyfunc.model.decoder.config.max_position_embeddings
         if len(ids) > positions:  # the answer may run past them (rotary positions extrapolate), the prompt may not

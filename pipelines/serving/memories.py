@@ -69,6 +69,7 @@ class Memory:
     gca_memory: Any  # models.gca.GCAMemory (batch 1), read by every question over this memory; None for a baseline
     nbytes: int
     texts: list[str] | None = None  # a baseline's chunk texts, put in each question's prompt
+    chunk_ids: list[list[int]] | None = None  # and their token ids
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.id, "chunks": self.chunks, "tokens": self.tokens, "bytes": self.nbytes,
@@ -98,20 +99,27 @@ class MemoryCache:
 
     def create(self, texts: list[str]) -> tuple[Memory, str]:
         """(memory, how: cache | disk | encoded) for these chunk texts."""
-        id = memory_id(self.identity, texts)
+        id = self.id_of(texts)
         with self.lock:
             try:
                 return self.get(id)
             except UnknownMemory:
                 pass
-            states, ids = self._encode(texts)
             partial = self.directory / f".{id}.partial"
             shutil.rmtree(partial, ignore_errors=True)
-            write(partial, [("memory", i, t) for i, t in enumerate(texts)], states, ids, self.identity, served=True)
+            self._write(partial, texts)
             shutil.rmtree(self.directory / id, ignore_errors=True)
             partial.replace(self.directory / id)  # a memory on disk is whole or absent
             self.counts["encoded"] += 1
             return self._load(id), "encoded"
+
+    def id_of(self, texts: list[str]) -> str:
+        return memory_id(self.identity, texts)
+
+    def _write(self, directory: Path, texts: list[str]) -> None:
+        """These texts encoded into a memory store at `directory`."""
+        states, ids = self._encode(texts)
+        write(directory, [("memory", i, t) for i, t in enumerate(texts)], states, ids, self.identity, served=True)
 
     def get(self, id: str) -> tuple[Memory, str]:
         """The memory and where it came from (cache | disk); UnknownMemory, or StoreMismatch (another encoder)."""
@@ -125,14 +133,18 @@ class MemoryCache:
             return self._load(id), "disk"
 
     def _load(self, id: str) -> Memory:
-        store = MemoryStore(self.path(id))
-        store.check(self.identity)
-        gca_memory = self._prepare(store)
-        memory = Memory(id, len(store.chunks), int(store.manifest["tokens"]), store.identity, gca_memory,
-                        tensor_bytes(gca_memory))
+        """The memory on disk, read and made the most recently used."""
+        memory = self._read(id)
         self.entries[id] = memory
         self._evict()
         return memory
+
+    def _read(self, id: str) -> Memory:
+        store = MemoryStore(self.path(id))
+        store.check(self.identity)
+        gca_memory = self._prepare(store)
+        return Memory(id, len(store.chunks), int(store.manifest["tokens"]), store.identity, gca_memory,
+                      tensor_bytes(gca_memory))
 
     def _evict(self) -> None:
         """Least recently used first, never the one just used (a memory over the whole budget still answers)."""
@@ -153,8 +165,8 @@ class MemoryCache:
 
 class TextMemories(MemoryCache):
     """A baseline's memories: chunk texts named by sha256 over the reading mode (`reads`: in_context, rag, none) and
-    the texts, kept as MEMORY_DIR/<id>/chunks.json and warm under the same LRU budget (the texts, and 8 bytes a token
-    for the prompt ids each question builds from them; `tokenize(texts)` counts the tokens)."""
+    the texts, kept as MEMORY_DIR/<id>/chunks.json and warm under the same LRU budget with each chunk's token ids
+    (`tokenize(texts)`), tokenized once per memory, not once per question (8 bytes a token, and the texts)."""
 
     marker = "chunks.json"
 
@@ -162,32 +174,21 @@ class TextMemories(MemoryCache):
         super().__init__(directory, budget_bytes, None, encode=None, prepare=None)
         self.reads, self._tokenize = reads, tokenize
 
-    def create(self, texts: list[str]) -> tuple[Memory, str]:
-        id = hashlib.sha256(json.dumps({"reads": self.reads, "chunks": texts}, sort_keys=True).encode()).hexdigest()
-        with self.lock:
-            try:
-                return self.get(id)
-            except UnknownMemory:
-                pass
-            partial = self.directory / f".{id}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-            (partial / self.marker).write_text(json.dumps({"reads": self.reads, "chunks": texts}))
-            shutil.rmtree(self.directory / id, ignore_errors=True)
-            partial.replace(self.directory / id)
-            self.counts["encoded"] += 1  # tokenized: the nearest a baseline comes to encoding
-            return self._load(id), "encoded"
+    def id_of(self, texts: list[str]) -> str:
+        return hashlib.sha256(json.dumps({"reads": self.reads, "chunks": texts}, sort_keys=True).encode()).hexdigest()
 
-    def _load(self, id: str) -> Memory:
+    def _write(self, directory: Path, texts: list[str]) -> None:
+        directory.mkdir()
+        (directory / self.marker).write_text(json.dumps({"reads": self.reads, "chunks": texts}))
+
+    def _read(self, id: str) -> Memory:
         saved = json.loads((self.path(id) / self.marker).read_text())
         if saved.get("reads") != self.reads:  # an id names its mode, so only a hand-edited file gets here
             raise StoreMismatch(f"memory {id} was made for a {saved.get('reads')} model; this one reads {self.reads}")
         texts = saved["chunks"]
-        tokens = sum(len(ids) for ids in self._tokenize(texts))
-        memory = Memory(id, len(texts), tokens, None, None, 8 * tokens + sum(len(t) for t in texts), texts)
-        self.entries[id] = memory
-        self._evict()
-        return memory
+        chunk_ids = self._tokenize(texts)
+        tokens = sum(len(ids) for ids in chunk_ids)
+        return Memory(id, len(texts), tokens, None, None, 8 * tokens + sum(len(t) for t in texts), texts, chunk_ids)
 
 
 __all__ = ["ID", "Memory", "MemoryCache", "StoreMismatch", "TextMemories", "UnknownMemory", "memory_id",

@@ -114,9 +114,9 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         its memory tokens before the prompt, as training placed them (pipelines.data.memory_modes)."""
         question_ids = self.tokenizer.encode(question).ids
         prompt = torch.tensor([question_ids])
-        chunks = [self.text_tokenizer.encode(text, add_special_tokens=False).ids for text in memory]
+        chunks = self.chunk_token_ids(memory)
         if self.mode.kind != "gca":
-            return {"input_ids": torch.tensor([prompt_memory(chunks, question_ids, self.mode) + question_ids])}
+            return {"input_ids": torch.tensor([self.prompt_with_memory(question_ids, chunks)])}
         if not chunks:
             return {"input_ids": prompt}
         width = max(len(c) for c in chunks)
@@ -125,6 +125,11 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         for i, chunk in enumerate(chunks):
             ids[0, i, : len(chunk)], mask[0, i, : len(chunk)] = torch.tensor(chunk), 1
         return {"input_ids": prompt, "memory_input_ids": ids, "memory_attention_mask": mask}
+
+    def prompt_with_memory(self, question_ids: list[int], chunk_ids: list[list[int]]) -> list[int]:
+        """A prompt-memory baseline's prompt: the memory's tokens (all of it, its BM25 top-k, or none) before the
+        question's."""
+        return prompt_memory(chunk_ids, question_ids, self.mode) + question_ids
 
     def encoder_identity(self):
         """The identity of this model's encoder (pipelines.memory.store), computed once (it hashes the files)."""

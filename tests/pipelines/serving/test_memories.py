@@ -114,12 +114,19 @@ def test_a_baselines_memories_are_its_texts_kept_on_disk_and_named_by_its_readin
     """TextMemories (in_context / rag / none): the chunk texts, encoded by nothing; the same texts are one memory for
     one reading mode and another for another; a new cache (a restarted replica) reads them back from disk; the LRU
     budget evicts them as it does encoded ones; a file made for another mode is refused."""
-    tokenize = lambda texts: [t.split() for t in texts]  # noqa: E731
+    tokenized = []
+
+    def tokenize(texts):
+        tokenized.append(texts)
+        return [t.split() for t in texts]
+
     rag = TextMemories(tmp_path, 10_000, "rag", tokenize=tokenize)
     memory, how = rag.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"])
     assert how == "encoded" and (memory.chunks, memory.tokens, memory.encoder, memory.gca_memory) == (2, 12, None, None)
     assert memory.texts == ["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"] and memory.describe()["encoder"] is None
-    assert rag.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"]) == (memory, "cache")
+    assert memory.chunk_ids == [["k1", "=", "1", "2", "3", ";"], ["k2", "=", "4", "5", "6", ";"]]
+    assert rag.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"]) == (memory, "cache") and rag.get(memory.id)[1] == "cache"
+    assert len(tokenized) == 1  # tokenized once when made, not again for each question that reads it
     in_context = TextMemories(tmp_path, 10_000, "in_context", tokenize=tokenize)
     assert in_context.create(["k1 = 1 2 3 ;", "k2 = 4 5 6 ;"])[0].id != memory.id
     restarted = TextMemories(tmp_path, 10_000, "rag", tokenize=tokenize)
