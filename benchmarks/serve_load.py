@@ -131,6 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     from pipelines.serving.loopback import MlflowServer, ModelServer, free_port
+    from pipelines.serving.pyfunc import placed_device
 
     # a dry run names the directory a run would make, without making it
     workdir = args.workdir or (str(Path(tempfile.gettempdir()) / "serve-load-XXXXXX") if args.dry_run
@@ -142,9 +143,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model = args.model or f"{workdir}/export"
     else:
         model = args.model if args.model.startswith("models:/") else f"models:/{NAME}/VERSION"
-    import torch
-
-    gpus = int(args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available()))
+    gpus = int(placed_device(args.device).type == "cuda")
     plan = Plan(model=args.model, tracking_uri=registry.uri if registry else tracking, levels=list(args.levels),
                 requests={c: args.requests or max(64, 8 * c) for c in args.levels}, time_limit_s=args.time_limit,
                 request_timeout_s=args.request_timeout, threads=args.threads, max_batch_size=args.max_batch_size,

@@ -42,17 +42,23 @@ PLACEMENT = {"device": "auto", "dtype": "auto"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def placed_device(device: str = "auto") -> torch.device:
+    """The device `placement` gives for this setting, whether or not this process sees it (a plan for another
+    machine asks this)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
+
+
 def placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype | None]:
     """The device and dtype a model is loaded with: device "auto" is the first GPU when this process sees one (a
     Serve replica with num_gpus: 1 sees exactly its own), else the CPU; dtype "auto" keeps the checkpoints' own."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: use auto (the checkpoints' own) or one of {', '.join(DTYPES)}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        where = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    where = placed_device(device)
     if where.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this process sees no GPU (give a Serve replica num_gpus: 1, or use cpu)")
     return where, DTYPES.get(dtype)

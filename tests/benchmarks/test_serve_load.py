@@ -57,13 +57,19 @@ def test_the_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
     assert "models:/awareness@candidate" in quick["commands"]["mlflow"]
 
 
-def test_the_documented_commands_dry_run(capsys):
-    """docs/benchmarks.md and docs/serving.md show `python benchmarks/serve_load.py ...`: each parses and plans
-    (through the script's own main, in this process: a process each cost ~15 s of imports)."""
+@pytest.fixture(scope="module")
+def serve_load():
+    """The script as a module, its main run in this process (a process each costs ~15 s of imports)."""
     spec = importlib.util.spec_from_file_location("serve_load", ROOT / SCRIPT)
-    serve_load = importlib.util.module_from_spec(spec)
-    sys.modules["serve_load"] = serve_load  # its dataclasses look their module up there
-    spec.loader.exec_module(serve_load)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_load"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["serve_load"]
+
+
+def test_the_documented_commands_dry_run(serve_load, capsys):
+    """docs/benchmarks.md and docs/serving.md show `python benchmarks/serve_load.py ...`: each parses and plans."""
     text = "".join((ROOT / "docs" / name).read_text() for name in ("benchmarks.md", "serving.md"))
     commands = set(re.findall(r"python benchmarks/serve_load\.py([^\n`]*)", text))
     assert len(commands) >= 4
@@ -71,6 +77,17 @@ def test_the_documented_commands_dry_run(capsys):
         args = [a for a in rest.split() if a != "--dry-run"]
         assert serve_load.main([*args, "--dry-run"]) is None
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dry_run"], rest
+
+
+@pytest.mark.parametrize("device, gpus", [("cuda", 1), ("cuda:0", 1), ("cpu", 0), ("auto", 0)])
+def test_a_replica_asks_for_a_gpu_exactly_when_the_model_is_placed_on_one(serve_load, capsys, device, gpus):
+    """Planned on this machine (no GPU) for a GPU box: the Serve replica's num_gpus follows the pyfunc's own placement
+    (`auto` is the CPU here), and both servers are told the same placement."""
+    serve_load.main(["--quick", "--device", device, "--dtype", "bfloat16", "--dry-run"])
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["gpus"] == gpus and ("'num_gpus': 1" in plan["commands"]["serve"]) == bool(gpus)
+    assert f"device='{device}', dtype='bfloat16'" in plan["commands"]["serve"]
+    assert f'"device": "{device}", "dtype": "bfloat16"' in plan["commands"]["mlflow"]
 
 
 @pytest.mark.ray
