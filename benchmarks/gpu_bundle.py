@@ -141,16 +141,22 @@ def pack(wheels: list[Path], out: Path, part_mib: int) -> list[Path]:
 
 
 def bundle_export(export: Path, into: Path) -> list[Path]:
-    """The export (export/) and the base checkpoints its config names (decoder/, encoder/) copied into `into`, for
-    the box to serve (gpu_check.py's "serve demo" points the config there); the files copied."""
+    """The export (export/) and the base checkpoints its config names (decoder/, encoder/) copied into `into`, the
+    copy's config naming them by relative paths (read relative to the export), so it loads wherever the bundle lands;
+    the files copied."""
     import json
 
+    from models.awareness import CONFIG_NAME
+
     export = export.resolve()
-    config = json.loads((export / "awareness_config.json").read_text())
+    config = json.loads((export / CONFIG_NAME).read_text())
     shutil.rmtree(into, ignore_errors=True)
-    for name, source in (("export", export), ("decoder", Path(config["decoder"])),
-                         ("encoder", Path(config["encoder"]))):
+    shutil.copytree(export, into / "export")
+    for name in ("decoder", "encoder"):
+        source = Path(config[name]).expanduser()
         shutil.copytree(source if source.is_absolute() else export / source, into / name)
+        config[name] = f"../{name}"
+    (into / "export" / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return [f for f in into.rglob("*") if f.is_file()]
 
 

@@ -127,14 +127,11 @@ for tokens in (16384, 65536):
 """
 
 SERVE_DEMO = """
-import json, shutil, subprocess, sys, pathlib
+import shutil, subprocess, sys, pathlib
 bundled, work = pathlib.Path({bundle!r}) / "export", pathlib.Path({work!r}) / "serve-demo"
 model = []
-if bundled.is_dir():  # relocated as a user moves an export: its config names where the base checkpoints are now
+if bundled.is_dir():  # its config names the base checkpoints beside it (gpu_bundle.bundle_export)
     shutil.copytree(bundled, work, dirs_exist_ok=True)
-    config = json.loads((work / "export" / "awareness_config.json").read_text())
-    config["decoder"], config["encoder"] = str(work / "decoder"), str(work / "encoder")
-    (work / "export" / "awareness_config.json").write_text(json.dumps(config, indent=2))
     model = ["--model", str(work / "export")]
 print("serving", model[1] if model else "the tiny random export (the bundle carries no trained export)", flush=True)
 sys.exit(subprocess.run({serve!r} + model + ["--levels", "1", "4", "16", "64", "--requests", "192",

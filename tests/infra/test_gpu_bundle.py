@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,6 +17,10 @@ import tomllib
 import zipfile
 from importlib.metadata import packages_distributions
 from pathlib import Path
+
+import torch
+
+from models.awareness import AwarenessModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,7 +159,8 @@ def test_a_trained_export_travels_with_its_base_checkpoints(tmp_path, checkpoint
     "serve demo" step can point the config at them."""
     from pipelines.serving.tiny import tiny_export
 
-    tiny_export(tmp_path / "trained", checkpoint_root)
+    shutil.copytree(checkpoint_root, tmp_path / "base")
+    trained = tiny_export(tmp_path / "trained", tmp_path / "base")
     planned = subprocess.run([sys.executable, "benchmarks/gpu_bundle.py", "--dry-run", "--export",
                               str(tmp_path / "trained")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert planned.returncode == 0 and f"and the export {tmp_path / 'trained'} with its base checkpoints" in (
@@ -166,3 +172,14 @@ def test_a_trained_export_travels_with_its_base_checkpoints(tmp_path, checkpoint
     names = {f.relative_to(tmp_path / "bundle" / "export").as_posix() for f in copied}
     assert {"export/awareness_config.json", "export/awareness.safetensors", "decoder/config.json",
             "decoder/model.safetensors", "encoder/model.safetensors"} <= names
+    # the bundle lands elsewhere on the box, without the checkpoints it was made from: it loads the same model
+    landed = tmp_path / "box" / "bundle"
+    shutil.move(tmp_path / "bundle" / "export", landed)
+    shutil.rmtree(tmp_path / "base")
+    travelled = AwarenessModel.from_pretrained(landed / "export").eval()
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    memory = torch.randint(3, 100, (1, 2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, memory_input_ids=memory, memory_attention_mask=torch.ones_like(memory)).logits
+                     for m in (trained, travelled))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
