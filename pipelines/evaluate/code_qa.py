@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from pipelines.corpora.shards import MANIFEST, RankReader, ShardError, check_split
@@ -48,6 +49,9 @@ class CodeQaSuite:
     max_rows: int = 256  # the val split's first rows of `tasks`, in the shards' fixed order
     max_new_tokens: int = 64  # greedy tokens per answer, an agentic answer's <read> actions included
     tasks: list[str] = field(default_factory=lambda: list(TASKS))  # row tasks to ask: code_qa, doc_qa, needle
+    # memory sizes: 1 is each row's own memory; m grows it to m times its chunks with other chunks of its repository
+    multipliers: list[int] = field(default_factory=lambda: [1])
+    seed: int = 0  # which chunks grow a memory, and where they go
 
     def problems(self) -> list[str]:
         p = []
@@ -58,6 +62,8 @@ class CodeQaSuite:
             p.append("code_qa.max_rows and code_qa.max_new_tokens must be positive")
         if not self.tasks or set(self.tasks) - set(TASKS):
             p.append(f"code_qa.tasks {self.tasks} must name some of {TASKS}")
+        if not self.multipliers or any(m < 1 for m in self.multipliers):
+            p.append(f"code_qa.multipliers {self.multipliers} must be positive (1: each row's own memory)")
         return p
 
 
@@ -66,6 +72,18 @@ def held_out_rows(suite: CodeQaSuite) -> list[dict[str, Any]]:
     """The first `max_rows` rows of the corpus's val split whose task is asked, after checking that the corpus is a
     stage-0 one with held-out repositories and that its val shards match the manifest (sizes). FileNotFoundError
     naming the fix otherwise."""
+    reader, rows = held_out_reader(suite), []
+    for unit in reader.units:
+        rows += [row for row in reader.read(unit) if row["task"] in suite.tasks][: suite.max_rows - len(rows)]
+        if len(rows) >= suite.max_rows:
+            break
+    if not rows:
+        raise FileNotFoundError(f"--code_qa.corpus {suite.corpus}: its val split holds no rows of tasks {suite.tasks}")
+    return rows
+
+
+def held_out_reader(suite: CodeQaSuite) -> RankReader:
+    """A reader of the corpus's val split, checked (see held_out_rows)."""
     root = Path(suite.corpus or "").expanduser()
     if not (root / MANIFEST).is_file():
         what = "no such directory" if not root.is_dir() else f"not a corpus (no {MANIFEST})"
@@ -83,14 +101,55 @@ def held_out_rows(suite: CodeQaSuite) -> list[dict[str, Any]]:
         split = check_split(root / "val", hashes=False)
     except ShardError as error:
         raise FileNotFoundError(f"--code_qa.corpus {root}: {error}") from error
-    reader, rows = RankReader(split, 0, 1, columns=COLUMNS), []
-    for unit in reader.units:
-        rows += [row for row in reader.read(unit) if row["task"] in suite.tasks][: suite.max_rows - len(rows)]
-        if len(rows) >= suite.max_rows:
-            break
-    if not rows:
-        raise FileNotFoundError(f"--code_qa.corpus {root}: its val split holds no rows of tasks {suite.tasks}")
-    return rows
+    return RankReader(split, 0, 1, columns=COLUMNS)
+
+
+# ---------------------------------------------------------------------------------------------- grown memories
+def chunk_name(text: str) -> str:
+    """A memory chunk's name: its first line (`### path [chunk i]`)."""
+    return text.split("\n", 1)[0].strip()
+
+
+def repository_chunks(suite: CodeQaSuite, units: set[str]) -> dict[str, list[tuple[str, list[int]]]]:
+    """Every distinct chunk (text, token ids) of each named repository in the val split: the chunks of its Q&A rows'
+    memories (a needle row's chunks carry its inserted needle), in the shards' order, one per chunk name."""
+    reader, chunks = held_out_reader(suite), {}
+    for shard_unit in reader.units:
+        for row in reader.read(shard_unit):
+            if row["unit"] not in units or row["task"] == "needle":
+                continue
+            seen = chunks.setdefault(row["unit"], {})
+            for text, ids in zip(row["memory"], row["memory_input_ids"], strict=True):
+                seen.setdefault(chunk_name(text), (text, list(ids)))
+    return {unit: list(by_name.values()) for unit, by_name in chunks.items()}
+
+
+def grow_memory(row: dict[str, Any], pool: list[tuple[str, list[int]]], multiplier: int,
+                rng: np.random.Generator) -> dict[str, Any]:
+    """The row with its memory grown to `multiplier` times its chunks by other chunks of its repository (hard
+    distractors: the same code's other definitions, its callers, its docs), drawn and placed by `rng`; as far as the
+    repository goes when it has fewer. Its own chunks stay whole and in their order among the others."""
+    own = list(zip(row["memory"], (list(ids) for ids in row["memory_input_ids"]), strict=True))
+    names = {chunk_name(text) for text, _ in own}
+    others = [chunk for chunk in pool if chunk_name(chunk[0]) not in names]
+    drawn = [others[i] for i in rng.permutation(len(others))[: (multiplier - 1) * len(own)]]
+    slots = set(rng.choice(len(own) + len(drawn), size=len(own), replace=False).tolist())  # the row's own chunks' places
+    own_iter, drawn_iter = iter(own), iter(drawn)
+    memory = [next(own_iter) if position in slots else next(drawn_iter) for position in range(len(own) + len(drawn))]
+    return {**row, "memory": [text for text, _ in memory], "memory_input_ids": [ids for _, ids in memory],
+            "multiplier": multiplier}
+
+
+def sized_rows(suite: CodeQaSuite, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows at every size in `suite.multipliers` (1: as the corpus holds them), each tagged with its multiplier."""
+    sized = [{**row, "multiplier": 1} for row in rows] if 1 in suite.multipliers else []
+    grown = sorted(m for m in set(suite.multipliers) if m > 1)
+    if grown:
+        pools = repository_chunks(suite, {row["unit"] for row in rows})
+        for multiplier in grown:
+            sized += [grow_memory(row, pools[row["unit"]], multiplier, np.random.default_rng([suite.seed, multiplier, i]))
+                      for i, row in enumerate(rows)]
+    return sized
 
 
 def question_kind(row: dict[str, Any]) -> str:
@@ -105,7 +164,7 @@ def is_agentic(row: dict[str, Any]) -> bool:
 def evidence_indices(row: dict[str, Any]) -> list[int]:
     """The positions in the row's memory of its evidence chunks (a chunk's first line is its name)."""
     names = set(row["evidence_chunks"])
-    return [i for i, text in enumerate(row["memory"]) if text.split("\n", 1)[0].strip() in names]
+    return [i for i, text in enumerate(row["memory"]) if chunk_name(text) in names]
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -128,6 +187,7 @@ def score_answer(row: dict[str, Any], text: str) -> dict[str, Any]:
     """One row's scores from its generated text (attention left to the caller)."""
     agentic = is_agentic(row)
     return {"task": row["task"], "kind": question_kind(row), "unit": row["unit"], "agentic": agentic,
+            "multiplier": int(row.get("multiplier", 1)), "memory_chunks": len(row["memory"]),
             "exact": answer_of(text) == " ".join(row["answer"].split()),
             "read": float(read_compliance(text, row["evidence_chunks"])) if agentic else math.nan,
             "evidence_mass": math.nan, "top_chunk": math.nan, "prompt": row["prompt"], "answer": row["answer"],
@@ -199,38 +259,50 @@ def run_code_qa(settings: CodeQaSuite, source: Source, rows: list[dict[str, Any]
 
 # ---------------------------------------------------------------------------------------------- results
 def code_qa_metrics(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, int]]:
-    """metrics (rates with their 95% Wilson intervals as NAME/ci95) and counts, from the scored rows."""
+    """metrics (rates with their 95% Wilson intervals as NAME/ci95) and counts, from the scored rows: `code_qa/...`
+    for the rows' own memories, `code_qa/<m>x/...` for memories grown m times (with their mean chunks)."""
     metrics: dict[str, Any] = {}
     counts: dict[str, int] = {}
+    for multiplier in sorted({int(r.get("multiplier", 1)) for r in rows}):
+        sized = [r for r in rows if int(r.get("multiplier", 1)) == multiplier]
+        prefix = "code_qa" if multiplier == 1 else f"code_qa/{multiplier}x"
 
-    def add_rate(name: str, hits: list[bool]) -> None:
-        metrics[name] = sum(hits) / len(hits)
-        metrics[f"{name}/ci95"] = list(rate_interval(sum(hits), len(hits)))
-        counts[name] = len(hits)
+        def add_rate(name: str, hits: list[bool]) -> None:
+            metrics[name] = sum(hits) / len(hits)
+            metrics[f"{name}/ci95"] = list(rate_interval(sum(hits), len(hits)))
+            counts[name] = len(hits)
 
-    add_rate("code_qa/exact", [bool(r["exact"]) for r in rows])
-    for kind in sorted({r["kind"] for r in rows}):
-        add_rate(f"code_qa/exact/{kind}", [bool(r["exact"]) for r in rows if r["kind"] == kind])
-    agentic = [r for r in rows if r["agentic"]]
-    if agentic:
-        add_rate("code_qa/read_compliance", [bool(r["read"]) for r in agentic])
-    read = [r for r in rows if not math.isnan(r["evidence_mass"])]  # a gca system's rows
-    if read:
-        metrics["code_qa/attention/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
-        counts["code_qa/attention/evidence_mass"] = len(read)
-        add_rate("code_qa/attention/top_chunk", [bool(r["top_chunk"]) for r in read])
+        add_rate(f"{prefix}/exact", [bool(r["exact"]) for r in sized])
+        for kind in sorted({r["kind"] for r in sized}):
+            add_rate(f"{prefix}/exact/{kind}", [bool(r["exact"]) for r in sized if r["kind"] == kind])
+        agentic = [r for r in sized if r["agentic"]]
+        if agentic:
+            add_rate(f"{prefix}/read_compliance", [bool(r["read"]) for r in agentic])
+        read = [r for r in sized if not math.isnan(r["evidence_mass"])]  # a gca system's rows
+        if read:
+            metrics[f"{prefix}/attention/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
+            counts[f"{prefix}/attention/evidence_mass"] = len(read)
+            add_rate(f"{prefix}/attention/top_chunk", [bool(r["top_chunk"]) for r in read])
+        if multiplier > 1:  # a repository smaller than m memories grows its rows as far as it goes
+            metrics[f"{prefix}/memory_chunks"] = sum(r["memory_chunks"] for r in sized) / len(sized)
+            counts[f"{prefix}/memory_chunks"] = len(sized)
     return metrics, counts
 
 
 def summary_line(name: str, metrics: dict[str, Any], counts: dict[str, int]) -> str:
-    """One line per system: exact match, read compliance and where gca's attention went."""
-    parts = [f"{name}: code_qa exact {metrics['code_qa/exact']:.2f} (n={counts['code_qa/exact']})"]
-    if "code_qa/read_compliance" in metrics:
-        parts.append(f"read {metrics['code_qa/read_compliance']:.2f} (n={counts['code_qa/read_compliance']})")
-    if "code_qa/attention/evidence_mass" in metrics:
-        parts.append(f"evidence mass {metrics['code_qa/attention/evidence_mass']:.2f}  "
-                     f"top chunk {metrics['code_qa/attention/top_chunk']:.2f}")
-    return "  ".join(parts)
+    """One line per system: exact match, read compliance and where gca's attention went, at each size."""
+    parts = []
+    for prefix in sorted({m.rsplit("/exact", 1)[0] for m in metrics if m.endswith("/exact")},
+                         key=lambda p: (p != "code_qa", len(p), p)):
+        size = "" if prefix == "code_qa" else f" at {prefix.split('/')[1]} ({metrics[f'{prefix}/memory_chunks']:.0f} chunks)"
+        part = [f"code_qa{size} exact {metrics[f'{prefix}/exact']:.2f} (n={counts[f'{prefix}/exact']})"]
+        if f"{prefix}/read_compliance" in metrics:
+            part.append(f"read {metrics[f'{prefix}/read_compliance']:.2f} (n={counts[f'{prefix}/read_compliance']})")
+        if f"{prefix}/attention/evidence_mass" in metrics:
+            part.append(f"evidence mass {metrics[f'{prefix}/attention/evidence_mass']:.2f}  "
+                        f"top chunk {metrics[f'{prefix}/attention/top_chunk']:.2f}")
+        parts.append("  ".join(part))
+    return f"{name}: " + "; ".join(parts)
 
 
 class CodeQaEvaluation:
@@ -241,7 +313,7 @@ class CodeQaEvaluation:
 
     def __init__(self, settings: CodeQaSuite, workers: Workers):
         self.settings, self.workers = settings, workers
-        self.rows = held_out_rows(settings)
+        self.rows = sized_rows(settings, held_out_rows(settings))
 
     def run(self, source: Source) -> SuiteResult:
         rows = run_code_qa(self.settings, source, self.rows, self.workers)

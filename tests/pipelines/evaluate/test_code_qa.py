@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -22,8 +23,9 @@ from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tok
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.evaluate.code_qa import (CodeQaSuite, code_qa_metrics, evidence_indices, held_out_rows, read_compliance,
-                                        score_answer, score_rows)
+from pipelines.evaluate.code_qa import (CodeQaSuite, chunk_name, code_qa_metrics, evidence_indices, grow_memory,
+                                        held_out_rows, read_compliance, repository_chunks, score_answer, score_rows,
+                                        sized_rows, summary_line)
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
@@ -205,6 +207,54 @@ def test_systems_answer_greedily_and_gca_attention_lands_where_the_map_says(rows
     assert math.isnan(result["evidence_mass"]) and isinstance(result["generated"], str)
 
 
+def test_a_grown_memory_keeps_the_rows_chunks_in_order_among_other_chunks_of_its_repository(rows):
+    """m x the row's chunks: its own, whole and in order, among chunks of the same repository it did not hold (each
+    text with its own ids); the evidence is found where it went; the same seed places them the same way."""
+    row = next(r for r in rows if r["task"] == "code_qa" and len(r["evidence_chunks"]) == 2)
+    own = list(zip(row["memory"], map(list, row["memory_input_ids"])))
+    pool = own[:3] + [(f"### other.py [chunk {i}]\ndef f{i}(): pass", [i + 5, i + 6]) for i in range(100)]
+    grown = grow_memory(row, pool, 4, np.random.default_rng(7))
+    assert len(grown["memory"]) == 4 * len(own) and grown["multiplier"] == 4
+    pairs = list(zip(grown["memory"], grown["memory_input_ids"]))
+    assert [p for p in pairs if p in own] == own  # the row's own chunks, in their order
+    added = [p for p in pairs if p not in own]
+    assert len(added) == 3 * len(own) and all(p in pool[3:] for p in added) and len(set(map(str, added))) == len(added)
+    assert sorted(grown["memory"][i].split("\n")[0] for i in evidence_indices(grown)) == sorted(row["evidence_chunks"])
+    places = [grown["memory"].index(text) for text, _ in own]
+    assert places != list(range(places[0], places[0] + len(own)))  # spread among the others, not one block
+    assert grow_memory(row, pool, 4, np.random.default_rng(7)) == grown
+    assert grow_memory(row, pool, 4, np.random.default_rng(8))["memory"] != grown["memory"]
+    assert grow_memory(row, pool, 1, np.random.default_rng(7))["memory"] == row["memory"]
+
+
+def test_memories_grow_with_their_held_out_repository_as_far_as_it_goes(corpus, rows):
+    """The suite's sizes over the corpus: 1x is the rows as held; grown, a memory takes its repository's other chunks
+    as they are in the repository (not a needle row's, which carry its needle), as many as the size asks or as the
+    repository has (the shop has 23 and a Q&A row holds 16); an oracle is scored at each size apart."""
+    suite = CodeQaSuite(corpus=str(corpus), multipliers=[1, 2, 4])
+    pool = repository_chunks(suite, {"shop"})["shop"]
+    assert len(pool) == len({chunk_name(text) for text, _ in pool}) == 23
+    assert not any("special magic number" in text for text, _ in pool)
+    sized = sized_rows(suite, rows)
+    assert [r for r in sized if r["multiplier"] == 1] == [{**r, "multiplier": 1} for r in rows]
+    for grown, row in zip((r for r in sized if r["multiplier"] > 1), rows * 2, strict=True):
+        others = [text for text, _ in pool if chunk_name(text) not in map(chunk_name, row["memory"])]
+        assert len(grown["memory"]) == min(grown["multiplier"] * len(row["memory"]), len(row["memory"]) + len(others))
+        assert set(grown["memory"]) - set(row["memory"]) <= set(others)
+    targets = {row["prompt"]: row["target"] for row in rows}
+    oracle = Answering(lambda asked: targets[asked["question"]])
+    metrics, counts = code_qa_metrics(score_rows(System("oracle", None, MemoryMode(), NeedleSpec(), oracle), sized, 8))
+    assert metrics["code_qa/exact"] == metrics["code_qa/2x/exact"] == metrics["code_qa/4x/exact"] == 1.0
+    assert counts["code_qa/exact"] == counts["code_qa/4x/exact"] == len(rows)
+    four = [r for r in sized if r["multiplier"] == 4]
+    assert metrics["code_qa/4x/memory_chunks"] == sum(len(r["memory"]) for r in four) / len(four)
+    assert "code_qa/memory_chunks" not in metrics
+    line = summary_line("oracle", metrics, counts)
+    assert line.startswith("oracle: code_qa exact 1.00") and "; code_qa at 4x (" in line
+    assert line.index("at 2x") < line.index("at 4x")
+    assert "code_qa.multipliers" in " ".join(CodeQaSuite(corpus="c", multipliers=[0]).problems())
+
+
 def test_refusals_name_the_fix(tmp_path, corpus):
     problems = " ".join(EvaluateConfig(model=["x"], suite=["code_qa"]).problems())
     assert "code_qa.corpus" in problems and "build_corpus.py --stage 0" in problems
@@ -246,7 +296,7 @@ def test_evaluate_job_runs_code_qa_on_held_out_repositories(tmp_path, corpus, te
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "evaluate.py"), "--model", *map(str, exports), "--suite", "code_qa",
          "--code_qa.corpus", str(corpus), "--out", str(out), "--code_qa.max_rows", "6", "--code_qa.max_new_tokens",
-         "3", "--tracking_uri", uri],
+         "3", "--code_qa.multipliers", "1", "2", "--tracking_uri", uri],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -255,8 +305,10 @@ def test_evaluate_job_runs_code_qa_on_held_out_repositories(tmp_path, corpus, te
         assert entry["counts"]["code_qa/exact"] == 6 and 0 <= entry["metrics"]["code_qa/exact"] <= 1
         assert len(entry["metrics"]["code_qa/exact/ci95"]) == 2
         answers = [json.loads(line) for line in (out / f"code_qa_{name}.jsonl").read_text().splitlines()]
-        assert len(answers) == 6 and all(a["system"] == name for a in answers)
-        assert f"{name}: code_qa exact" in result.stdout
+        assert entry["counts"]["code_qa/2x/exact"] == 6 and entry["metrics"]["code_qa/2x/memory_chunks"] > 0
+        assert len(answers) == 12 and all(a["system"] == name for a in answers)
+        assert sorted(a["multiplier"] for a in answers) == [1] * 6 + [2] * 6
+        assert f"{name}: code_qa exact" in result.stdout and "code_qa at 2x (" in result.stdout
     gca = results["systems"]["gca"]["metrics"]
     assert 0 <= gca["code_qa/attention/evidence_mass"] <= 1 and 0 <= gca["code_qa/attention/top_chunk"] <= 1
     assert "code_qa/attention/evidence_mass" not in results["systems"]["in_context"]["metrics"]
