@@ -40,23 +40,6 @@ def run(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_the_dry_run_prints_the_plan_and_starts_nothing(tmp_path):
-    done, plan = run("--dry-run", "--workdir", str(tmp_path / "w"), timeout=120)
-    assert plan["dry_run"] and plan["levels"] == [1, 4, 16, 64]
-    assert plan["requests"] == {"1": 64, "4": 64, "16": 128, "64": 512}  # max(64, 8 * clients)
-    ports = {plan["serve_port"], plan["mlflow_port"], plan["registry_port"]}
-    assert len(ports) == 3 and all(str(p) in done.stdout for p in ports)
-    commands = plan["commands"]
-    assert "mlflow models serve -m models:/awareness-serve-load/VERSION --env-manager local --host 127.0.0.1" in (
-        commands["mlflow"]) and "mlflow server --host 127.0.0.1" in commands["registry"]
-    assert "serve.start(http_options={'host': '127.0.0.1'" in commands["serve"]
-    assert not (tmp_path / "w").exists()  # nothing made, nothing started
-    quick = run("--dry-run", "--quick", "--model", "models:/awareness@candidate", "--tracking-uri",
-                "http://127.0.0.1:5000", timeout=120)[1]
-    assert quick["levels"] == [1, 4] and quick["requests"] == {"1": 8, "4": 8} and quick["registry_port"] is None
-    assert "models:/awareness@candidate" in quick["commands"]["mlflow"]
-
-
 @pytest.fixture(scope="module")
 def serve_load():
     """The script as a module, its main run in this process (a process each costs ~15 s of imports)."""
@@ -66,6 +49,26 @@ def serve_load():
     spec.loader.exec_module(module)
     yield module
     del sys.modules["serve_load"]
+
+
+def test_the_dry_run_prints_the_plan_and_starts_nothing(serve_load, capsys, tmp_path):
+    assert serve_load.main(["--dry-run", "--workdir", str(tmp_path / "w")]) is None
+    out = capsys.readouterr().out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert plan["dry_run"] and plan["levels"] == [1, 4, 16, 64]
+    assert plan["requests"] == {"1": 64, "4": 64, "16": 128, "64": 512}  # max(64, 8 * clients)
+    ports = {plan["serve_port"], plan["mlflow_port"], plan["registry_port"]}
+    assert len(ports) == 3 and all(str(p) in out for p in ports)
+    commands = plan["commands"]
+    assert "mlflow models serve -m models:/awareness-serve-load/VERSION --env-manager local --host 127.0.0.1" in (
+        commands["mlflow"]) and "mlflow server --host 127.0.0.1" in commands["registry"]
+    assert "serve.start(http_options={'host': '127.0.0.1'" in commands["serve"]
+    assert not (tmp_path / "w").exists()  # nothing made, nothing started
+    serve_load.main(["--dry-run", "--quick", "--model", "models:/awareness@candidate", "--tracking-uri",
+                     "http://127.0.0.1:5000"])
+    quick = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert quick["levels"] == [1, 4] and quick["requests"] == {"1": 8, "4": 8} and quick["registry_port"] is None
+    assert "models:/awareness@candidate" in quick["commands"]["mlflow"]
 
 
 def test_the_documented_commands_dry_run(serve_load, capsys):
