@@ -66,10 +66,11 @@ def score_needles(
     variant: str = "single",
     scale: int = 1,
 ) -> NeedleScores:
-    """Exact match of all answer tokens of `variant`'s questions on memories `scale` times the base size, for the
-    system that reads its memory as `mode` says (NO_MEMORY: withheld), one question a row as jobs/evaluate.py asks
-    (an in_context row holds the memory and one question, so no answer follows from the ones before it). Teacher-forced argmax at each answer position equals greedy decoding for
-    exact match: greedy emits the right tokens exactly when each is the argmax given the right ones before it."""
+    """Exact match of all answer tokens of `variant`'s questions (multi_value's two values in either order) on memories
+    `scale` times the base size, for the system that reads its memory as `mode` says (NO_MEMORY: withheld), one
+    question a row as jobs/evaluate.py asks (an in_context row holds the memory and one question, so no answer follows
+    from the ones before it). Teacher-forced argmax at each answer position equals greedy decoding for exact match:
+    greedy emits the right tokens exactly when each is the argmax given the right ones before it."""
     was_training = model.training
     model.eval()
     device = model.device
@@ -84,6 +85,8 @@ def score_needles(
         rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
         predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each digit predict it: (Q, D)
         exact = (predicted == ids[rows, positions]).all(-1).cpu()
+        if variant == "multi_value":  # either order, as the suite scores it (below)
+            exact |= _exact_in_the_other_order(model, ids, memory, labels, rows, positions)
         scores.correct += int(exact.sum())
         scores.total += exact.numel()
         shifted_labels = labels[:, 1:]
@@ -99,6 +102,17 @@ def score_needles(
             scores.depth_correct[b] += int(ok)
     model.train(was_training)
     return scores
+
+
+def _exact_in_the_other_order(model, ids, memory, labels, rows, positions) -> torch.Tensor:
+    """multi_value's two values teacher-forced in the other order: (Q,) bool. The target holds them in memory order,
+    and jobs/evaluate.py takes them in either (RULER's string_match_all: every reference in the answer); a read of
+    chunks that does not see their order would otherwise score about half of what the suite gives it."""
+    half = positions.shape[1] // 2
+    other = ids.clone()
+    other[rows, positions] = ids[rows, torch.cat([positions[:, half:], positions[:, :half]], dim=1)]
+    predicted = model(input_ids=other, memory_input_ids=memory, labels=labels).logits[rows, positions - 1].argmax(-1)
+    return (predicted == other[rows, positions]).all(-1).cpu()
 
 
 HEATMAP_DISTRACTORS = (0, 2, 6, 14)  # memory sizes for the final needle heatmap, in filler chunks added

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipelines.data.memory_modes import GCA, MemoryMode
-from pipelines.data.synthetic_needles import EOS, NeedleSpec
+from pipelines.data.synthetic_needles import EOS, NeedleSpec, needle_batch
 from pipelines.evaluate.in_training import score_needles
 
 SPEC = NeedleSpec()
@@ -62,3 +62,42 @@ def test_exact_match_needs_every_answer_token(variant, mode):
     assert right.tokens == wrong_last.tokens
     per_question = {"single": 3, "multi_value": 6, "multi_query": 6, "variable_tracking": 3}[variant] + 1
     assert right.tokens == right.total * per_question  # answer tokens and EOS, nothing else is a label
+
+
+class OneOrder(torch.nn.Module):
+    """A stand-in model that answers multi_value questions with the two values in the order of `batch`'s answers
+    reversed (or `as_given`), whatever order its input holds: the truth elsewhere."""
+
+    def __init__(self, batch, as_given: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.answers = {}  # (row, position before the token) -> the token this model predicts there
+        for row, positions in zip(batch["answer_rows"].tolist(), batch["answer_positions"].tolist(), strict=True):
+            tokens = batch["input_ids"][row, positions].tolist()
+            half = len(tokens) // 2
+            order = tokens if as_given else tokens[half:] + tokens[:half]
+            self.answers |= {(row, p - 1): t for p, t in zip(positions, order, strict=True)}
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward(self, input_ids, memory_input_ids=None, **_):
+        following = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], EOS)], dim=1)
+        for (row, position), token in self.answers.items():
+            following[row, position] = token
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(following, 512).float())
+
+
+@pytest.mark.parametrize("mode", [GCA, MemoryMode("in_context")], ids=lambda m: m.kind)
+def test_multi_values_two_values_count_in_either_order_as_the_suite_counts_them(mode):
+    """The target holds them in memory order; an answer with both values in the other order is exact, as
+    jobs/evaluate.py's string_match_all scores it; both values but one wrong digit is not."""
+    spec = NeedleSpec(variants=("multi_value",))
+    batch = needle_batch(spec, 3, [0, 1], mode, variant="multi_value", questions_per_row=1)
+    assert score_needles(OneOrder(batch, as_given=True), spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy == 1
+    reversed_order = score_needles(OneOrder(batch), spec, 3, [0, 1], mode=mode, variant="multi_value")
+    assert reversed_order.accuracy == 1.0 and reversed_order.total == 2 * spec.questions
+    off = OneOrder(batch)
+    off.answers[next(iter(off.answers))] = 0  # a wrong digit
+    assert score_needles(off, spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy < 1
