@@ -38,6 +38,7 @@ from pipelines.tune.report import format_table, plot_sweep
 
 TRIAL_TAG = "tune.trial_id"
 SWEEP_TAG = "sweep.run_id"
+TRIAL_FINISHED = "trial_finished"  # the key of the report a trial makes once its run holds its export
 
 
 @dataclass
@@ -162,6 +163,11 @@ def train_trial(trial: dict[str, Any]) -> None:
                         callbacks=[evaluation_report_callback(trial["metric"])])
     if summary["error"]:
         raise RuntimeError(f"trial {trial_id}: the stage run failed: {summary['error']}")
+    # The trial's last word, once its run holds its export: ASHA stops trials asynchronously, so a stop decided at a
+    # rung can land after the last evaluation but before the export is logged, and only this report says it did not.
+    kept = (trial["metric"], accuracy_metric(config), "no_memory_val_loss", "examples_seen")
+    ray.tune.report({key: summary.get(key) for key in kept} | {"checkpoint_path": summary["checkpoint"],
+                                                                TRIAL_FINISHED: True})
 
 
 def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, trial_id: str) -> StageConfig:
@@ -180,8 +186,8 @@ def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, tri
 # ------------------------------------------------------------------------------------------------- the sweep
 def run_sweep(sweep: SweepConfig, base: StageConfig) -> dict[str, Any]:
     """Runs the sweep and returns its summary: the table, the best trial, the registered version. ASHA's max_t is one
-    evaluation past the last, so only ASHA's own rungs stop a trial: reaching max_t would stop it right after its
-    final report, before its run logs the export."""
+    evaluation past the last, so only ASHA's own rungs stop a trial: max_t is reached by the report a trial makes
+    once its run holds its export (TRIAL_FINISHED), never before."""
     problems = sweep.problems(base) + base.problems()
     if problems:
         raise ValueError("invalid sweep:\n  - " + "\n  - ".join(problems))
@@ -264,7 +270,8 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         m, c = result.metrics or {}, result.config
         steps = int(m.get("examples_seen", 0) // base.train.memories_per_step)
         checkpoint = m.get("checkpoint_path")
-        export = f"{checkpoint}/export" if checkpoint and steps >= base.train.max_steps else None
+        finished = bool(m.get(TRIAL_FINISHED))
+        export = f"{checkpoint}/export" if checkpoint and finished else None
         seconds = float(m.get("time_total_s", 0.0))
         rows.append({
             "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"], "lora_rank": c["lora_rank"],
@@ -272,7 +279,7 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
             "memory_top_k": 0 if c["fusion"] == "merged" else c.get("memory_top_k", base.model.memory_top_k),
             sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
             "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,
-            "stopped_early": steps < base.train.max_steps and result.error is None,
+            "stopped_early": not finished and result.error is None,
             "seconds": round(seconds, 1), "cpu_seconds": round(seconds * cpus, 1),
             "export": export if export and Path(export).is_dir() else None,
             "error": repr(result.error) if result.error else None, "mlflow_run_id": None,
@@ -286,10 +293,10 @@ def memory_layers(fusion: str, placement: str, depth: int) -> list[int]:
 
 
 def attach_child_runs(rows: list[dict[str, Any]], parent: Tracker, tracking_uri: str) -> None:
-    """Finds each trial's nested MLflow run; a run ASHA stopped mid-training never reached its own close, so it is
-    marked KILLED here (its metrics, params and checkpoints up to the stop are kept). A trial that trained to the end
-    but whose close is still queued (a slow tracking server: rank 0 hands what it could not log to the driver) is
-    marked FINISHED, not KILLED (seen once in CI under load)."""
+    """Finds each trial's nested MLflow run; a run ASHA stopped never reached its own close, so it is marked KILLED
+    here (its metrics, params and checkpoints up to the stop are kept), even when the stop landed after its last
+    evaluation (seen in CI: a trial at max_steps whose run had no export). A trial that finished (its own last report
+    says so) but whose close is still queued (a slow tracking server) is marked FINISHED."""
     if parent.client is None:
         return
     client = MlflowClient(tracking_uri)

@@ -36,6 +36,7 @@ from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, rout
 from pipelines.train.streams import make_stream, packing_spec
 
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
+NEEDLE_LOSSES = ("needle_val_loss", "no_memory_val_loss")  # what a sweep ranks needle trials on, and its reference
 
 
 class StageRecipe:
@@ -127,7 +128,7 @@ class StageRecipe:
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)) if engine_has_gates(config) else None,
-            **({key: metrics.get(key) for key in CORPUS_METRICS} if config.data.train_path else {}),
+            **{key: metrics.get(key) for key in (CORPUS_METRICS if config.data.train_path else NEEDLE_LOSSES)},
             **(distill_summary(config, metrics) if config.stage == 4 else {}),
             "examples_seen": metrics.get("examples_seen"),
             "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
