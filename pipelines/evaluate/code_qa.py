@@ -68,22 +68,35 @@ class CodeQaSuite:
 
 
 # ---------------------------------------------------------------------------------------------- the rows
-def held_out_rows(suite: CodeQaSuite) -> list[dict[str, Any]]:
-    """The first `max_rows` rows of the corpus's val split whose task is asked, after checking that the corpus is a
-    stage-0 one with held-out repositories and that its val shards match the manifest (sizes). FileNotFoundError
-    naming the fix otherwise."""
-    reader, rows = held_out_reader(suite), []
-    for unit in reader.units:
-        rows += [row for row in reader.read(unit) if row["task"] in suite.tasks][: suite.max_rows - len(rows)]
-        if len(rows) >= suite.max_rows:
+def held_out(suite: CodeQaSuite) -> tuple[list[dict[str, Any]], dict[str, list[tuple[str, list[int]]]]]:
+    """The first `max_rows` rows of the corpus's val split whose task is asked and, when a size above 1x is asked, the
+    chunk pools their memories grow from (every distinct chunk, text and token ids, of each of their repositories:
+    the chunks of its Q&A rows' memories, as the repository holds them, not a needle row's, which carry its needle;
+    in the shards' order, one per chunk name), in one pass over the split. The corpus is checked first
+    (held_out_reader): FileNotFoundError naming the fix."""
+    reader, rows, chunks = held_out_reader(suite), [], {}
+    grow = any(m > 1 for m in suite.multipliers)
+    selected: set[str] = set()
+    for shard_unit in reader.units:
+        if len(rows) >= suite.max_rows and not grow:
             break
+        for row in reader.read(shard_unit):
+            if len(rows) < suite.max_rows and row["task"] in suite.tasks:
+                rows.append(row)
+                selected.add(row["unit"])
+            # until the rows are chosen any repository may be one of theirs; after, only theirs are kept
+            if grow and row["task"] != "needle" and (len(rows) < suite.max_rows or row["unit"] in selected):
+                seen = chunks.setdefault(row["unit"], {})
+                for text, ids in zip(row["memory"], row["memory_input_ids"], strict=True):
+                    seen.setdefault(chunk_name(text), (text, list(ids)))
     if not rows:
         raise FileNotFoundError(f"--code_qa.corpus {suite.corpus}: its val split holds no rows of tasks {suite.tasks}")
-    return rows
+    return rows, {unit: list(chunks.get(unit, {}).values()) for unit in selected} if grow else {}
 
 
 def held_out_reader(suite: CodeQaSuite) -> RankReader:
-    """A reader of the corpus's val split, checked (see held_out_rows)."""
+    """A reader of the corpus's val split, checked: a stage-0 corpus with held-out repositories whose val shards match
+    the manifest (sizes)."""
     root = Path(suite.corpus or "").expanduser()
     if not (root / MANIFEST).is_file():
         what = "no such directory" if not root.is_dir() else f"not a corpus (no {MANIFEST})"
@@ -110,20 +123,6 @@ def chunk_name(text: str) -> str:
     return text.split("\n", 1)[0].strip()
 
 
-def repository_chunks(suite: CodeQaSuite, units: set[str]) -> dict[str, list[tuple[str, list[int]]]]:
-    """Every distinct chunk (text, token ids) of each named repository in the val split: the chunks of its Q&A rows'
-    memories (a needle row's chunks carry its inserted needle), in the shards' order, one per chunk name."""
-    reader, chunks = held_out_reader(suite), {}
-    for shard_unit in reader.units:
-        for row in reader.read(shard_unit):
-            if row["unit"] not in units or row["task"] == "needle":
-                continue
-            seen = chunks.setdefault(row["unit"], {})
-            for text, ids in zip(row["memory"], row["memory_input_ids"], strict=True):
-                seen.setdefault(chunk_name(text), (text, list(ids)))
-    return {unit: list(by_name.values()) for unit, by_name in chunks.items()}
-
-
 def grow_memory(row: dict[str, Any], pool: list[tuple[str, list[int]]], multiplier: int,
                 rng: np.random.Generator) -> dict[str, Any]:
     """The row with its memory grown to `multiplier` times its chunks by other chunks of its repository (hard
@@ -140,15 +139,14 @@ def grow_memory(row: dict[str, Any], pool: list[tuple[str, list[int]]], multipli
             "multiplier": multiplier}
 
 
-def sized_rows(suite: CodeQaSuite, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows at every size in `suite.multipliers` (1: as the corpus holds them), each tagged with its multiplier."""
+def sized_rows(suite: CodeQaSuite, rows: list[dict[str, Any]],
+               pools: dict[str, list[tuple[str, list[int]]]]) -> list[dict[str, Any]]:
+    """The rows at every size in `suite.multipliers` (1: as the corpus holds them), each tagged with its multiplier;
+    grown from their repositories' `pools` (held_out)."""
     sized = [{**row, "multiplier": 1} for row in rows] if 1 in suite.multipliers else []
-    grown = sorted(m for m in set(suite.multipliers) if m > 1)
-    if grown:
-        pools = repository_chunks(suite, {row["unit"] for row in rows})
-        for multiplier in grown:
-            sized += [grow_memory(row, pools[row["unit"]], multiplier, np.random.default_rng([suite.seed, multiplier, i]))
-                      for i, row in enumerate(rows)]
+    for multiplier in sorted(m for m in set(suite.multipliers) if m > 1):
+        sized += [grow_memory(row, pools[row["unit"]], multiplier, np.random.default_rng([suite.seed, multiplier, i]))
+                  for i, row in enumerate(rows)]
     return sized
 
 
@@ -258,43 +256,53 @@ def run_code_qa(settings: CodeQaSuite, source: Source, rows: list[dict[str, Any]
 
 
 # ---------------------------------------------------------------------------------------------- results
+def size_prefix(multiplier: int) -> str:
+    """Where a size's metrics live: `code_qa/...` for the rows' own memories, `code_qa/<m>x/...` for grown ones."""
+    return "code_qa" if multiplier == 1 else f"code_qa/{multiplier}x"
+
+
+def multipliers_of(rows: list[dict[str, Any]]) -> list[int]:
+    return sorted({int(r.get("multiplier", 1)) for r in rows})
+
+
+def add_rate(metrics: dict[str, Any], counts: dict[str, int], name: str, hits: list[bool]) -> None:
+    """A rate, its 95% Wilson interval (NAME/ci95) and its count."""
+    metrics[name] = sum(hits) / len(hits)
+    metrics[f"{name}/ci95"] = list(rate_interval(sum(hits), len(hits)))
+    counts[name] = len(hits)
+
+
 def code_qa_metrics(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, int]]:
-    """metrics (rates with their 95% Wilson intervals as NAME/ci95) and counts, from the scored rows: `code_qa/...`
-    for the rows' own memories, `code_qa/<m>x/...` for memories grown m times (with their mean chunks)."""
+    """metrics (rates with their 95% Wilson intervals) and counts, from the scored rows, per size (size_prefix), with
+    the mean chunks of grown memories."""
     metrics: dict[str, Any] = {}
     counts: dict[str, int] = {}
-    for multiplier in sorted({int(r.get("multiplier", 1)) for r in rows}):
+    for multiplier in multipliers_of(rows):
         sized = [r for r in rows if int(r.get("multiplier", 1)) == multiplier]
-        prefix = "code_qa" if multiplier == 1 else f"code_qa/{multiplier}x"
-
-        def add_rate(name: str, hits: list[bool]) -> None:
-            metrics[name] = sum(hits) / len(hits)
-            metrics[f"{name}/ci95"] = list(rate_interval(sum(hits), len(hits)))
-            counts[name] = len(hits)
-
-        add_rate(f"{prefix}/exact", [bool(r["exact"]) for r in sized])
+        prefix = size_prefix(multiplier)
+        add_rate(metrics, counts, f"{prefix}/exact", [bool(r["exact"]) for r in sized])
         for kind in sorted({r["kind"] for r in sized}):
-            add_rate(f"{prefix}/exact/{kind}", [bool(r["exact"]) for r in sized if r["kind"] == kind])
+            add_rate(metrics, counts, f"{prefix}/exact/{kind}", [bool(r["exact"]) for r in sized if r["kind"] == kind])
         agentic = [r for r in sized if r["agentic"]]
         if agentic:
-            add_rate(f"{prefix}/read_compliance", [bool(r["read"]) for r in agentic])
+            add_rate(metrics, counts, f"{prefix}/read_compliance", [bool(r["read"]) for r in agentic])
         read = [r for r in sized if not math.isnan(r["evidence_mass"])]  # a gca system's rows
         if read:
             metrics[f"{prefix}/attention/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
             counts[f"{prefix}/attention/evidence_mass"] = len(read)
-            add_rate(f"{prefix}/attention/top_chunk", [bool(r["top_chunk"]) for r in read])
+            add_rate(metrics, counts, f"{prefix}/attention/top_chunk", [bool(r["top_chunk"]) for r in read])
         if multiplier > 1:  # a repository smaller than m memories grows its rows as far as it goes
             metrics[f"{prefix}/memory_chunks"] = sum(r["memory_chunks"] for r in sized) / len(sized)
             counts[f"{prefix}/memory_chunks"] = len(sized)
     return metrics, counts
 
 
-def summary_line(name: str, metrics: dict[str, Any], counts: dict[str, int]) -> str:
+def summary_line(name: str, metrics: dict[str, Any], counts: dict[str, int], multipliers: list[int]) -> str:
     """One line per system: exact match, read compliance and where gca's attention went, at each size."""
     parts = []
-    for prefix in sorted({m.rsplit("/exact", 1)[0] for m in metrics if m.endswith("/exact")},
-                         key=lambda p: (p != "code_qa", len(p), p)):
-        size = "" if prefix == "code_qa" else f" at {prefix.split('/')[1]} ({metrics[f'{prefix}/memory_chunks']:.0f} chunks)"
+    for multiplier in sorted(multipliers):
+        prefix = size_prefix(multiplier)
+        size = "" if multiplier == 1 else f" at {multiplier}x ({metrics[f'{prefix}/memory_chunks']:.0f} chunks)"
         part = [f"code_qa{size} exact {metrics[f'{prefix}/exact']:.2f} (n={counts[f'{prefix}/exact']})"]
         if f"{prefix}/read_compliance" in metrics:
             part.append(f"read {metrics[f'{prefix}/read_compliance']:.2f} (n={counts[f'{prefix}/read_compliance']})")
@@ -313,14 +321,14 @@ class CodeQaEvaluation:
 
     def __init__(self, settings: CodeQaSuite, workers: Workers):
         self.settings, self.workers = settings, workers
-        self.rows = sized_rows(settings, held_out_rows(settings))
+        self.rows = sized_rows(settings, *held_out(settings))
 
     def run(self, source: Source) -> SuiteResult:
         rows = run_code_qa(self.settings, source, self.rows, self.workers)
         metrics, counts = code_qa_metrics(rows)
         with open(self.workers.out / f"code_qa_{source.name}.jsonl", "w") as answers:  # every answer, to read it
             answers.writelines(json.dumps(row) + "\n" for row in rows)
-        return SuiteResult(metrics, counts, {}, summary_line(source.name, metrics, counts))
+        return SuiteResult(metrics, counts, {}, summary_line(source.name, metrics, counts, multipliers_of(rows)))
 
     def close(self) -> None:
         pass

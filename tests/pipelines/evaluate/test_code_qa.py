@@ -24,8 +24,7 @@ from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.evaluate.code_qa import (CodeQaSuite, chunk_name, code_qa_metrics, evidence_indices, grow_memory,
-                                        held_out_rows, read_compliance, repository_chunks, score_answer, score_rows,
-                                        sized_rows, summary_line)
+                                        held_out, read_compliance, score_answer, score_rows, sized_rows, summary_line)
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
@@ -62,7 +61,9 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rows(corpus) -> list[dict]:
-    return held_out_rows(CodeQaSuite(corpus=str(corpus), max_rows=1000))
+    rows, pools = held_out(CodeQaSuite(corpus=str(corpus), max_rows=1000))
+    assert pools == {}  # no size above 1x asked: no pools read
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +233,14 @@ def test_memories_grow_with_their_held_out_repository_as_far_as_it_goes(corpus, 
     as they are in the repository (not a needle row's, which carry its needle), as many as the size asks or as the
     repository has (the shop has 23 and a Q&A row holds 16); an oracle is scored at each size apart."""
     suite = CodeQaSuite(corpus=str(corpus), multipliers=[1, 2, 4])
-    pool = repository_chunks(suite, {"shop"})["shop"]
+    chosen, pools = held_out(suite)
+    assert chosen == rows and set(pools) == {row["unit"] for row in rows} == {"shop"}
+    pool = pools["shop"]
     assert len(pool) == len({chunk_name(text) for text, _ in pool}) == 23
     assert not any("special magic number" in text for text, _ in pool)
-    sized = sized_rows(suite, rows)
+    first, few = held_out(CodeQaSuite(corpus=str(corpus), multipliers=[2], max_rows=1))
+    assert first == rows[:1] and few["shop"] == pool  # a repository's pool is whole, whatever rows are asked
+    sized = sized_rows(suite, rows, pools)
     assert [r for r in sized if r["multiplier"] == 1] == [{**r, "multiplier": 1} for r in rows]
     for grown, row in zip((r for r in sized if r["multiplier"] > 1), rows * 2, strict=True):
         others = [text for text, _ in pool if chunk_name(text) not in map(chunk_name, row["memory"])]
@@ -249,7 +254,7 @@ def test_memories_grow_with_their_held_out_repository_as_far_as_it_goes(corpus, 
     four = [r for r in sized if r["multiplier"] == 4]
     assert metrics["code_qa/4x/memory_chunks"] == sum(len(r["memory"]) for r in four) / len(four)
     assert "code_qa/memory_chunks" not in metrics
-    line = summary_line("oracle", metrics, counts)
+    line = summary_line("oracle", metrics, counts, [1, 2, 4])
     assert line.startswith("oracle: code_qa exact 1.00") and "; code_qa at 4x (" in line
     assert line.index("at 2x") < line.index("at 4x")
     assert "code_qa.multipliers" in " ".join(CodeQaSuite(corpus="c", multipliers=[0]).problems())
@@ -264,7 +269,7 @@ def test_refusals_name_the_fix(tmp_path, corpus):
 
     def refusal(directory) -> str:
         with pytest.raises(FileNotFoundError) as error:
-            held_out_rows(CodeQaSuite(corpus=str(directory)))
+            held_out(CodeQaSuite(corpus=str(directory)))
         return str(error.value)
 
     missing = refusal(tmp_path / "nope")
@@ -280,7 +285,7 @@ def test_refusals_name_the_fix(tmp_path, corpus):
     (only_train / "manifest.json").write_text(json.dumps({**manifest, "stage": 2}))
     assert "is a stage-2 corpus" in refusal(only_train)
     with pytest.raises(FileNotFoundError, match="no rows of tasks"):
-        held_out_rows(CodeQaSuite(corpus=str(corpus), tasks=[]))
+        held_out(CodeQaSuite(corpus=str(corpus), tasks=[]))
 
 
 @pytest.mark.ray
