@@ -66,26 +66,41 @@ def test_exact_match_needs_every_answer_token(variant, mode):
 
 class OneOrder(torch.nn.Module):
     """A stand-in model that answers multi_value questions with the two values in the order of `batch`'s answers
-    reversed (or `as_given`), whatever order its input holds: the truth elsewhere."""
+    reversed (or `as_given`), whatever order its input holds: the truth elsewhere. It knows a row by its question
+    and memory, not by its place in the batch, as a model does; it records the rows of every forward."""
 
     def __init__(self, batch, as_given: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.answers = {}  # (row, position before the token) -> the token this model predicts there
+        self.answers = {}  # (the row's question and memory, position before the token) -> the token predicted there
+        self.forwards = []  # rows per forward
+        memory = batch.get("memory_input_ids")
+        memory = None if memory is None else memory.repeat_interleave(len(batch["input_ids"]) // len(memory), dim=0)
         for row, positions in zip(batch["answer_rows"].tolist(), batch["answer_positions"].tolist(), strict=True):
             tokens = batch["input_ids"][row, positions].tolist()
             half = len(tokens) // 2
             order = tokens if as_given else tokens[half:] + tokens[:half]
-            self.answers |= {(row, p - 1): t for p, t in zip(positions, order, strict=True)}
+            known = self.known(batch["input_ids"][row, : positions[0]], None if memory is None else memory[row])
+            self.answers |= {(known, p - 1): t for p, t in zip(positions, order, strict=True)}
+
+    @staticmethod
+    def known(question, memory) -> tuple:
+        return tuple(question.tolist()), None if memory is None else tuple(memory.flatten().tolist())
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
     def forward(self, input_ids, memory_input_ids=None, **_):
+        self.forwards.append(len(input_ids))
+        if memory_input_ids is not None:  # row i reads memory i // r, as the model does
+            memory_input_ids = memory_input_ids.repeat_interleave(len(input_ids) // len(memory_input_ids), dim=0)
         following = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], EOS)], dim=1)
-        for (row, position), token in self.answers.items():
-            following[row, position] = token
+        for (known, position), token in self.answers.items():
+            for row in range(len(input_ids)):
+                memory = None if memory_input_ids is None else memory_input_ids[row]
+                if self.known(input_ids[row, : len(known[0])], memory) == known:
+                    following[row, position] = token
         return SimpleNamespace(logits=torch.nn.functional.one_hot(following, 512).float())
 
 
@@ -95,9 +110,16 @@ def test_multi_values_two_values_count_in_either_order_as_the_suite_counts_them(
     jobs/evaluate.py's string_match_all scores it; both values but one wrong digit is not."""
     spec = NeedleSpec(variants=("multi_value",))
     batch = needle_batch(spec, 3, [0, 1], mode, variant="multi_value", questions_per_row=1)
-    assert score_needles(OneOrder(batch, as_given=True), spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy == 1
-    reversed_order = score_needles(OneOrder(batch), spec, 3, [0, 1], mode=mode, variant="multi_value")
+    rows = len(batch["input_ids"])
+    given = OneOrder(batch, as_given=True)
+    assert score_needles(given, spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy == 1
+    assert given.forwards == [rows]  # nothing missed in memory order: no second forward
+    reversed_model = OneOrder(batch)
+    reversed_order = score_needles(reversed_model, spec, 3, [0, 1], mode=mode, variant="multi_value")
     assert reversed_order.accuracy == 1.0 and reversed_order.total == 2 * spec.questions
-    off = OneOrder(batch)
-    off.answers[next(iter(off.answers))] = 0  # a wrong digit
-    assert score_needles(off, spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy < 1
+    assert reversed_model.forwards == [rows, rows]
+    off = OneOrder(batch, as_given=True)
+    first_question = next(iter(off.answers))
+    off.answers[first_question] = 0  # a wrong digit in one question, in either order
+    assert score_needles(off, spec, 3, [0, 1], mode=mode, variant="multi_value").accuracy == 1 - 1 / rows
+    assert off.forwards == [rows, 1]  # only the missed question's row runs again
