@@ -186,11 +186,10 @@ class AwarenessServer:
         self.batching = {"batches": 0, "questions": 0, "sizes": {}, "generates": 0, "generate_s": 0.0}
 
     # ------------------------------------------------------------------------------------------------- model
-    def _encode_chunks(self, texts: list[str]) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunks): its unpadded states, and
-        its token ids."""
+    def _encode_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Each chunk alone through the model's encoder (AwarenessPyfunc.encode_chunk_ids): its unpadded states."""
         with self.model_lock:
-            return self.pyfunc.encode_chunks(texts), self.pyfunc.chunk_token_ids(texts)
+            return self.pyfunc.encode_chunk_ids(chunk_ids)
 
     @torch.no_grad()
     def _prepare(self, store):
@@ -280,7 +279,7 @@ class AwarenessServer:
         if any(not c for c in token_ids):
             raise HTTPException(422, "every chunk needs at least one token")
         try:
-            memory, how = await asyncio.to_thread(self.memories.create, chunks)
+            memory, how = await asyncio.to_thread(self.memories.create, chunks, token_ids)
         except StoreMismatch as e:
             raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
         return JSONResponse(memory.describe() | {"source": how}, status_code=201 if how == "encoded" else 200)

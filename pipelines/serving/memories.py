@@ -77,8 +77,9 @@ class Memory:
 
 
 class MemoryCache:
-    """LRU of prepared memories under `budget_bytes`, written through to `directory`. `encode(texts)` gives each
-    chunk's encoder states (tokens, H_enc) and its token ids; `prepare(store)` turns an opened store into a GCAMemory."""
+    """LRU of prepared memories under `budget_bytes`, written through to `directory`. `encode(chunk_ids)` gives each
+    chunk's encoder states (tokens, H_enc) from its token ids; `prepare(store)` turns an opened store into a
+    GCAMemory."""
 
     marker = MANIFEST  # the file that makes MEMORY_DIR/<id>/ a memory (written last)
 
@@ -97,8 +98,9 @@ class MemoryCache:
             raise UnknownMemory(id)
         return self.directory / id
 
-    def create(self, texts: list[str]) -> tuple[Memory, str]:
-        """(memory, how: cache | disk | encoded) for these chunk texts."""
+    def create(self, texts: list[str], chunk_ids: list[list[int]]) -> tuple[Memory, str]:
+        """(memory, how: cache | disk | encoded) for these chunk texts, given their token ids (the caller tokenized
+        them to check the memory's size: they are not tokenized again)."""
         id = self.id_of(texts)
         with self.lock:
             try:
@@ -107,19 +109,19 @@ class MemoryCache:
                 pass
             partial = self.directory / f".{id}.partial"
             shutil.rmtree(partial, ignore_errors=True)
-            self._write(partial, texts)
+            self._write(partial, texts, chunk_ids)
             shutil.rmtree(self.directory / id, ignore_errors=True)
             partial.replace(self.directory / id)  # a memory on disk is whole or absent
             self.counts["encoded"] += 1
-            return self._load(id), "encoded"
+            return self._load(id, chunk_ids), "encoded"
 
     def id_of(self, texts: list[str]) -> str:
         return memory_id(self.identity, texts)
 
-    def _write(self, directory: Path, texts: list[str]) -> None:
-        """These texts encoded into a memory store at `directory`."""
-        states, ids = self._encode(texts)
-        write(directory, [("memory", i, t) for i, t in enumerate(texts)], states, ids, self.identity, served=True)
+    def _write(self, directory: Path, texts: list[str], chunk_ids: list[list[int]]) -> None:
+        """These chunks encoded into a memory store at `directory`."""
+        write(directory, [("memory", i, t) for i, t in enumerate(texts)], self._encode(chunk_ids), chunk_ids,
+              self.identity, served=True)
 
     def get(self, id: str) -> tuple[Memory, str]:
         """The memory and where it came from (cache | disk); UnknownMemory, or StoreMismatch (another encoder)."""
@@ -132,15 +134,16 @@ class MemoryCache:
             self.counts["loaded"] += 1
             return self._load(id), "disk"
 
-    def _load(self, id: str) -> Memory:
-        """The memory on disk, read and made the most recently used."""
-        memory = self._read(id)
+    def _load(self, id: str, chunk_ids: list[list[int]] | None = None) -> Memory:
+        """The memory on disk, read and made the most recently used (`chunk_ids`: its chunks' token ids when they
+        are at hand, just written)."""
+        memory = self._read(id, chunk_ids)
         self.entries[id] = memory
         self._evict()
         return memory
 
-    def _read(self, id: str) -> Memory:
-        store = MemoryStore(self.path(id))
+    def _read(self, id: str, chunk_ids: list[list[int]] | None = None) -> Memory:
+        store = MemoryStore(self.path(id))  # it holds the token ids itself
         store.check(self.identity)
         gca_memory = self._prepare(store)
         return Memory(id, len(store.chunks), int(store.manifest["tokens"]), store.identity, gca_memory,
@@ -166,7 +169,8 @@ class MemoryCache:
 class TextMemories(MemoryCache):
     """A baseline's memories: chunk texts named by sha256 over the reading mode (`reads`: in_context, rag, none) and
     the texts, kept as MEMORY_DIR/<id>/chunks.json and warm under the same LRU budget with each chunk's token ids
-    (`tokenize(texts)`), tokenized once per memory, not once per question (8 bytes a token, and the texts)."""
+    (given when made, `tokenize(texts)` when read back from disk by this model's tokenizer), tokenized once per
+    memory, not once per question (8 bytes a token, and the texts)."""
 
     marker = "chunks.json"
 
@@ -177,16 +181,16 @@ class TextMemories(MemoryCache):
     def id_of(self, texts: list[str]) -> str:
         return hashlib.sha256(json.dumps({"reads": self.reads, "chunks": texts}, sort_keys=True).encode()).hexdigest()
 
-    def _write(self, directory: Path, texts: list[str]) -> None:
+    def _write(self, directory: Path, texts: list[str], chunk_ids: list[list[int]]) -> None:
         directory.mkdir()
         (directory / self.marker).write_text(json.dumps({"reads": self.reads, "chunks": texts}))
 
-    def _read(self, id: str) -> Memory:
+    def _read(self, id: str, chunk_ids: list[list[int]] | None = None) -> Memory:
         saved = json.loads((self.path(id) / self.marker).read_text())
         if saved.get("reads") != self.reads:  # an id names its mode, so only a hand-edited file gets here
             raise StoreMismatch(f"memory {id} was made for a {saved.get('reads')} model; this one reads {self.reads}")
         texts = saved["chunks"]
-        chunk_ids = self._tokenize(texts)
+        chunk_ids = chunk_ids if chunk_ids is not None else self._tokenize(texts)
         tokens = sum(len(ids) for ids in chunk_ids)
         return Memory(id, len(texts), tokens, None, None, 8 * tokens + sum(len(t) for t in texts), texts, chunk_ids)
 

@@ -144,10 +144,9 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         return self.identity
 
     @torch.no_grad()
-    def encode_chunks(self, texts: list[str]) -> list[torch.Tensor]:
-        """Each chunk alone through the model's encoder (as jobs/encode_memory.py does): its unpadded states
-        (tokens, H_enc), on the CPU."""
-        chunks = self.chunk_token_ids(texts)
+    def encode_chunk_ids(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Each chunk (its token ids) alone through the model's encoder (as jobs/encode_memory.py does): its
+        unpadded states (tokens, H_enc), on the CPU."""
         width = max(len(c) for c in chunks)
         ids = torch.full((len(chunks), 1, width), self.pad_token_id, dtype=torch.long)  # (C, 1, L_max): one a row
         mask = torch.zeros_like(ids)
@@ -163,8 +162,9 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def write_store(self, directory: str | Path, texts: list[str], **about: Any) -> dict[str, Any]:
         """These chunk texts encoded once into a memory store at `directory` (what a row's `memory_store` names).
         Returns its manifest."""
-        return write(directory, [("memory", i, t) for i, t in enumerate(texts)], self.encode_chunks(texts),
-                     self.chunk_token_ids(texts), self.encoder_identity(), **about)
+        chunk_ids = self.chunk_token_ids(texts)
+        return write(directory, [("memory", i, t) for i, t in enumerate(texts)], self.encode_chunk_ids(chunk_ids),
+                     chunk_ids, self.encoder_identity(), **about)
 
     def store_inputs(self, store: MemoryStore) -> dict[str, torch.Tensor]:
         """A store as this model's memory inputs: its states (chunked for a routing model) and, for lexical
