@@ -6,11 +6,14 @@ at rising concurrency (issue 27).
     python benchmarks/serve_load.py --quick             (levels 1 and 4, a few requests: what the test runs)
     python benchmarks/serve_load.py --dry-run           (the plan: levels, requests, ports, commands; starts nothing)
     python benchmarks/serve_load.py --model EXPORT --device cuda --dtype bfloat16 --serve-only   (a GPU replica)
+    python benchmarks/serve_load.py --ingress direct    (clients reach the replica itself, not Serve's HTTP proxy)
 
 (a) The Ray Serve application (pipelines/serving/app.py), started in this process on a local Ray: the memory created
 once with POST /v1/memories, every question a POST /v1/completions naming it (`memory: id`). Two passes per level:
 plain requests (what `@serve.batch` batches across clients: requests/s and latency) and `stream: true` requests (time
-to the first server-sent `data:` event; streamed requests decode alone, so they are not batched).
+to the first server-sent `data:` event; streamed requests decode alone, so they are not batched). `--ingress direct`
+turns on Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, experimental in Ray 2.60): the ingress replica
+runs its own HTTP server, on a port pinned here, and clients skip the proxy's hop (docs/serving.md, "Direct ingress").
 (b) `mlflow models serve -m models:/NAME/VERSION --env-manager local` of the same version, a subprocess, each question
 one POST /invocations of one row. MLflow has no streaming: its time to first token is its latency.
 
@@ -78,12 +81,13 @@ class Plan:
     max_batch_size: int
     batch_wait_ms: float
     workdir: str
-    serve_port: int
+    serve_port: int  # Serve's HTTP proxy
     mlflow_port: int | None  # mlflow models serve; None with --serve-only
     registry_port: int | None  # the own `mlflow server`, when one is started
     device: str = "auto"
     dtype: str = "auto"
     gpus: int = 0  # the Serve replica's num_gpus (1 when the model is placed on a GPU)
+    direct_port: int | None = None  # --ingress direct: the replica's own HTTP port, where the clients go
     commands: dict[str, str] = field(default_factory=dict)
 
 
@@ -102,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto",
                    help="where both servers place the model: auto (a GPU if seen), cpu, cuda")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoints' own), float32, bfloat16 or float16")
+    p.add_argument("--ingress", choices=["proxy", "direct"], default="proxy",
+                   help="how clients reach the Serve replica: through Serve's HTTP proxy (the default) or straight "
+                        "to the replica's own HTTP server (Ray Serve's direct ingress, experimental)")
     p.add_argument("--serve-only", action="store_true", help="no mlflow: the Serve app alone, an export served as a "
                                                              "directory (for a box without MLflow's server)")
     p.add_argument("--workdir", default=None, help="where the setup, memory store and logs go (default: a temp dir)")
@@ -149,7 +156,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 request_timeout_s=args.request_timeout, threads=args.threads, max_batch_size=args.max_batch_size,
                 batch_wait_ms=args.batch_wait_ms, workdir=workdir, serve_port=free_port(),
                 mlflow_port=None if args.serve_only else free_port(), registry_port=registry.port if registry else None,
-                device=args.device, dtype=args.dtype, gpus=gpus)
+                device=args.device, dtype=args.dtype, gpus=gpus,
+                direct_port=free_port() if args.ingress == "direct" else None)
     if registry:
         plan.commands["registry"] = shlex.join(registry.command)
     if not args.serve_only:
@@ -157,12 +165,27 @@ def make_plan(args: argparse.Namespace) -> Plan:
         plan.commands["mlflow"] = (f"OMP_NUM_THREADS={args.threads} MLFLOW_TRACKING_URI={plan.tracking_uri} "
                                    f"MLFLOW_PYFUNC_INFERENCE_CONFIG='{json.dumps(placement_config(plan))}' "
                                    + shlex.join(served.command))
-    plan.commands["serve"] = (f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
+    plan.commands["serve"] = (" ".join(f"{k}={v}" for k, v in direct_ingress_env(plan).items())
+                              + ("; " if plan.direct_port else "") + f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
                               f"{{'host': '127.0.0.1', 'port': {plan.serve_port}}}); serve.run(AwarenessServer.options("
                               f"ray_actor_options={replica_options(plan)}).bind(model='{model}', memory_dir="
                               f"'{workdir}/memories', max_batch_size={args.max_batch_size}, batch_wait_timeout_s="
                               f"{args.batch_wait_ms / 1000}, device='{args.device}', dtype='{args.dtype}'))")
     return plan
+
+
+def direct_ingress_env(plan: Plan) -> dict[str, str]:
+    """Ray Serve's direct ingress, its HTTP port pinned to the plan's (one replica; its gRPC server keeps Ray's range):
+    read by Serve's controller and replicas when they start, so it is in the environment Ray starts with."""
+    if plan.direct_port is None:
+        return {}
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(plan.direct_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(plan.direct_port + 1)}  # Serve's range excludes its end
+
+
+def serve_url(plan: Plan) -> str:
+    """Where the Serve clients go: the replica itself with direct ingress, else Serve's HTTP proxy."""
+    return f"http://127.0.0.1:{plan.direct_port or plan.serve_port}"
 
 
 def placement_config(plan: Plan) -> dict[str, str]:
@@ -230,7 +253,8 @@ def start_serve(plan: Plan, model: str, stack: ExitStack) -> None:
     # this repository first, then whatever this process was given (a GPU box's bundled site, benchmarks/gpu_check.py)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(plan.threads),
-           **({"MLFLOW_TRACKING_URI": plan.tracking_uri} if plan.tracking_uri else {})}
+           **({"MLFLOW_TRACKING_URI": plan.tracking_uri} if plan.tracking_uri else {}), **direct_ingress_env(plan)}
+    os.environ.update(direct_ingress_env(plan))  # Serve's controller reads it at start, in the Ray this process starts
     ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=plan.gpus, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": env})
     stack.callback(ray.shutdown)
@@ -522,7 +546,9 @@ def summary(plan: Plan, model: str, floor: dict[str, float], correctness, rows) 
     return {"benchmark": "serve_load", "model": model, "device": plan.device, "dtype": plan.dtype,
             "gpus": plan.gpus, "gpu": torch.cuda.get_device_name(0) if plan.gpus else None,
             "threads": plan.threads, "cpus": os.cpu_count(),
-            "ports": {"serve": plan.serve_port, "mlflow": plan.mlflow_port, "registry": plan.registry_port},
+            "ports": {"serve": plan.serve_port, "mlflow": plan.mlflow_port, "registry": plan.registry_port,
+                      "direct": plan.direct_port},
+            "ingress": "direct" if plan.direct_port else "proxy",
             "max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms,
             "in_process_ms": floor, "correctness": correctness, "errors": errors,
             "mismatches": mismatches, "rps_ratio": {str(r["concurrency"]): r["rps_ratio"] for r in rows},
@@ -547,7 +573,8 @@ def run(plan: Plan) -> dict[str, Any]:
                                                              "MLFLOW_PYFUNC_INFERENCE_CONFIG":
                                                                  json.dumps(placement_config(plan))})
             stack.callback(served.stop)
-        progress(f"serving {model} ({plan.device}, {plan.dtype}); Serve on 127.0.0.1:{plan.serve_port}"
+        progress(f"serving {model} ({plan.device}, {plan.dtype}); Serve at {serve_url(plan)}"
+                 + (" (direct ingress)" if plan.direct_port else "")
                  + (f", mlflow models serve on 127.0.0.1:{plan.mlflow_port}" if served else ""))
         with ThreadPoolExecutor(1) as pool:  # mlflow models serve loads while Ray and Serve start
             starting = pool.submit(served.start) if served else None
@@ -572,16 +599,15 @@ def run(plan: Plan) -> dict[str, Any]:
             raise AssertionError(f"the pyfunc answers differently over the store: {stored} vs {list(expected.values())}")
         import httpx
 
-        created = httpx.post(f"http://127.0.0.1:{plan.serve_port}/v1/memories", json={"chunks": chunks}, timeout=120)
+        created = httpx.post(f"{serve_url(plan)}/v1/memories", json={"chunks": chunks}, timeout=120)
         created.raise_for_status()
         memory = created.json()["id"]
         progress(f"memory {memory[:12]} ({len(chunks)} chunks) created on Serve, store {store} for mlflow; "
                  f"{len(questions)} questions; in this process, ms: {floor}")
-        serve_url = f"http://127.0.0.1:{plan.serve_port}"
         roots = {**({"mlflow_server": served.process.pid} if served else {}),
                  **({"registry": registry.process.pid} if registry else {})}
-        systems = {"serve": ServeClient(serve_url, memory, stream=False),
-                   "serve_stream": ServeClient(serve_url, memory, stream=True),
+        systems = {"serve": ServeClient(serve_url(plan), memory, stream=False),
+                   "serve_stream": ServeClient(serve_url(plan), memory, stream=True),
                    **({"mlflow": MlflowModelClient(served.url, str(store))} if served else {})}
         correctness, levels = asyncio.run(run_levels(plan, systems, questions, expected, roots))
         return summary(plan, model, floor, correctness, levels)
@@ -596,7 +622,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             print(f"  level {c:>3} clients: {plan.requests[c]} requests per system (Serve, Serve streamed"
                   f"{'' if plan.mlflow_port is None else ', mlflow'}), "
                   f"at most {plan.time_limit_s:g} s")
-        print(f"  ports: Serve {plan.serve_port}"
+        print(f"  ports: Serve {plan.serve_port}" + (f" (clients: direct ingress {plan.direct_port})"
+                                                     if plan.direct_port else "")
               + (f", mlflow models serve {plan.mlflow_port}" if plan.mlflow_port else "")
               + (f", mlflow server {plan.registry_port}" if plan.registry_port else ""))
         for name, command in plan.commands.items():

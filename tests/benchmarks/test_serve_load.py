@@ -71,6 +71,23 @@ def test_the_dry_run_prints_the_plan_and_starts_nothing(serve_load, capsys, tmp_
     assert "models:/awareness@candidate" in quick["commands"]["mlflow"]
 
 
+def test_direct_ingress_pins_the_replicas_port_and_the_clients_go_there(serve_load, capsys):
+    """--ingress direct: Ray Serve's direct ingress on, its HTTP port range exactly the plan's port (Serve's range
+    excludes its end), and that port is where the Serve clients go; without it, Serve's proxy port."""
+    serve_load.main(["--quick", "--ingress", "direct", "--dry-run"])
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    port = plan["direct_port"]
+    assert port and port not in (plan["serve_port"], plan["mlflow_port"], plan["registry_port"])
+    assert plan["commands"]["serve"].startswith(
+        f"RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT={port} "
+        f"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT={port + 1}; ray.init(")
+    direct = serve_load.Plan(**{k: v for k, v in plan.items() if k not in ("dry_run", "benchmark")})
+    assert serve_load.serve_url(direct) == f"http://127.0.0.1:{port}"
+    proxied = serve_load.Plan(**{**{k: v for k, v in plan.items() if k not in ("dry_run", "benchmark")}, "direct_port": None})
+    assert serve_load.serve_url(proxied) == f"http://127.0.0.1:{plan['serve_port']}"
+    assert serve_load.direct_ingress_env(proxied) == {}
+
+
 def test_the_documented_commands_dry_run(serve_load, capsys):
     """docs/benchmarks.md and docs/serving.md show `python benchmarks/serve_load.py ...`: each parses and plans."""
     text = "".join((ROOT / "docs" / name).read_text() for name in ("benchmarks.md", "serving.md"))
@@ -95,8 +112,10 @@ def test_a_replica_asks_for_a_gpu_exactly_when_the_model_is_placed_on_one(serve_
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_quick_run_reports_both_systems_with_no_errors_and_the_pyfuncs_answers(tmp_path):
-    done, report = run("--quick", "--workdir", str(tmp_path / "w"), timeout=600)
+@pytest.mark.parametrize("ingress", ["proxy", "direct"])
+def test_a_quick_run_reports_both_systems_with_no_errors_and_the_pyfuncs_answers(tmp_path, ingress):
+    done, report = run("--quick", "--workdir", str(tmp_path / "w"), "--ingress", ingress, timeout=600)
+    assert report["ingress"] == ingress and bool(report["ports"]["direct"]) == (ingress == "direct")
     assert report["benchmark"] == "serve_load" and re.fullmatch(r"models:/awareness-serve-load/\d+", report["model"])
     assert [row["concurrency"] for row in report["levels"]] == [1, 4]
     for row in report["levels"]:
