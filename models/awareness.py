@@ -48,6 +48,7 @@ class AwarenessConfig:
     memory_summaries: int = 1  # routing's summary keys per chunk (one per block of chunk_len / this tokens)
     memory_chunk_weights: str = "attention"  # routing's mix of the chosen chunks: attention | router (models/gca.py)
     memory_lexical_routing: float = 0.0  # weight of the question's lexical prior on chunk scores (models/lexical.py)
+    memory_lexical_reading: float | None = None  # its weight in eval mode (evaluation, generate, serving); None: the same
     format_version: int = 1
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
@@ -116,6 +117,7 @@ class AwarenessModel(nn.Module):
         memory_summaries: int = 1,
         memory_chunk_weights: str = "attention",
         memory_lexical_routing: float = 0.0,
+        memory_lexical_reading: float | None = None,
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -127,7 +129,7 @@ class AwarenessModel(nn.Module):
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
         check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries,
-                             memory_chunk_weights, memory_lexical_routing)
+                             memory_chunk_weights, memory_lexical_routing, memory_lexical_reading)
         self._routers = memory_top_k > 0
         self._memory_top_k = memory_top_k
         self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
@@ -151,8 +153,12 @@ class AwarenessModel(nn.Module):
         self.config.memory_routing_loss, self.config.memory_summaries = memory_routing_loss, memory_summaries
         self.config.memory_chunk_weights = memory_chunk_weights
         self.config.memory_lexical_routing = memory_lexical_routing
+        self.config.memory_lexical_reading = memory_lexical_reading
         self.memory_summaries, self.memory_chunk_weights = memory_summaries, memory_chunk_weights
         self.memory_lexical_routing = memory_lexical_routing
+        # The prior's weight when reading (eval mode): trained at a small weight the learned router still learns to
+        # rank, read at a larger one the prior outvotes it where it misranks (docs/evaluation.md, "Reading weight")
+        self.memory_lexical_reading = memory_lexical_reading
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -196,6 +202,7 @@ class AwarenessModel(nn.Module):
         memory_summaries: int = 1,
         memory_chunk_weights: str = "attention",
         memory_lexical_routing: float = 0.0,
+        memory_lexical_reading: float | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -218,8 +225,8 @@ class AwarenessModel(nn.Module):
         return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
                    memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss,
                    memory_summaries=memory_summaries, memory_chunk_weights=memory_chunk_weights,
-                   memory_lexical_routing=memory_lexical_routing, config=config,
-                   partitioner=partitioner)
+                   memory_lexical_routing=memory_lexical_routing, memory_lexical_reading=memory_lexical_reading,
+                   config=config, partitioner=partitioner)
 
     @staticmethod
     def _init_added(blocks: list[nn.Module], std: float, partitioner: Partitioner = UNPARTITIONED,
@@ -366,6 +373,13 @@ class AwarenessModel(nn.Module):
         routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
         return bool(routed) and routed[0].prior is None
 
+    def lexical_weight(self) -> float:
+        """The question prior's weight now: memory_lexical_routing in training, memory_lexical_reading (when set) in
+        eval mode."""
+        if self.training or self.memory_lexical_reading is None:
+            return self.memory_lexical_routing
+        return self.memory_lexical_reading
+
     def with_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor, *,
                       segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                       memory_segment_ids: torch.Tensor | None = None) -> GCAMemory | None:
@@ -393,8 +407,8 @@ class AwarenessModel(nn.Module):
             rows = input_ids.shape[0] // b_mem
             prior = question_prior(input_ids.view(b_mem, rows, -1), question_mask.view(b_mem, rows, -1).bool(), ids,
                                    token_mask)  # (B_mem, R, C)
-        layers = {i: kv if kv.routing is None else replace(
-                      kv, routing=replace(kv.routing, prior=self.memory_lexical_routing * prior))
+        weight = self.lexical_weight()
+        layers = {i: kv if kv.routing is None else replace(kv, routing=replace(kv.routing, prior=weight * prior))
                   for i, kv in gca_memory.layers.items()}
         return replace(gca_memory, layers=layers)
 
@@ -591,6 +605,7 @@ class AwarenessModel(nn.Module):
             memory_summaries=config.memory_summaries,
             memory_chunk_weights=config.memory_chunk_weights,
             memory_lexical_routing=config.memory_lexical_routing,
+            memory_lexical_reading=config.memory_lexical_reading,
             dtype=dtype,
             device=device,
         )

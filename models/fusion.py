@@ -46,7 +46,8 @@ CHUNK_WEIGHTS = ("attention", "router")  # how routing mixes a query's chosen ch
 
 def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
                          memory_routing_loss: float, memory_summaries: int = 1,
-                         memory_chunk_weights: str = "attention", memory_lexical_routing: float = 0.0) -> None:
+                         memory_chunk_weights: str = "attention", memory_lexical_routing: float = 0.0,
+                         memory_lexical_reading: float | None = None) -> None:
     """Chunk routing and the length-aware scale (models/gca.py) belong to the fusions that read the memory in an
     attention of their own (gca, cross). Merged attention shares one softmax between the decoder's own tokens and the
     memory, where neither fits without changing the pretrained attention: refused."""
@@ -68,6 +69,9 @@ def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
     if memory_lexical_routing < 0 or (memory_lexical_routing and not memory_top_k):
         raise ValueError(f"memory_lexical_routing ({memory_lexical_routing}) weighs the question's lexical prior on "
                          f"routing's chunk scores: give a weight >= 0, and memory_top_k > 0 with a positive one")
+    if memory_lexical_reading is not None and (memory_lexical_reading < 0 or not memory_lexical_routing):
+        raise ValueError(f"memory_lexical_reading ({memory_lexical_reading}) is the lexical prior's weight when reading: "
+                         f"give a weight >= 0 with a positive memory_lexical_routing (the prior trained with), or None")
     if fusion == "merged" and (memory_top_k or memory_logn_scale):
         raise ValueError("memory_top_k and memory_logn_scale route and scale a memory-only attention (fusion gca or "
                          "cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "

@@ -199,6 +199,7 @@ def build_pair(
     memory_summaries: int = 1,
     memory_chunk_weights: str = "attention",
     memory_lexical_routing: float = 0.0,
+    memory_lexical_reading: float | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
@@ -219,14 +220,15 @@ def build_pair(
       bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
     - fusion: how the decoder reads the memory, gca | cross | merged (models/fusion.py).
     - memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries, memory_chunk_weights,
-      memory_lexical_routing: chunk routing (models/gca.py, models/lexical.py) and the length-aware scale.
+      memory_lexical_routing, memory_lexical_reading: chunk routing (models/gca.py, models/lexical.py) and the length-aware scale.
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
     spec = get_pair(name)
     reading = dict(memory_top_k=memory_top_k, memory_logn_scale=memory_logn_scale,
                    memory_routing_loss=memory_routing_loss, memory_summaries=memory_summaries,
-                   memory_chunk_weights=memory_chunk_weights, memory_lexical_routing=memory_lexical_routing)
+                   memory_chunk_weights=memory_chunk_weights, memory_lexical_routing=memory_lexical_routing,
+                   memory_lexical_reading=memory_lexical_reading)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if torch.device(device).type == "meta" or random_init:
         if partitioner is not UNPARTITIONED:

@@ -15,7 +15,8 @@ def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -
     ZeRO-3 `partitioner` (pipelines.train.engine.zero3_loading)."""
     reading = {"memory_top_k": cfg.memory_top_k, "memory_logn_scale": cfg.memory_logn_scale,
                "memory_routing_loss": cfg.memory_routing_loss, "memory_summaries": cfg.memory_summaries,
-               "memory_chunk_weights": cfg.memory_chunk_weights, "memory_lexical_routing": cfg.memory_lexical_routing}
+               "memory_chunk_weights": cfg.memory_chunk_weights, "memory_lexical_routing": cfg.memory_lexical_routing,
+               "memory_lexical_reading": cfg.memory_lexical_reading}
     if cfg.memory != "gca" or cfg.fusion == "merged":  # the prompt, or the decoder's own softmax: nothing to route
         reading = {}
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,

@@ -175,6 +175,7 @@ def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, tri
     top_k = 0 if fusion == "merged" else int(params.get("memory_top_k", base.model.memory_top_k))  # gca, cross only
     # without routing (k = 0, or merged) routing's companions mean nothing: their off values, so the trial validates
     unrouted = {} if top_k else {"memory_chunk_weights": "attention", "memory_lexical_routing": 0.0,
+                                 "memory_lexical_reading": None,
                                  "memory_routing_grad": False}
     model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]),
                                 fusion=fusion, memory_top_k=top_k, **unrouted)

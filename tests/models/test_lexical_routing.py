@@ -121,6 +121,34 @@ def test_cached_decoding_generate_and_save_load_with_lexical_routing(checkpoint_
     torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
 
 
+def test_the_reading_weight_holds_in_eval_mode_only_and_is_saved(checkpoint_root, tmp_path):
+    """memory_lexical_reading: the prior's weight when the model reads (eval mode); training keeps
+    memory_lexical_routing's. Read, the model is the same one trained at the reading weight (logits equal); saved and
+    loaded, it reads the same."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=2, memory_chunk_weights="router", memory_lexical_routing=1.5,
+                            memory_lexical_reading=6.0)  # the two chunks read are mixed by their scores, prior in
+    mem, mask = memory_batch(chunks=4)
+    prompt = torch.cat([random_ids(2, 3, vocab=DEC_VOCAB, seed=1), mem[:, 2, :2]], dim=1)
+    question = torch.ones_like(prompt, dtype=torch.bool)
+    unasked = routed.prepare_memory(mem, mask)
+    prior = question_prior(prompt[:, None], question[:, None], mem, mask.bool())
+    for training, weight in ((True, 1.5), (False, 6.0)):
+        routed.train(training)
+        layer = next(iter(routed.with_question(unasked, prompt, question).layers.values()))
+        torch.testing.assert_close(layer.routing.prior, weight * prior)
+    routed.eval()
+    read = logits(routed, prompt, mem, mask)
+    routed.memory_lexical_routing, routed.memory_lexical_reading = 6.0, None  # trained at 6, read as trained
+    torch.testing.assert_close(logits(routed, prompt, mem, mask), read)
+    routed.memory_lexical_routing = 1.5
+    assert not torch.allclose(logits(routed, prompt, mem, mask), read)  # the weight it trained at reads otherwise
+    routed.memory_lexical_reading = 6.0
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (1.5, 6.0)
+    torch.testing.assert_close(logits(loaded, prompt, mem, mask), read, rtol=1e-5, atol=1e-5)
+
+
 def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
     full, routed = routed_pair(checkpoint_root, "gca", k=3, memory_lexical_routing=5.0)
     ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=3)
@@ -133,6 +161,10 @@ def test_refusals(checkpoint_root):
         routed_pair(checkpoint_root, "gca", k=0, memory_lexical_routing=1.0)
     with pytest.raises(ValueError, match="memory_lexical_routing"):
         routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=-1.0)
+    with pytest.raises(ValueError, match="memory_lexical_reading .* with a positive memory_lexical_routing"):
+        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_reading=10.0)
+    with pytest.raises(ValueError, match="memory_lexical_reading"):
+        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=1.0, memory_lexical_reading=-1.0)
     _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=1.0)
     mem, mask = memory_batch()
     states, states_mask = routed.encode_memory(mem, mask)

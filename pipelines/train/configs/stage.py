@@ -53,6 +53,10 @@ class ModelConfig:
     # the question's rare tokens is scored up by their idf, as BM25 ranks, so among near-alike chunks the one naming
     # what is asked is read. 0: the learned router alone. Needs one question a row (no packing)
     memory_lexical_routing: float = 0.0
+    # With lexical routing: the prior's weight when the export reads (evaluation, generate, serving: eval mode); None:
+    # memory_lexical_routing. Trained at a small weight the learned router still learns; read at a larger one the
+    # prior outvotes it where it misranks a memory's filler above a fact (docs/evaluation.md, "Reading weight")
+    memory_lexical_reading: float | None = None
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
@@ -127,6 +131,9 @@ class ModelConfig:
         if m.memory_lexical_routing < 0 or (m.memory_lexical_routing and not m.memory_top_k):
             p.append(f"model.memory_lexical_routing ({m.memory_lexical_routing}) weighs the question's lexical prior "
                      f"on routing's chunk scores: give a weight >= 0, and model.memory_top_k > 0 with a positive one")
+        if m.memory_lexical_reading is not None and (m.memory_lexical_reading < 0 or not m.memory_lexical_routing):
+            p.append(f"model.memory_lexical_reading ({m.memory_lexical_reading}) is the lexical prior's weight when "
+                     f"reading: give a weight >= 0 with a positive model.memory_lexical_routing, or None")
         if m.memory_routing_grad and not m.memory_top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")

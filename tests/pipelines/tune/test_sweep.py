@@ -186,12 +186,14 @@ def test_memory_top_k_is_a_choice_of_the_search_space():
     assert trial_config(base, {**params, "fusion": "merged"}, "s", "t2").model.memory_top_k == 0
     # a base that routes with the lexical prior and router weights: the k = 0 trial reads without them, validly
     lexical = dataclasses.replace(base, model=dataclasses.replace(base.model, memory_top_k=2, memory_lexical_routing=1.0,
+                                                                  memory_lexical_reading=10.0,
                                                                   memory_chunk_weights="router"))
     unrouted = trial_config(lexical, {**params, "fusion": "gca", "memory_top_k": 0}, "s", "t3").model
-    assert (unrouted.memory_top_k, unrouted.memory_lexical_routing, unrouted.memory_chunk_weights) == (0, 0.0,
-                                                                                                       "attention")
+    assert (unrouted.memory_top_k, unrouted.memory_lexical_routing, unrouted.memory_lexical_reading,
+            unrouted.memory_chunk_weights) == (0, 0.0, None, "attention")
     routed = trial_config(lexical, {**params, "fusion": "gca"}, "s", "t4").model
-    assert (routed.memory_top_k, routed.memory_lexical_routing, routed.memory_chunk_weights) == (4, 1.0, "router")
+    assert (routed.memory_top_k, routed.memory_lexical_routing, routed.memory_lexical_reading,
+            routed.memory_chunk_weights) == (4, 1.0, 10.0, "router")
 
 
 def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):

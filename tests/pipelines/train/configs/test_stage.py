@@ -192,7 +192,11 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
                              "model.memory_chunk_weights must be one of attention, router"),
                             (["--model.memory_lexical_routing", "1"], "model.memory_top_k > 0 with a positive one"),
                             (["--model.memory_top_k", "2", "--model.memory_lexical_routing", "-1"],
-                             "give a weight >= 0")):
+                             "give a weight >= 0"),
+                            (["--model.memory_top_k", "2", "--model.memory_lexical_reading", "10"],
+                             "with a positive model.memory_lexical_routing"),
+                            (["--model.memory_top_k", "2", "--model.memory_lexical_routing", "3",
+                              "--model.memory_lexical_reading", "-1"], "model.memory_lexical_reading (-1.0)")):
         with pytest.raises(SystemExit):
             parse_config(flags, DEFAULT)
         assert expected in capsys.readouterr().err
@@ -207,7 +211,11 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     assert loaded.memory_chunk_weights == "router"
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_lexical_routing", "1.5"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "lexical"))
-    assert loaded.memory_lexical_routing == 1.5
+    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (1.5, None)
+    config = parse_config(["--model.memory_top_k", "2", "--model.memory_lexical_routing", "3",
+                           "--model.memory_lexical_reading", "10"], DEFAULT)
+    loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "reading"))
+    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (3.0, 10.0)
 
 
 @pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "./mlruns"])
