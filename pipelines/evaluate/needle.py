@@ -18,6 +18,7 @@ facts near-identical to the asked ones. A system trained on two-token keys is as
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable
@@ -124,7 +125,9 @@ def answer_probe(system: System, probe: Probe) -> list[list[int]]:
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
-    found), the depth bin of the fact holding the answer, and for gca where its attention went."""
+    found), whole (the answer is its references and nothing else, in some order, ended within the budget: RULER's
+    match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the answer,
+    and for gca where its attention went."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
     answers = answer_probe(system, probe)
     read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
@@ -134,7 +137,7 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
         rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
                      "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
-                     "score": score, "exact": score == 1.0, "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
+                     "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs), "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
                      "evidence_mass": read.get("evidence_mass", float("nan")),
                      "top_chunk": read.get("top_chunk", float("nan"))})
     return rows
@@ -213,6 +216,12 @@ def collect_with_progress(rows: Iterable[dict[str, Any]], progress: Progress) ->
     return out
 
 
+def is_whole_answer(answer: list[int], references) -> bool:
+    """The answer (cut at EOS) is the references' tokens, one after another in some order, and nothing else."""
+    return any(answer == [token for ref in order for token in ref]
+               for order in itertools.permutations([list(ref) for ref in references]))
+
+
 def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int) -> tuple[dict, dict, dict]:
     """metrics (rates with their 95% Wilson intervals), counts, and the single-needle heatmap (depth x size)."""
     metrics: dict[str, Any] = {}
@@ -226,6 +235,9 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
         metrics[name] = exact / len(group)
         metrics[f"{name}/ci95"] = list(rate_interval(exact, len(group)))
         metrics[f"{name}/string_match"] = sum(float(r["score"]) for r in group) / len(group)
+        whole = sum(bool(r["whole"]) for r in group)
+        metrics[f"{name}/whole_answer"] = whole / len(group)
+        metrics[f"{name}/whole_answer/ci95"] = list(rate_interval(whole, len(group)))
         counts[name] = len(group)
         read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
         if read:
@@ -256,7 +268,8 @@ class NeedleEvaluation:
         rows = run_needles(self.settings, source, self.workers)
         metrics, counts, heatmap = needle_metrics(rows, needle_spec(source.system), self.settings.depth_bins)
         single = {k: v for k, v in metrics.items() if k.startswith("needle/single/") and k.endswith("x")}
-        line = f"{source.name}: needle " + "  ".join(f"{k.split('/')[-1]} {v:.2f}" for k, v in single.items())
+        line = f"{source.name}: needle " + "  ".join(f"{k.split('/')[-1]} {v:.2f} (whole {metrics[f'{k}/whole_answer']:.2f})"
+                                                     for k, v in single.items())
         return SuiteResult(metrics, counts, {"heatmaps": heatmap}, line)
 
     def close(self) -> None:

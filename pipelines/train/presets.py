@@ -29,11 +29,11 @@ STAGE0 = StageConfig(
     # attention fell to 0.16 on many similar facts at 64x, this holds 0.95 (docs/evaluation.md, "Lexical routing").
     # The prior at weight 3, not 1: at 1 the learned router outvoted it on 2x-4x memories (multi_value 0.60 at 4x,
     # 0.30 at 2x: the answer stopped after one value); at 3, 0.94 at 4x, the rest unchanged ("The prior's weight").
-    # Read at 10: a second run at 3 answered multi_value at 4x 0.03 read at 3 and 1.00 read at 10, and no cell of
-    # either run read lower at 10 ("Reading weight"); trained at 10 the router learned less (multi_value 0.86-0.91).
+    # Read as trained: read at 10 (memory_lexical_reading) multi_value's 2x-8x dip goes, but a single answer no
+    # longer ends, the value is given again (whole answers 0.98 -> 0.00 at 1x; "Reading weight").
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full", gca_gate_init=0.3, memory_top_k=2, memory_chunk_weights="router",
-                      memory_lexical_routing=3.0, memory_lexical_reading=10.0),
+                      memory_lexical_routing=3.0),
     # The RULER tasks the evaluation scores, once the lookup has formed on the base task (needle.base_steps: a
     # mixture from the first step never left the chance plateau): 4,000 steps of single questions, then 3,000 of the
     # mixture, the two new answer formats weighted up. All at the base size: routing carries them to 64x.

@@ -10,8 +10,8 @@ from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.efficiency import efficiency_row
-from pipelines.evaluate.needle import (VARIANTS, answer_probe, as_text, make_probe, memory_attention, needle_metrics,
-                                       score_probe, system_prompts)
+from pipelines.evaluate.needle import (VARIANTS, answer_probe, as_text, is_whole_answer, make_probe, memory_attention,
+                                       needle_metrics, score_probe, system_prompts)
 from tests.pipelines.evaluate.test_job import export_of
 
 SPEC = NeedleSpec()
@@ -70,12 +70,25 @@ def test_systems_see_the_memory_where_they_read_it():
     assert system_prompts(probe, MemoryMode("none"))["input_ids"].tolist() == probe.questions
 
 
+def test_a_whole_answer_is_its_references_and_nothing_else():
+    """RULER's string match passes an answer that holds the value and runs on (the value twice, a digit more): a
+    whole answer is the references in some order, ended."""
+    value, other = [11, 12, 13], [14, 15, 16]
+    assert is_whole_answer([11, 12, 13], [value])
+    assert not is_whole_answer([11, 12, 13, 11], [value]) and not is_whole_answer([11, 12, 13] * 2, [value])
+    assert not is_whole_answer([11, 12], [value])
+    assert is_whole_answer(value + other, [value, other]) and is_whole_answer(other + value, [value, other])
+    assert not is_whole_answer(value, [value, other]) and not is_whole_answer(value + value, [value, other])
+
+
 def test_needle_metrics_count_rates_intervals_and_the_heatmap():
-    rows = [{"variant": "single", "multiplier": 1, "exact": e, "score": float(e), "depth_bin": b}
-            for e, b in [(True, 0), (True, 0), (False, 1), (True, 1)]]
-    rows += [{"variant": "multi_value", "multiplier": 4, "exact": False, "score": 0.5, "depth_bin": 0}] * 2
+    rows = [{"variant": "single", "multiplier": 1, "exact": e, "score": float(e), "whole": w, "depth_bin": b}
+            for e, w, b in [(True, True, 0), (True, False, 0), (False, False, 1), (True, True, 1)]]
+    rows += [{"variant": "multi_value", "multiplier": 4, "exact": False, "score": 0.5, "whole": False,
+              "depth_bin": 0}] * 2
     metrics, counts, heatmap = needle_metrics(rows, SPEC, depth_bins=2)
     assert metrics["needle/single/1x"] == 0.75 and counts["needle/single/1x"] == 4
+    assert metrics["needle/single/1x/whole_answer"] == 0.5 and metrics["needle/multi_value/4x/whole_answer"] == 0.0
     low, high = metrics["needle/single/1x/ci95"]
     assert low < 0.75 < high
     assert metrics["needle/multi_value/4x"] == 0.0 and metrics["needle/multi_value/4x/string_match"] == 0.5
@@ -108,6 +121,7 @@ def test_answers_are_the_models_greedy_continuation(tmp_path, checkpoint_root):
     rows = score_probe(system, "single", 1, seed=0, index=0)
     want = [float(as_text(refs[0])[:-1] in as_text(answer)) for answer, refs in zip(answers, probe.references)]
     assert [r["score"] for r in rows] == want
+    assert [r["whole"] for r in rows] == [answer == list(refs[0]) for answer, refs in zip(answers, probe.references)]
 
 
 def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_path, checkpoint_root):
