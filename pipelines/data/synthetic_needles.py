@@ -388,8 +388,8 @@ def single_example(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> d
 
 
 def answer_positions(starts: list[int], lengths: list[int]) -> torch.Tensor:
-    """(Q, longest answer): each question's answer positions, a shorter answer's last one repeated (exact match over
-    the row is unchanged by a repeat)."""
+    """(Q, longest answer): each question's answer positions, its EOS last (an answer that does not end there is
+    not whole), a shorter answer's last one repeated (exact match over the row is unchanged by a repeat)."""
     width = max(lengths)
     return torch.tensor([[s + min(d, n - 1) for d in range(width)] for s, n in zip(starts, lengths, strict=True)])
 
@@ -413,7 +413,7 @@ def make_batch(spec: NeedleSpec, seed: int, indices: list[int], scale: int = 1,
         labels[b * per_memory : b * per_memory + q, :t] = torch.from_numpy(e["labels"])
         rows += range(b * per_memory, b * per_memory + q)
         starts += [e["prompt_len"]] * q
-        lengths += [t - e["prompt_len"] - 1] * q
+        lengths += [t - e["prompt_len"]] * q  # the answer's tokens and EOS
     return {
         "memory_input_ids": torch.from_numpy(np.stack([e["memory"] for e in examples])),
         "input_ids": input_ids,
@@ -432,7 +432,8 @@ def answer_span(spec: NeedleSpec) -> slice:
 def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMode = GCA, scale: int = 1,
                  variant: str | None = None, questions_per_row: int | None = None) -> dict[str, torch.Tensor]:
     """The batch a system with memory `mode` trains and is scored on, plus where each question's answer tokens stand:
-    `answer_rows` (Q,) and `answer_positions` (Q, answer tokens), Q = the memories' questions, in make_batch's order.
+    `answer_rows` (Q,) and `answer_positions` (Q, answer tokens and EOS), Q = the memories' questions, in make_batch's
+    order.
 
     gca: make_batch (memories read through the encoder). in_context: the memory's tokens, then up to
     `questions_per_row` (default: the spec's) of its questions one after another (they share the prefix, as GCA's
@@ -457,7 +458,7 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
                 labels.append([IGNORE] * len(rows[-1]))
             answer_rows.append(len(rows) - 1)
             answer_starts.append(len(rows[-1]) + prompt_len)
-            lengths.append(len(question) - prompt_len - 1)
+            lengths.append(len(question) - prompt_len)  # the answer's tokens and EOS
             rows[-1] = rows[-1] + question
             labels[-1] = labels[-1] + target
     width = max(len(r) for r in rows)  # rows are right-padded: causal attention never reads the padding

@@ -66,7 +66,8 @@ def score_needles(
     variant: str = "single",
     scale: int = 1,
 ) -> NeedleScores:
-    """Exact match of all answer tokens of `variant`'s questions (multi_value's two values in either order) on memories
+    """Exact match of all answer tokens of `variant`'s questions and the EOS after them (a whole answer, as
+    jobs/evaluate.py's whole_answer counts it; multi_value's two values in either order) on memories
     `scale` times the base size, for the system that reads its memory as `mode` says (NO_MEMORY: withheld), one
     question a row as jobs/evaluate.py asks (an in_context row holds the memory and one question, so no answer follows
     from the ones before it). Teacher-forced argmax at each answer position equals greedy decoding for exact match:
@@ -83,7 +84,7 @@ def score_needles(
         # labels say which tokens are the question (lexical routing's prior reads the question, not the answer)
         logits = model(input_ids=ids, memory_input_ids=memory, labels=labels).logits.float()  # (rows, T, V)
         rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
-        predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each digit predict it: (Q, D)
+        predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each token predict it: (Q, D)
         exact = (predicted == ids[rows, positions]).all(-1).cpu()
         missed = ~exact
         if variant == "multi_value" and missed.any():  # either order, as the suite scores it (below)
@@ -113,9 +114,10 @@ def _exact_in_the_other_order(model, ids, memory, labels, rows, positions) -> to
     score about half of what the suite gives it. Only the rows holding these questions run again."""
     picked, local = rows[:, 0].unique(return_inverse=True)  # the batch rows that hold them, and each one's place
     local = local[:, None]
-    half = positions.shape[1] // 2
+    values = positions[:, :-1]  # the EOS stays last
+    half = values.shape[1] // 2
     other = ids[picked].clone()
-    other[local, positions] = ids[rows, torch.cat([positions[:, half:], positions[:, :half]], dim=1)]
+    other[local, values] = ids[rows, torch.cat([values[:, half:], values[:, :half]], dim=1)]
     # row i of the batch reads memory i // r (a memory's questions share its encoder pass): each picked row its own
     read = None if memory is None else memory[picked // (len(ids) // len(memory))]
     logits = model(input_ids=other, memory_input_ids=read, labels=labels[picked]).logits

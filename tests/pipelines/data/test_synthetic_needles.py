@@ -224,8 +224,9 @@ def test_batches_of_mixed_tasks_stack_and_say_where_each_answer_is():
     q = 0
     for b, e in enumerate(examples):
         for row in e["input_ids"].tolist():
-            answer = row[e["prompt_len"] : -1]
-            assert got[q, : len(answer)].tolist() == answer and set(got[q, len(answer) :].tolist()) <= {answer[-1]}
+            answer = row[e["prompt_len"] :]  # its tokens and EOS
+            assert answer[-1] == EOS
+            assert got[q, : len(answer)].tolist() == answer and set(got[q, len(answer) :].tolist()) <= {EOS}
             q += 1
         padded = batch["input_ids"][b * per_memory + len(e["input_ids"]) : (b + 1) * per_memory]
         assert (padded == PAD).all() and (batch["labels"][b * per_memory + len(e["input_ids"]) : (b + 1) * per_memory]

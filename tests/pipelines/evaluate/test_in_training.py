@@ -16,10 +16,11 @@ SPEC = NeedleSpec()
 
 
 class Reader(torch.nn.Module):
-    """A stand-in model that predicts each row's next token (the teacher-forced truth), wrong at `wrong_at` answer
-    tokens counted from the end; it records the rows it was given."""
+    """A stand-in model that predicts each row's next token (the teacher-forced truth), wrong at the token
+    `wrong_from_end` tokens before the row's first EOS (0: the EOS itself, so the answer does not end there); it
+    records the rows it was given."""
 
-    def __init__(self, wrong_from_end: int = 0):
+    def __init__(self, wrong_from_end: int | None = None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.wrong_from_end, self.calls = wrong_from_end, []
@@ -31,7 +32,7 @@ class Reader(torch.nn.Module):
     def forward(self, input_ids, memory_input_ids=None, **_):
         self.calls.append(input_ids.clone())
         following = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], EOS)], dim=1)
-        if self.wrong_from_end:  # the token before the row's EOS: an answer's last token
+        if self.wrong_from_end is not None:
             for row in following:
                 eos = (row == EOS).nonzero()[0, 0]
                 row[eos - self.wrong_from_end] = 0
@@ -59,6 +60,8 @@ def test_exact_match_needs_every_answer_token(variant, mode):
     assert right.accuracy == 1.0 and right.total > 0
     wrong_last = score_needles(Reader(wrong_from_end=1), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
     assert wrong_last.accuracy == 0.0  # the answer's last token (multi_value's and multi_query's 6th) counts
+    runs_on = score_needles(Reader(wrong_from_end=0), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
+    assert runs_on.accuracy == 0.0  # every reference, then no EOS: not a whole answer
     assert right.tokens == wrong_last.tokens
     per_question = {"single": 3, "multi_value": 6, "multi_query": 6, "variable_tracking": 3}[variant] + 1
     assert right.tokens == right.total * per_question  # answer tokens and EOS, nothing else is a label
@@ -78,8 +81,9 @@ class OneOrder(torch.nn.Module):
         memory = None if memory is None else memory.repeat_interleave(len(batch["input_ids"]) // len(memory), dim=0)
         for row, positions in zip(batch["answer_rows"].tolist(), batch["answer_positions"].tolist(), strict=True):
             tokens = batch["input_ids"][row, positions].tolist()
-            half = len(tokens) // 2
-            order = tokens if as_given else tokens[half:] + tokens[:half]
+            values, eos = tokens[:-1], tokens[-1:]
+            half = len(values) // 2
+            order = tokens if as_given else values[half:] + values[:half] + eos
             known = self.known(batch["input_ids"][row, : positions[0]], None if memory is None else memory[row])
             self.answers |= {(known, p - 1): t for p, t in zip(positions, order, strict=True)}
 
