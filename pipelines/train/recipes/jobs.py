@@ -33,16 +33,17 @@ class StageJob:
         return check_shards(config) if config.data.train_path else {}
 
     def resolved(self, config: StageConfig) -> StageConfig:
-        """Also a random pair's checkpoint root named (written only when the job runs) and local data paths."""
+        """Also a random pair's checkpoint root named (written only when the job runs), and every local path the
+        workers read (data, init_from, encoder_checkpoint, the distillation teacher and logits) made absolute: a
+        worker does not start in the driver's directory."""
         config = with_absolute_storage(config)
         model, data = config.model, config.data
         if get_pair(model.pair).random_weights:
             root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
             model = dataclasses.replace(model, checkpoint_root=str(root))
-        data = dataclasses.replace(data, **{name: str(Path(getattr(data, name)).resolve())
-                                           for name in ("train_path", "val_path")
-                                           if getattr(data, name) and "://" not in getattr(data, name)})
-        return dataclasses.replace(config, model=model, data=data)
+        return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint")),
+                                   data=absolute_paths(data, ("train_path", "val_path")),
+                                   distill=absolute_paths(config.distill, ("teacher", "logits")))
 
     def dry_run(self, config: StageConfig) -> list[str]:
         """The memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
@@ -133,6 +134,13 @@ def run_once(job: Job, config: Any) -> dict[str, Any]:
     from pipelines.train.driver import run_stage  # lazy: Ray Train and DeepSpeed, only to run
 
     return run_stage(job, config)
+
+
+def absolute_paths(section: Any, names: tuple[str, ...]) -> Any:
+    """`section` with its fields `names` made absolute where they are set and local (a URL stays as given)."""
+    return dataclasses.replace(section, **{name: str(Path(getattr(section, name)).expanduser().resolve())
+                                           for name in names
+                                           if getattr(section, name) and "://" not in getattr(section, name)})
 
 
 def with_absolute_storage(config: Any) -> Any:

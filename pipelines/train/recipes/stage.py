@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel, get_pair, write_random_checkpoints
-from models.pairs import default_tiny_root
 from models.trainable import is_added_parameter, parameter_group
 from pipelines.corpora.rows import IGNORE
 from pipelines.corpora.shards import MANIFEST, check_splits
@@ -33,6 +32,7 @@ from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, routing_part, trainable_groups
+from pipelines.train.recipes.jobs import StageJob
 from pipelines.train.streams import make_stream, packing_spec
 
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
@@ -141,19 +141,13 @@ STAGE = StageRecipe()
 
 # ---------------------------------------------------------------------------------------------- driver side
 def prepare_paths(config: StageConfig) -> StageConfig:
-    """Absolute storage and data paths (the workers read the shards themselves, from their own working directories);
-    tiny pairs' random checkpoints written once here, before workers race to do it."""
-    run = dataclasses.replace(config.run, storage_path=str(Path(config.run.storage_path).expanduser().resolve()))
-    d = config.data
-    data = dataclasses.replace(d, **{name: str(Path(getattr(d, name)).expanduser().resolve())
-                                     for name in ("train_path", "val_path") if getattr(d, name)})
-    model = config.model
-    spec = get_pair(model.pair)
+    """Every local path absolute, as the dry run shows them (StageJob.resolved: the workers read from their own
+    working directories); tiny pairs' random checkpoints written once here, before workers race to do it."""
+    config = StageJob().resolved(config)
+    spec = get_pair(config.model.pair)
     if spec.random_weights:
-        root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
-        write_random_checkpoints(spec, root)
-        model = dataclasses.replace(model, checkpoint_root=str(root))
-    return dataclasses.replace(config, run=run, model=model, data=data)
+        write_random_checkpoints(spec, Path(config.model.checkpoint_root))
+    return config
 
 
 def teacher_logits_dir(config: StageConfig) -> Path:

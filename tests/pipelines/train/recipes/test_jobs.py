@@ -58,11 +58,17 @@ def test_resolved_paths_are_absolute_and_a_random_pair_gets_its_root(tmp_path, m
     monkeypatch.chdir(tmp_path)
     config = dataclasses.replace(
         STAGE0, run=dataclasses.replace(STAGE0.run, storage_path="runs"),
-        data=dataclasses.replace(STAGE0.data, train_path="corpus/train", val_path="s3://bucket/corpus/val"))
+        data=dataclasses.replace(STAGE0.data, train_path="corpus/train", val_path="s3://bucket/corpus/val"),
+        model=dataclasses.replace(STAGE0.model, init_from="runs/export", encoder_checkpoint="~/encoder"),
+        distill=dataclasses.replace(STAGE0.distill, teacher="teacher/export"))
     resolved = job_for(config).resolved(config)
     assert resolved.run.storage_path == str(tmp_path / "runs")
     assert resolved.data.train_path == str(tmp_path / "corpus" / "train")
     assert resolved.data.val_path == "s3://bucket/corpus/val"  # a URL stays as given
+    # what the workers read, as a worker does not start in the driver's directory
+    assert resolved.model.init_from == str(tmp_path / "runs" / "export")
+    assert resolved.model.encoder_checkpoint == str(Path("~/encoder").expanduser())
+    assert resolved.distill.teacher == str(tmp_path / "teacher" / "export") and resolved.distill.logits is None
     assert resolved.model.checkpoint_root == str(Path(default_tiny_root()).expanduser().resolve())
     rooted = dataclasses.replace(config, model=dataclasses.replace(config.model, checkpoint_root="ckpt"))
     assert job_for(rooted).resolved(rooted).model.checkpoint_root == str(tmp_path / "ckpt")
