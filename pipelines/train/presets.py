@@ -36,8 +36,11 @@ STAGE0 = StageConfig(
                       memory_lexical_routing=3.0),
     # The RULER tasks the evaluation scores, once the lookup has formed on the base task (needle.base_steps: a
     # mixture from the first step never left the chance plateau): 4,000 steps of single questions, then 3,000 of the
-    # mixture, the two new answer formats weighted up. All at the base size: routing carries them to 64x.
-    needle=NeedleConfig(variants=["single", "multi_key", "multi_value:3", "multi_query:3"], base_steps=4000),
+    # mixture, the two new answer formats weighted up, over memories of 1x-8x the base size (memory_scale_max).
+    # Routing carries the read to 64x; the sizes teach the answer's length: trained at 1x alone, from 4x a single
+    # value came twice (whole answers 0.00-0.02; with the sizes 0.95-0.99, docs/evaluation.md "Training for size").
+    needle=NeedleConfig(variants=["single", "multi_key", "multi_value:3", "multi_query:3"], base_steps=4000,
+                        memory_scale_max=8),
     train=TrainConfig(max_steps=7000, memories_per_step=16, lr=2e-3, warmup_steps=30, eval_every=500,
                       checkpoint_every=500, log_every=50),
     deepspeed=DeepSpeedSettings(zero_stage=2),
