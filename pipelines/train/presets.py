@@ -18,7 +18,7 @@ from pipelines.train.configs.ul2 import Ul2Config
 # key's own state can carry the digits after it: the combination that learned fastest in our runs.
 # ZeRO-2 here: the tiny pair fits anywhere, and ZeRO-3's per-layer parameter gathers cost it about twice the step
 # time on CPU (measured side by side); every other job and test keeps ZeRO-3, the default of DeepSpeedSettings.
-# About 12 minutes on 2 CPU cores (7,000 steps; docs/jobs.md).
+# About 12-16 minutes on 2 CPU cores (7,000 steps; docs/jobs.md).
 STAGE0 = StageConfig(
     stage=0,
     # gca_gate_init: the random tiny pair has no pretrained behaviour for closed gates to protect, and a closed gate

@@ -125,6 +125,9 @@ class StageRecipe:
             "memory": config.model.memory,
             "fusion": config.model.fusion,
             "needle_accuracy": metrics.get("needle_accuracy"),
+            # the mixture's other tasks and its largest memory (whole answers, as needle_accuracy), not the depths
+            **{key: value for key, value in metrics.items()
+               if key.startswith("needle_accuracy/") and not key.startswith("needle_accuracy/depth_")},
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)) if engine_has_gates(config) else None,

@@ -55,10 +55,12 @@ class Tracker:
 def test_the_summary_and_the_needle_table_from_hand_written_metrics():
     metrics = {"needle_accuracy": 0.9, "no_memory_accuracy": 0.1, "gate_abs_mean": 0.5, "examples_seen": 64,
                "index_checksum": 2016, "needle_accuracy/depth_1": 0.75, "needle_accuracy/depth_0": 1.0, "val_loss": 2.0,
-               "needle_val_loss": 1.5, "no_memory_val_loss": 3.0}
+               "needle_val_loss": 1.5, "no_memory_val_loss": 3.0, "needle_accuracy/8x": 0.8,
+               "needle_accuracy/multi_value": 0.7}
     tracker = Tracker()
     summary = STAGE.summary(STAGE0, metrics, "/runs/x/export", tracker)
     assert summary == {"pair": "tiny-shared", "memory": "gca", "fusion": "gca", "needle_accuracy": 0.9,
+                       "needle_accuracy/8x": 0.8, "needle_accuracy/multi_value": 0.7,  # not the depths
                        "no_memory_accuracy": 0.1, "gate_abs_mean": 0.5, "gate_abs_init": math.tanh(0.3),
                        "needle_val_loss": 1.5, "no_memory_val_loss": 3.0, "examples_seen": 64, "index_checksum": 2016,
                        "export": "/runs/x/export"}  # no corpus metrics
