@@ -159,6 +159,9 @@ class AwarenessModel(nn.Module):
         # The prior's weight when reading (eval mode): trained at a small weight the learned router still learns to
         # rank, read at a larger one the prior outvotes it where it misranks (docs/evaluation.md, "Reading weight")
         self.memory_lexical_reading = memory_lexical_reading
+        # How routed reads attend their chosen chunks: auto | masked | gathered (models/gca.py; the same result, so
+        # not saved): forced only by benchmarks and tests that compare the forms
+        self.memory_read_path = "auto"
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -435,7 +438,7 @@ class AwarenessModel(nn.Module):
             kv.routing = ChunkRouting(summary=readers[i].router(summary_states), chunk_len=chunk_len,
                                       top_k=self.memory_top_k, chunk_mask=readable, train=train,
                                       summaries=summaries, summary_mask=blocks,
-                                      weights=self.memory_chunk_weights)
+                                      weights=self.memory_chunk_weights, path=self.memory_read_path)
 
     @property
     def memory_projection_dtype(self) -> torch.dtype:

@@ -49,7 +49,8 @@ attends to their tokens only:
   the answer loss itself trains the router (the KL routing loss may stay on beside it, or be set to 0). It reads
   differently from full attention at any k (k >= C keeps full attention, and a model trained at k < C reads its
   weighted form). Few queries take the gathered path (O(Q * k * L)); long blocks attend inside every chunk and give
-  the unchosen ones weight 0 (O(Q * M), no per-query copies of the memory). Measured in docs/evaluation.md.
+  the unchosen ones weight 0 (O(Q * M), no per-query copies of the memory), except on CPU over 10 x k chunks or more,
+  where the gathered copies cost less (ROUTER_GATHERS_FROM_CHUNKS_PER_K). Measured in docs/evaluation.md.
 * **GQA: one selection per kv head**, scored with the mean of its query heads' queries (the mean of their scores):
   the group's heads then share one gathered key/value set, as they share keys in GQA, so memory traffic per token is
   k*L per kv head; per query head selection would gather G times as much.
@@ -407,12 +408,12 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
         scores = chunk_scores(query, routing, scale, train_queries=True)  # (B_mem, H_kv, Q, C)
         chosen = scores.detach().topk(k, dim=-1).indices
         weights = chunk_weights(scores, chosen)
-        if _reads_gathered(routing, q):
+        if _reads_gathered(routing, q, query.device):
             return _attend_router_weighted(query, memory, chosen, weights, scale, dropout_p)
         return _attend_every_chunk(query, memory, torch.zeros_like(scores, dtype=weights.dtype).scatter(
             -1, chosen, weights), scale, dropout_p)
     chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
-    gathered = _reads_gathered(routing, q)
+    gathered = _reads_gathered(routing, q, query.device)
     if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
         if memory.logn_base:
@@ -435,10 +436,24 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     return out.view(b_mem, n_kv, q, group, hd).transpose(2, 3).reshape(b_mem, h, q, hd)
 
 
-def _reads_gathered(routing: ChunkRouting, queries: int) -> bool:
+# On CPU the router-weighted read of a long query block costs more attending every chunk than copying each query's
+# k chunks out once the memory holds about 10 x k chunks (benchmarks/routed_training.py, the stage-0 preset's
+# training step, Nov 27 2026, 2 cores: every chunk / gathered 0.65 at 4 chunks, 0.96 at 16, 1.08 at 20, 1.22 at 28
+# and 32, the gathered read flat in C). On an accelerator every chunk stays: one fused kernel, where gathering
+# copies Q x k x L keys and values per kv head.
+ROUTER_GATHERS_FROM_CHUNKS_PER_K = 10
+
+
+def _reads_gathered(routing: ChunkRouting, queries: int, device: torch.device) -> bool:
     """The gathered path (each query's k chunks copied out) for few queries, as a decoding step has; the whole memory
-    once (masked, or every chunk attended) when queries x k exceed the chunks: the cheaper form for long blocks."""
-    return routing.path == "gathered" or (routing.path == "auto" and queries * routing.top_k <= routing.num_chunks)
+    once (masked, or every chunk attended) when queries x k exceed the chunks: the cheaper form for long blocks,
+    except the router-weighted read on CPU over a memory of 10 x k chunks or more."""
+    if routing.path != "auto":
+        return routing.path == "gathered"
+    if queries * routing.top_k <= routing.num_chunks:
+        return True
+    return (routing.weights == "router" and device.type == "cpu"
+            and routing.num_chunks >= ROUTER_GATHERS_FROM_CHUNKS_PER_K * routing.top_k)
 
 
 def _gather_chunks(memory: MemoryKV, chosen: torch.Tensor):
@@ -535,10 +550,12 @@ def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.
         if memory.logn_base:
             full = full * _logn_factor(_real_tokens(padding.attn_mask, m), memory.logn_base, full.dtype)
         grouped = full.view(b_mem, n_kv, h // n_kv, q, hd)  # (B_mem, H_kv, G, Q, hd)
-        logits = (grouped @ memory.key.detach()[:, :, None].transpose(-1, -2)).float() * scale  # (B_mem,H_kv,G,Q,M)
+        logits = (grouped * scale @ memory.key.detach()[:, :, None].transpose(-1, -2)).float()  # (B_mem,H_kv,G,Q,M)
         if padding.attn_mask is not None:
-            logits = logits.masked_fill(~padding.attn_mask[:, :, None], float("-inf"))
-        mass = logits.view(*logits.shape[:-1], c, routing.chunk_len).logsumexp(-1).softmax(-1)  # (.., G, Q, C)
+            logits = logits.masked_fill_(~padding.attn_mask[:, :, None], float("-inf"))
+        # a chunk's mass is the sum of its tokens' full-attention probabilities (= the softmax over chunks of their
+        # logsumexps): one fused softmax over the memory, about half the passes of a per-chunk logsumexp
+        mass = logits.softmax(-1).view(*logits.shape[:-1], c, routing.chunk_len).sum(-1)  # (B_mem, H_kv, G, Q, C)
         teacher = mass.mean(2)  # (B_mem, H_kv, Q, C)
         weight = torch.ones(b_mem, 1, q, device=query.device)
         if padding.has_memory is not None:

@@ -565,7 +565,7 @@ def test_router_weighted_read_of_long_blocks_equals_the_gathered_read_with_gradi
     for inputs in (dict(input_ids=ids, memory_input_ids=mem, memory_attention_mask=mask), packed):
         results = []
         for gathered in (True, False):
-            monkeypatch.setattr(gca, "_reads_gathered", lambda routing, queries, g=gathered: g)
+            monkeypatch.setattr(gca, "_reads_gathered", lambda routing, queries, device, g=gathered: g)
             routed.zero_grad()
             out = routed(**inputs, labels=inputs["input_ids"])
             out.loss.backward()
@@ -576,6 +576,24 @@ def test_router_weighted_read_of_long_blocks_equals_the_gathered_read_with_gradi
         assert got_grads.keys() == want_grads.keys() and any(".router." in n for n in got_grads)
         for name in want_grads:
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_auto_path_gathers_for_few_queries_and_for_the_router_read_of_many_chunks_on_cpu():
+    """Which form reads the chosen chunks (the same result either way, tested above): gathered for a decoding step's
+    few queries; for a long block the whole memory, except the router-weighted read on CPU from 10 x k chunks, where
+    the copies cost less than attending every chunk; a forced path is kept."""
+    def routing(chunks: int, weights: str = "router", path: str = "auto") -> ChunkRouting:
+        return ChunkRouting(summary=torch.zeros(1, NKV, chunks, HD), chunk_len=L, top_k=2, chunk_mask=None,
+                            weights=weights, path=path)
+
+    cpu, accelerator = torch.device("cpu"), torch.device("cuda")  # only the device's type is read
+    assert gca._reads_gathered(routing(5, "attention"), 2, cpu) and gca._reads_gathered(routing(5), 2, accelerator)
+    assert not gca._reads_gathered(routing(19), 80, cpu)
+    assert gca._reads_gathered(routing(20), 80, cpu)
+    assert not gca._reads_gathered(routing(20), 80, accelerator)
+    assert not gca._reads_gathered(routing(64, "attention"), 80, cpu)
+    assert not gca._reads_gathered(routing(64, path="masked"), 80, cpu)
+    assert gca._reads_gathered(routing(4, path="gathered"), 80, accelerator)
 
 
 def test_a_decoding_steps_gather_copies_its_chunks_not_the_memory(checkpoint_root):
