@@ -33,17 +33,7 @@ class StageJob:
         return check_shards(config) if config.data.train_path else {}
 
     def resolved(self, config: StageConfig) -> StageConfig:
-        """Also a random pair's checkpoint root named (written only when the job runs), and every local path the
-        workers read (data, init_from, encoder_checkpoint, the distillation teacher and logits) made absolute: a
-        worker does not start in the driver's directory."""
-        config = with_absolute_storage(config)
-        model, data = config.model, config.data
-        if get_pair(model.pair).random_weights:
-            root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
-            model = dataclasses.replace(model, checkpoint_root=str(root))
-        return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint")),
-                                   data=absolute_paths(data, ("train_path", "val_path")),
-                                   distill=absolute_paths(config.distill, ("teacher", "logits")))
+        return stage_paths_resolved(config)
 
     def dry_run(self, config: StageConfig) -> list[str]:
         """The memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
@@ -172,3 +162,17 @@ def traffic_model_lines(config: TrafficConfig) -> str:
     return (f"vision tokens: {tokens} ({vision.image_size}/{vision.patch_size} squared, width {vision.hidden_size}); "
             f"parameters: vision {counts['vision'] / 1e6:.2f}M, decoder {counts['decoder'] / 1e6:.2f}M "
             f"(vocab {m.vocab_size}, hidden {m.hidden_size}, {m.layers} layers, {m.heads} q / {m.kv_heads} kv heads)")
+
+
+def stage_paths_resolved(config: StageConfig) -> StageConfig:
+    """The storage path, a random pair's checkpoint root (written only when the job runs) and every local path the
+    workers read (data, init_from, encoder_checkpoint, the distillation teacher and logits) made absolute: a worker
+    does not start in the driver's directory. The dry run shows them; the run's driver uses them."""
+    config = with_absolute_storage(config)
+    model, data = config.model, config.data
+    if get_pair(model.pair).random_weights:
+        root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
+        model = dataclasses.replace(model, checkpoint_root=str(root))
+    return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint")),
+                               data=absolute_paths(data, ("train_path", "val_path")),
+                               distill=absolute_paths(config.distill, ("teacher", "logits")))

@@ -32,7 +32,7 @@ from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, routing_part, trainable_groups
-from pipelines.train.recipes.jobs import StageJob
+from pipelines.train.recipes.jobs import stage_paths_resolved
 from pipelines.train.streams import make_stream, packing_spec
 
 CORPUS_METRICS = ("val_loss", "no_memory_val_loss", "token_accuracy", "no_memory_token_accuracy")
@@ -144,9 +144,9 @@ STAGE = StageRecipe()
 
 # ---------------------------------------------------------------------------------------------- driver side
 def prepare_paths(config: StageConfig) -> StageConfig:
-    """Every local path absolute, as the dry run shows them (StageJob.resolved: the workers read from their own
-    working directories); tiny pairs' random checkpoints written once here, before workers race to do it."""
-    config = StageJob().resolved(config)
+    """Every local path absolute, as the dry run shows them (the workers read from their own working directories);
+    tiny pairs' random checkpoints written once here, before workers race to do it."""
+    config = stage_paths_resolved(config)
     spec = get_pair(config.model.pair)
     if spec.random_weights:
         write_random_checkpoints(spec, Path(config.model.checkpoint_root))
