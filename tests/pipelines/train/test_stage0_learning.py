@@ -1,4 +1,4 @@
-"""The embedded default's learning claim, at full length (over 15 minutes on 2 quiet cores): `make test-slow`."""
+"""The embedded default's learning claim, at full length (~12 minutes on 2 quiet cores, Nov 27 2026): `make test-slow`."""
 
 import json
 import subprocess
@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from pipelines.train.presets import STAGE0
 
 pytestmark = pytest.mark.ray  # every test here starts Ray
 
@@ -24,7 +26,9 @@ def test_default_stage0_run_learns_to_read_its_memory(tmp_path):
     print(json.dumps(summary))  # shown by `pytest -rA`: the numbers docs/jobs.md reports
     assert summary["needle_accuracy"] >= 0.9, summary
     # whole answers (the value, then EOS) on the largest memories it trains on, and the mixture's other tasks
-    assert summary["needle_accuracy/8x"] >= 0.9 and summary["needle_accuracy/multi_key/8x"] >= 0.9, summary
+    largest = f"{STAGE0.needle.memory_scale_max}x"
+    assert summary[f"needle_accuracy/{largest}"] >= 0.9, summary
+    assert summary[f"needle_accuracy/multi_key/{largest}"] >= 0.9, summary
     assert summary["needle_accuracy/multi_value"] >= 0.8 and summary["needle_accuracy/multi_query"] >= 0.8, summary
     assert summary["no_memory_accuracy"] <= 0.2, summary
     assert summary["gate_abs_mean"] > max(0.05, summary["gate_abs_init"] + 0.05), summary  # opened further
