@@ -2,10 +2,10 @@
 against copying each query's k chunks out (models/gca.py; the same logits and gradients), and which one `auto`
 takes, side by side.
 
-    python benchmarks/routed_training.py [--quick] [--repeats 5] [--threads 1]
+    python benchmarks/routed_training.py [--quick] [--repeats 5] [--threads 1] [--max-scale 8]
 
 One rank's micro-batch of the preset (8 memories, 8 questions each) from its mixture steps, one batch per memory
-size (4-32 chunks of 24 tokens), forward and backward of the whole model (encoder, decoder, routing loss) in one
+size (1x-8x the base: 4-32 chunks of 24 tokens; the preset trains on 1x-4x), forward and backward of the whole model (encoder, decoder, routing loss) in one
 process; the steps of each size timed in turns (benchmarks/timing.py), medians. The preset's model at its random
 initialisation: the cost of a step does not depend on what was learned.
 """
@@ -13,6 +13,7 @@ initialisation: the cost of a step does not depend on what was learned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -36,9 +37,10 @@ class Engine:
         return self.module(**inputs)
 
 
-def batches_by_size(sizes: int) -> dict[int, dict[str, torch.Tensor]]:
-    """One micro-batch of rank 0 of 2 for each memory size the mixture steps draw, by chunk count."""
-    spec = STAGE0.needle.spec()
+def batches_by_size(sizes: int, max_scale: int) -> dict[int, dict[str, torch.Tensor]]:
+    """One micro-batch of rank 0 of 2 for each memory size mixture steps over 1x-max_scale memories draw, by chunk
+    count."""
+    spec = dataclasses.replace(STAGE0.needle.spec(), memory_scale_max=max_scale)
     stream = NeedleStream(spec, STAGE0.needle.seed, memories_per_step=STAGE0.train.memories_per_step, grad_accum=1,
                           rank=0, world=2, mode=STAGE0.model.memory_mode())
     found: dict[int, dict[str, torch.Tensor]] = {}
@@ -55,12 +57,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the two smallest sizes, 2 repeats (a smoke run)")
     parser.add_argument("--repeats", type=int, default=5, help="steps timed per path and size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a training worker has 1 here)")
+    parser.add_argument("--max-scale", type=int, default=8, help="the largest memory, in base memories")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(STAGE0.model).train()
     engine = Engine(model)
-    batches = batches_by_size(2 if args.quick else STAGE0.needle.memory_scale_max)
+    batches = batches_by_size(2 if args.quick else args.max_scale, args.max_scale)
     repeats = 2 if args.quick else args.repeats
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; the stage-0 preset "
           f"(top-{model.memory_top_k} of chunks of {STAGE0.needle.spec().chunk_len}, router-weighted), forward and "
