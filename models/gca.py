@@ -438,7 +438,7 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
 
 # On CPU the router-weighted read of a long query block costs more attending every chunk than copying each query's
 # k chunks out once the memory holds about 10 x k chunks (benchmarks/routed_training.py, the stage-0 preset's
-# training step, Nov 27 2026, 2 cores: every chunk / gathered 0.65 at 4 chunks, 0.96 at 16, 1.08 at 20, 1.22 at 28
+# training step, Nov 27 2026, 2 cores: every chunk / gathered 0.64 at 4 chunks, 0.98 at 16, 1.08 at 20, 1.22 at 28
 # and 32, the gathered read flat in C). On an accelerator every chunk stays: one fused kernel, where gathering
 # copies Q x k x L keys and values per kv head.
 ROUTER_GATHERS_FROM_CHUNKS_PER_K = 10
