@@ -5,9 +5,9 @@ takes, side by side.
     python benchmarks/routed_training.py [--quick] [--repeats 5] [--threads 1] [--max-scale 8]
 
 One rank's micro-batch of the preset (8 memories, 8 questions each) from its mixture steps, one batch per memory
-size (1x-8x the base: 4-32 chunks of 24 tokens; the preset trains on 1x-4x), forward and backward of the whole model (encoder, decoder, routing loss) in one
-process; the steps of each size timed in turns (benchmarks/timing.py), medians. The preset's model at its random
-initialisation: the cost of a step does not depend on what was learned.
+size (1x-8x the base: 4-32 chunks of 24 tokens; the preset trains on 1x-4x), forward and backward of the whole
+model (encoder, decoder, routing loss) in one process; the steps of each size timed in turns (benchmarks/timing.py),
+medians. The preset's model at its random initialisation: the cost of a step does not depend on what was learned.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from models.gca import ROUTER_GATHERS_FROM_CHUNKS_PER_K
+from models.gca import ChunkRouting, _reads_gathered
 from pipelines.data.streams import NeedleStream
 from pipelines.train.model import build_model
 from pipelines.train.presets import STAGE0
@@ -52,6 +52,15 @@ def batches_by_size(sizes: int, max_scale: int) -> dict[int, dict[str, torch.Ten
     return dict(sorted(found.items()))
 
 
+def auto_gathers(model, batch: dict[str, torch.Tensor]) -> bool:
+    """What models/gca.py's rule picks for this batch's read: its queries (a memory's question tokens) over its
+    chunks, on CPU."""
+    memories, chunks = batch["memory_input_ids"].shape[:2]
+    routing = ChunkRouting(summary=torch.zeros(1, 1, chunks, 1), chunk_len=1, top_k=model.memory_top_k,
+                           chunk_mask=None, weights=model.memory_chunk_weights)
+    return _reads_gathered(routing, batch["input_ids"].numel() // memories, torch.device("cpu"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the two smallest sizes, 2 repeats (a smoke run)")
@@ -77,7 +86,7 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
 
         every, gathered, auto = timed_side_by_side([lambda p=p: step(p) for p in PATHS], repeats)
-        picked = "gathered" if chunks >= ROUTER_GATHERS_FROM_CHUNKS_PER_K * model.memory_top_k else "every chunk"
+        picked = "gathered" if auto_gathers(model, batch) else "every chunk"
         print(f"| {chunks} | {every * 1e3:.1f} | {gathered * 1e3:.1f} | {auto * 1e3:.1f} | {every / gathered:.2f} | "
               f"{picked} |")
     model.memory_read_path = "auto"
