@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Iterable
 import numpy as np
 import torch
 
+from pipelines.corpora.rows import IGNORE
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
 from pipelines.data.needle_tokenizer import needle_tokenizer
@@ -122,23 +123,46 @@ def answer_probe(system: System, probe: Probe) -> list[list[int]]:
     return answers
 
 
+@torch.no_grad()
+def answer_end_loss(system: System, probe: Probe) -> list[float]:
+    """Per question, the loss (nats) of EOS right after its trained answer, teacher-forced: whether the system knows
+    where an answer ends, apart from finding it (a whole answer needs both; RULER's match only the first). Answers
+    of unequal lengths are right-padded, which a causal decoder's earlier positions do not see; the labels mark the
+    answer, so gca's lexical prior is the question's, as when it generates."""
+    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+    prompt = inputs.pop("input_ids")
+    if "memory_input_ids" in inputs:  # a probe's rows share one memory: encoded once, every row reads it (as beams do)
+        inputs["memory_input_ids"] = inputs["memory_input_ids"][:1]
+    longest = max(len(answer) for answer in probe.answers) + 1
+    answers = torch.tensor([answer + [EOS] + [PAD] * (longest - len(answer) - 1) for answer in probe.answers],
+                           device=prompt.device)
+    labels = torch.cat([torch.full_like(prompt, IGNORE), answers.masked_fill(answers == PAD, IGNORE)], 1)
+    logits = system.model(input_ids=torch.cat([prompt, answers], 1), labels=labels, **inputs).logits
+    ends = torch.tensor([prompt.shape[1] + len(answer) - 1 for answer in probe.answers], device=prompt.device)
+    end_logits = logits[torch.arange(len(ends), device=prompt.device), ends].float()  # the logits that predict EOS
+    return (-end_logits.log_softmax(-1)[:, EOS]).tolist()
+
+
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
     found), whole (the answer is its references and nothing else, in some order, ended within the budget: RULER's
     match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the answer,
+    the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no logits),
     and for gca where its attention went."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
     answers = answer_probe(system, probe)
-    read_attention = system.mode.kind == "gca" and system.served is None  # a pyfunc does not show its attention
-    reading = memory_attention(system, probe) if read_attention else [{}] * len(answers)
+    local = system.served is None  # a pyfunc shows neither its logits nor its attention
+    reading = memory_attention(system, probe) if local and system.mode.kind == "gca" else [{}] * len(answers)
+    end_losses = answer_end_loss(system, probe) if local else [float("nan")] * len(answers)
     rows = []
-    for answer, refs, depth, read in zip(answers, probe.references, probe.depth, reading, strict=True):
+    for answer, refs, depth, read, end_loss in zip(answers, probe.references, probe.depth, reading, end_losses,
+                                                   strict=True):
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
         rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
                      "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
                      "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs), "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
-                     "evidence_mass": read.get("evidence_mass", float("nan")),
+                     "end_loss": end_loss, "evidence_mass": read.get("evidence_mass", float("nan")),
                      "top_chunk": read.get("top_chunk", float("nan"))})
     return rows
 
@@ -239,6 +263,9 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
         metrics[f"{name}/whole_answer"] = whole / len(group)
         metrics[f"{name}/whole_answer/ci95"] = list(rate_interval(whole, len(group)))
         counts[name] = len(group)
+        ends = [float(r["end_loss"]) for r in group if not math.isnan(r.get("end_loss", math.nan))]
+        if ends:  # a local model's rows (a served pyfunc shows no logits)
+            metrics[f"{name}/end_loss"] = sum(ends) / len(ends)
         read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
         if read:
             metrics[f"attention/{variant}/{multiplier}x/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)

@@ -21,12 +21,13 @@ ROOT = Path(__file__).resolve().parents[3]
 SPEC = NeedleSpec()
 
 
-def export_of(tmp_path: Path, checkpoint_root: Path, memory: str = "gca") -> Path:
-    """A (random) stage-0 export as the stage job writes it: the added weights and its system.json."""
+def export_of(tmp_path: Path, checkpoint_root: Path, memory: str = "gca", **model) -> Path:
+    """A (random) stage-0 export as the stage job writes it: the added weights and its system.json; `model`: more
+    ModelConfig fields (chunk routing, say)."""
     config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), memory=memory,
-                                           gca_layers="upper_half", gca_gate_init=0.3, decoder="full"),
+                                           gca_layers="upper_half", gca_gate_init=0.3, decoder="full", **model),
                          needle=NeedleConfig())
-    directory = tmp_path / f"export-{memory}"
+    directory = tmp_path / ("-".join(["export", memory, *(f"{k}-{v}" for k, v in model.items())]))
     build_model(config.model).save_pretrained(directory)
     write_system(directory, config)
     return directory

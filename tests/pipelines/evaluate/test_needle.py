@@ -10,8 +10,8 @@ from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.efficiency import efficiency_row
-from pipelines.evaluate.needle import (VARIANTS, answer_probe, as_text, is_whole_answer, make_probe, memory_attention,
-                                       needle_metrics, score_probe, system_prompts)
+from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, is_whole_answer, make_probe,
+                                       memory_attention, needle_metrics, score_probe, system_prompts)
 from tests.pipelines.evaluate.test_job import export_of
 
 SPEC = NeedleSpec()
@@ -86,7 +86,10 @@ def test_needle_metrics_count_rates_intervals_and_the_heatmap():
             for e, w, b in [(True, True, 0), (True, False, 0), (False, False, 1), (True, True, 1)]]
     rows += [{"variant": "multi_value", "multiplier": 4, "exact": False, "score": 0.5, "whole": False,
               "depth_bin": 0}] * 2
+    for row, end in zip(rows, [0.5, 1.5, float("nan"), 1.0]):  # NaN: a served row, which shows no logits
+        row["end_loss"] = end
     metrics, counts, heatmap = needle_metrics(rows, SPEC, depth_bins=2)
+    assert metrics["needle/single/1x/end_loss"] == 1.0 and "needle/multi_value/4x/end_loss" not in metrics
     assert metrics["needle/single/1x"] == 0.75 and counts["needle/single/1x"] == 4
     assert metrics["needle/single/1x/whole_answer"] == 0.5 and metrics["needle/multi_value/4x/whole_answer"] == 0.0
     low, high = metrics["needle/single/1x/ci95"]
@@ -122,6 +125,42 @@ def test_answers_are_the_models_greedy_continuation(tmp_path, checkpoint_root):
     want = [float(as_text(refs[0])[:-1] in as_text(answer)) for answer, refs in zip(answers, probe.references)]
     assert [r["score"] for r in rows] == want
     assert [r["whole"] for r in rows] == [answer == list(refs[0]) for answer, refs in zip(answers, probe.references)]
+
+
+ROUTED_BY_THE_QUESTION = {"memory_top_k": 1, "memory_chunk_weights": "router", "memory_lexical_routing": 100.0}
+
+
+@pytest.mark.parametrize("memory, model", [("gca", {}), ("gca", ROUTED_BY_THE_QUESTION), ("rag", {})])
+def test_the_end_loss_is_the_eos_loss_after_each_answer(tmp_path, checkpoint_root, memory, model):
+    """answer_end_loss against full forwards: an empty answer's is the EOS loss of the prompt's next token, as
+    generate's first step sees it; a longer answer's is its own row's, unpadded, whatever the other rows' lengths,
+    with gca's lexical prior from the question alone (routed by it, a prior that also counted the answer's digits
+    would read other chunks)."""
+    import dataclasses
+
+    import torch
+
+    export = export_of(tmp_path, checkpoint_root, memory, **model)
+    system = load_system(memory, str(export), read_system(export))
+    probe = make_probe("multi_value", SPEC, 2, seed=1, index=0)
+    answers = [[] if q % 2 else probe.answers[q][: q % 4 + 3] for q in range(len(probe.questions))]  # 0, 3-6 tokens
+    probe = dataclasses.replace(probe, answers=answers)
+    losses = answer_end_loss(system, probe)
+    inputs = system_prompts(probe, system.mode)
+    with torch.no_grad():
+        first = system.model(**inputs).logits[:, -1].float().log_softmax(-1)[:, EOS]
+        for q, answer in enumerate(answers):
+            alone = dataclasses.replace(probe, questions=[probe.questions[q]], answers=[answer])
+            row = system_prompts(alone, system.mode)
+            ids = torch.cat([row.pop("input_ids"), torch.tensor([answer + [EOS]])], 1)
+            labels = ids.clone()
+            labels[:, : ids.shape[1] - len(answer) - 1] = -100
+            want = -system.model(input_ids=ids, labels=labels, **row).logits[0, -2].float().log_softmax(-1)[EOS]
+            assert losses[q] == pytest.approx(float(want), rel=1e-4, abs=1e-5)
+            if not answer:
+                assert losses[q] == pytest.approx(-float(first[q]), rel=1e-4, abs=1e-5)
+    rows = score_probe(system, "single", 1, seed=0, index=0)
+    assert all(r["end_loss"] > 0 for r in rows)
 
 
 def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_path, checkpoint_root):
