@@ -3,9 +3,14 @@ the results' arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 
+from models.gca import MemoryPadding
+from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
@@ -136,10 +141,6 @@ def test_the_end_loss_is_the_eos_loss_after_each_answer(tmp_path, checkpoint_roo
     generate's first step sees it; a longer answer's is its own row's, unpadded, whatever the other rows' lengths,
     with gca's lexical prior from the question alone (routed by it, a prior that also counted the answer's digits
     would read other chunks)."""
-    import dataclasses
-
-    import torch
-
     export = export_of(tmp_path, checkpoint_root, memory, **model)
     system = load_system(memory, str(export), read_system(export))
     probe = make_probe("multi_value", SPEC, 2, seed=1, index=0)
@@ -154,7 +155,7 @@ def test_the_end_loss_is_the_eos_loss_after_each_answer(tmp_path, checkpoint_roo
             row = system_prompts(alone, system.mode)
             ids = torch.cat([row.pop("input_ids"), torch.tensor([answer + [EOS]])], 1)
             labels = ids.clone()
-            labels[:, : ids.shape[1] - len(answer) - 1] = -100
+            labels[:, : ids.shape[1] - len(answer) - 1] = IGNORE
             want = -system.model(input_ids=ids, labels=labels, **row).logits[0, -2].float().log_softmax(-1)[EOS]
             assert losses[q] == pytest.approx(float(want), rel=1e-4, abs=1e-5)
             if not answer:
@@ -177,10 +178,6 @@ def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_pat
     assert all(0 <= r["evidence_mass"] <= 1 and r["top_chunk"] in (0.0, 1.0) for r in read)
     block = next(iter(system.model.gca_blocks().values()))
     assert not block.probe_attention and block.last_attention is None  # the probe is switched off again
-
-    import torch
-
-    from models.gca import MemoryPadding
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 3, system.model.decoder.config.hidden_size)
