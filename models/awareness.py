@@ -20,6 +20,7 @@ from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadd
                         chunk_summary_states)
 from models.lexical import packed_question_prior, question_mask_of, question_prior
 from models.loading import load_decoder, load_encoder
+from models.loss import causal_lm_loss
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
@@ -503,9 +504,14 @@ class AwarenessModel(nn.Module):
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels),
                                             segment_ids=segment_ids, labels=labels,
                                             memory_segment_ids=memory_segment_ids)
-        out = self.decoder(
-            input_ids=input_ids, attention_mask=attention_mask, labels=labels, gca_memory=gca_memory, **decoder_kwargs
-        )
+        if labels is not None and self.training and not _reports_router_logits(self.decoder):
+            # training: the loss without the (B, T, V) logits (models/loss.py); the model returns none
+            hidden = self.decoder.model(input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory,
+                                        **decoder_kwargs).last_hidden_state  # (B, T, H)
+            out = AwarenessOutput(loss=causal_lm_loss(hidden, self.decoder.get_output_embeddings(), labels))
+        else:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                               gca_memory=gca_memory, **decoder_kwargs)
         loss, routing_loss = out.loss, _routing_loss(gca_memory)
         if loss is not None and routing_loss is not None:
             loss = loss + self.memory_routing_loss * routing_loss
@@ -556,6 +562,14 @@ class AwarenessModel(nn.Module):
         for model in (self.decoder, self.memory_encoder.encoder):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             model.disable_input_require_grads()
+
+    def compile_layers(self, **options: Any) -> None:
+        """Regional torch.compile: every decoder layer (with its GCA block) and every encoder layer compiled in place.
+        Layers of one kind share their code, so each kind compiles once and its graph serves all of them; compiling
+        the whole model instead would trace every layer and the memory preparation into one long graph.
+        `options` go to nn.Module.compile (e.g. `fullgraph=True`, `backend=...`)."""
+        for layer in (*self.decoder.model.layers, *self.memory_encoder.encoder.layers):
+            layer.compile(**options)
 
     # ------------------------------------------------------------------------------------------- save / load
     def save_pretrained(self, directory: str | Path, *, merged: bool = False) -> Path:
@@ -669,6 +683,11 @@ def _memory_keyword_accepted(decoder: nn.Module):
             decoder._gca_generates -= 1
             if not decoder._gca_generates:
                 del decoder._validate_model_kwargs, decoder._gca_generates
+
+
+def _reports_router_logits(decoder: nn.Module) -> bool:
+    """A Qwen3-MoE decoder asked for its router logits adds their load-balancing loss in its own forward."""
+    return bool(getattr(decoder.config, "output_router_logits", False))
 
 
 def _routing_loss(gca_memory: GCAMemory | None) -> torch.Tensor | None:
