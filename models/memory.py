@@ -70,6 +70,12 @@ class MemoryEncoder(nn.Module):
         return states.reshape(b, c * length, -1), mask.reshape(b, c * length)
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if not any(p.requires_grad for p in self.encoder.parameters()):
+            with torch.no_grad():  # a frozen encoder only reads: no graph, no saved activations
+                return self._encode_states(ids, mask)
+        return self._encode_states(ids, mask)
+
+    def _encode_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Positions count real tokens only, so left and right padding give the same states.
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B*C, L)
         embeds = self.encoder.embed_tokens(ids)
