@@ -2,7 +2,8 @@
 
 Conventions (checked against torch's FlopCounterMode in tests/models/test_flops.py):
 
-* Matmul FLOPs only, 2 per multiply-add: every linear layer (base weights and LoRA adapters), the LM head, and
+* Matmul FLOPs only, 2 per multiply-add: every linear layer (base weights and LoRA adapters), the LM head (over the
+  positions the loss reads: models/loss.py skips the rest), and
   attention's two products (scores Q·Kᵀ and the weighted sum P·V: 4 · q_len · kv_len · head_dim per head). Norms,
   activations, softmax, RoPE, the loss and the optimizer update are left out, as FlopCounterMode leaves them out.
 * Causal attention ("model FLOPs actually required", what MFU reports): a causal self-attention over q tokens counts
@@ -26,7 +27,10 @@ Conventions (checked against torch's FlopCounterMode in tests/models/test_flops.
   side's parameters except input embedding tables (the LM head counts once, tied or not; GCA blocks and the
   projection count with the decoder), T its tokens: 6·N_decoder·(decoder tokens) + 6·N_encoder·(memory tokens).
 
-Rows are assumed unpadded and unpacked (every position real, attention within a row). Dense decoders only.
+* Qwen3-MoE: the router over every token and each token through its top-k experts (the active parameters, what
+  MoE MFU reports), as transformers' expert loop computes them.
+
+Rows are assumed unpadded and unpacked (every position real, attention within a row).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 from torch import nn
 from torch.utils import flop_counter as _counter
 
-from models.trainable import LoraPlan, trainable_modes
+from models.loss import IGNORE_INDEX, shift_labels
+from models.trainable import EXPERTS, LoraPlan, trainable_modes
 
 PARTS = ("encoder", "gca", "decoder", "lm_head")
 
@@ -127,8 +132,6 @@ def training_flops(model: nn.Module, batch: Mapping[str, torch.Tensor],
     if causal not in ("required", "full"):
         raise ValueError(f"causal must be 'required' or 'full', got {causal!r}")
     dcfg = model.decoder.config
-    if getattr(dcfg, "num_experts", None):
-        raise NotImplementedError("training_flops accounts dense decoders only (not Qwen3-MoE)")
     if getattr(model, "fusion", "gca") != "gca":
         raise NotImplementedError(f"training_flops accounts GCA blocks only, not fusion={model.fusion!r}")
     flops = StepFlops()
@@ -162,11 +165,20 @@ def training_flops(model: nn.Module, batch: Mapping[str, torch.Tensor],
     decoder = groups["decoder"]
     grad = _stack(tally, "decoder", dcfg, decoder, rows=rows, seq=seq, causal=True,
                   stream_grad=decoder.base_trains, before_layer=gca_block)
-    tally.matmul("lm_head", rows * seq, dcfg.hidden_size, dcfg.vocab_size, grad or decoder.base_trains,
+    tally.matmul("lm_head", _predicting_tokens(batch), dcfg.hidden_size, dcfg.vocab_size, grad or decoder.base_trains,
                  decoder.base_trains)
     flops.approx_6nt = _approx_6nt(model, rows * seq, memory[0] * memory[1] if memory is not None else 0,
                                    encoded=batch.get("memory_input_ids") is not None)
     return flops
+
+
+def _predicting_tokens(batch: Mapping[str, torch.Tensor]) -> int:
+    """Positions whose logits the loss needs (models/loss.py runs the LM head on those only): the labelled ones, or
+    without labels every position but each row's last, which predicts nothing."""
+    if batch.get("labels") is not None:
+        return int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
+    rows, seq = batch["input_ids"].shape
+    return rows * (seq - 1)
 
 
 def _stack(tally: _Tally, part: str, cfg, group: _Group, *, rows: int, seq: int, causal: bool, stream_grad: bool,
@@ -184,8 +196,35 @@ def _stack(tally: _Tally, part: str, cfg, group: _Group, *, rows: int, seq: int,
         v = group.linear(tally, part, "v_proj", tokens, d, kv * hd, x)
         attended = tally.attention(part, rows, heads, hd, seq, seq, causal=causal, grads=(q, k, v))
         s = group.linear(tally, part, "o_proj", tokens, heads * hd, d, attended) or s
-        s = _mlp(tally, part, group, tokens, d, ff, s or base) or s
+        if _is_sparse(cfg, layer):
+            s = _experts(tally, part, cfg, group, tokens, s or base) or s
+        else:
+            s = _mlp(tally, part, group, tokens, d, ff, s or base) or s
     return s
+
+
+def _is_sparse(cfg, layer: int) -> bool:
+    """Whether a Qwen3-MoE layer's MLP is its sparse expert block (transformers' rule)."""
+    experts = getattr(cfg, "num_experts", 0) or 0
+    return (experts > 0 and layer not in (getattr(cfg, "mlp_only_layers", None) or [])
+            and (layer + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0)
+
+
+def _experts(tally: _Tally, part: str, cfg, group: _Group, tokens: int, x: bool) -> bool:
+    """The router over every token, then each token through its top-k experts only (the active parameters).
+
+    Expert LoRA (PEFT's target_parameters) adds W + B·A to every expert's weight before the tokens see it: that
+    delta's products count once per expert, and the merged weight needs its gradient over the routed tokens."""
+    d, ff, experts, top_k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    routed = tokens * top_k
+    rank = group.lora.get(EXPERTS)
+    weight_grad = group.base_trains or bool(rank and group.lora_trains)
+    tally.matmul(part, tokens, d, experts, x, group.base_trains)  # router logits; scales the experts' outputs
+    if rank:
+        for d_out, d_in in ((2 * ff, d), (d, ff)):  # gate_up (E, 2I, H) and down (E, H, I): B (d_out, r) · A (r, d_in)
+            tally.matmul(part, experts * d_out, rank, d_in, group.lora_trains, group.lora_trains)
+    hidden = tally.matmul(part, routed, d, 2 * ff, x, weight_grad)
+    return tally.matmul(part, routed, ff, d, hidden, weight_grad) or x
 
 
 def _mlp(tally: _Tally, part: str, group: _Group, tokens: int, d: int, ff: int, x: bool) -> bool:

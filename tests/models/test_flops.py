@@ -124,6 +124,8 @@ def test_proto1_forward_is_every_linear_weight_times_its_tokens_plus_attention()
     flops = training_flops(model, batch)
 
     def tokens(name: str) -> int:
+        if name == "decoder.lm_head":
+            return b * (t - 1)  # the loss reads no logits at each row's last position
         if name.startswith("memory_encoder."):
             return b * m
         if ".cross_attention.k_proj" in name or ".cross_attention.v_proj" in name:
@@ -132,6 +134,7 @@ def test_proto1_forward_is_every_linear_weight_times_its_tokens_plus_attention()
 
     linear = sum(2 * mod.weight.numel() * tokens(name) for name, mod in model.named_modules()
                  if isinstance(mod, torch.nn.Linear))  # the LM head included (tied to the embedding)
+    assert "decoder.lm_head" in dict(model.named_modules())
     d, e = model.decoder.config, model.memory_encoder.encoder.config
     attention = (4 * b * d.num_attention_heads * d.head_dim * t * (t + 1) / 2 * d.num_hidden_layers
                  + 4 * b * c * e.num_attention_heads * e.head_dim * length * (length + 1) / 2 * e.num_hidden_layers
@@ -164,3 +167,31 @@ def test_flop_counter_counts_grouped_kv_heads_as_repeated_ones():
         totals.append(counter.get_total_flops())
     # forward 2 products, backward 4 (the recomputed scores not counted): 6 * 2*B*H*Q*K*hd
     assert totals == [6 * 2 * 2 * 8 * 16 * 24 * 32] * 2
+
+
+@pytest.mark.parametrize("settings", [
+    {},  # LoRA on the attention projections; the experts and router frozen
+    {"lora_targets": ["q_proj", "v_proj", "experts"], "lora_rank": 4, "lora_dropout": 0.0},  # expert LoRA, W + B·A
+    {"decoder": "full"},
+])
+def test_moe_pair_counts_the_active_experts(checkpoint_root, settings):
+    """Qwen3-MoE: the router over every token and each token through its top-k experts, as FlopCounterMode sees
+    transformers' expert loop compute them."""
+    model = prepare_model(build_pair("tiny-moe", checkpoint_root=checkpoint_root),
+                          ModelConfig(pair="tiny-moe", **settings))
+    cfg = model.decoder.config
+    assert cfg.num_experts > cfg.num_experts_per_tok  # some experts stay idle for each token
+    assert_matches_counter(model, batch_for(model))
+
+
+def test_labels_decide_the_lm_head_tokens(checkpoint_root):
+    """Only labelled positions reach the LM head (models/loss.py): a prompt of IGNORE labels costs no logits."""
+    model = prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root), ModelConfig(pair="tiny"))
+    batch = batch_for(model)
+    labels = batch["input_ids"].clone()
+    labels[:, :10] = -100  # a 10-token prompt: positions 0-8 predict prompt tokens, position 9 the first answer
+    with_labels = training_flops(model, {**batch, "labels": labels})
+    cfg = model.decoder.config
+    lm_head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    assert with_labels.forward["lm_head"] == lm_head * B * (T - 10)
+    assert training_flops(model, batch).forward["lm_head"] == lm_head * B * (T - 1)
