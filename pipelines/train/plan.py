@@ -1,10 +1,14 @@
-"""Will a pair train on a given cluster? A per-GPU memory plan from meta-device parameter counts.
+"""Will a pair train on a given cluster, and under which ZeRO stage? A per-GPU memory plan from meta-device
+parameter counts.
 
 ZeRO-3 in bf16: every parameter is partitioned over all GPUs (2 B each); a trained parameter also carries a bf16
 gradient and fp32 master weights plus Adam's two moments (2 + 12 B), the 12 B on CPU with optimizer offload. On top:
 the gathered working set (the largest layer, or Qwen3-MoE's whole sparse block, which is a ZeRO-3 leaf), activations,
-and the logits (the loss upcasts them to fp32). DeepSpeed's own ZeRO-3 estimator is shown beside ours when the whole
-model trains, the case it models.
+and one chunk of logits (models/loss.py never holds the whole (B, T, V) block). ZeRO-2 keeps every parameter whole
+on every GPU and partitions only the gradients and optimizer states: no gathers at every layer of every step, which
+is what a LoRA run with a frozen base pays under ZeRO-3. With no stage given the plan takes ZeRO-2 where it fits and
+ZeRO-3 where it does not. DeepSpeed's own ZeRO-3 estimator is shown beside ours when the whole model trains, the case
+it models.
 
 Loading has its own peak (`load_peak`), and a run fits only if the larger of the two does.
 """
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
+from models.loss import CHUNK_TOKENS
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 
 GIB = 1024**3
@@ -42,9 +47,14 @@ class PlanInput:
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU memory
     offload_params: bool = False  # ZeRO-3 parameter offload to CPU memory
     fusion: str = "gca"  # gca | cross | merged: how the decoder reads the memory (cross adds a block to every layer)
+    zero_stage: int | None = None  # ZeRO stage 0-3; None: 2 where the whole pair fits each GPU, else 3
 
     def problems(self) -> list[str]:
         p = [] if self.nodes > 0 and self.gpus_per_node > 0 else ["nodes and gpus_per_node must be positive"]
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            p.append(f"zero_stage must be 0-3 (or omitted: the plan chooses), got {self.zero_stage}")
+        if self.offload_params and self.zero_stage not in (None, 3):
+            p.append("offload_params needs zero_stage 3")
         if self.fusion not in FUSIONS:
             p.append(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.pair not in PAIRS:
@@ -63,6 +73,8 @@ class MemoryPlan:
     deepspeed_estimate_gib: float | None = None
     load_rows: dict[str, float] = field(default_factory=dict)  # GiB per GPU while the pair is built (load_peak)
     load_host_gib: dict[str, float] = field(default_factory=dict)  # GiB of host memory per node while loading
+    zero_stage: int = 3  # the stage planned: the one given, or the plan's choice
+    zero_reason: str = ""  # why that stage
 
     @property
     def total_gib(self) -> float:
@@ -83,14 +95,16 @@ class MemoryPlan:
 
     def table(self) -> str:
         i = self.inputs
-        lines = [f"pair {i.pair}: {i.nodes} node(s) x {i.gpus_per_node} GPU(s) of {i.gpu_memory_gib:.0f} GiB, "
+        lines = [f"ZeRO-{self.zero_stage}: {self.zero_reason}",
+                 f"pair {i.pair}: {i.nodes} node(s) x {i.gpus_per_node} GPU(s) of {i.gpu_memory_gib:.0f} GiB, "
                  f"decoder {i.decoder}, encoder {i.encoder}, LoRA rank {i.lora_rank}, sequence {i.seq_len}, "
                  f"memory {i.memory_tokens} tokens, micro-batch {i.micro_batch}",
                  "parameters: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in self.params.items()),
                  f"| {'per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.rows.items()]
         lines.append(f"| {'total while training':<44} | {self.total_gib:8.2f} |")
-        lines += [f"| {'while loading (zero.Init build), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
+        building = "zero.Init build" if self.zero_stage == 3 else "whole pair on each GPU"
+        lines += [f"| {f'loading ({building}), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.load_rows.items()]
         lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
         lines += [f"host memory while loading, {name}: {gib:.1f} GiB" for name, gib in self.load_host_gib.items()]
@@ -122,7 +136,7 @@ def plan_for_stage(config) -> MemoryPlan:
         memories=per_gpu_memories, seq_len=seq_len, memory_tokens=memory_tokens,
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
-        fusion=config.model.fusion,
+        fusion=config.model.fusion, zero_stage=config.deepspeed.zero_stage,
     ))
 
 
@@ -145,31 +159,59 @@ def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
 
 
 def plan_memory(inputs: PlanInput) -> MemoryPlan:
-    params, largest, model = count_parameters(inputs)
+    """The plan under `inputs.zero_stage`, or under the stage the plan chooses: ZeRO-2 where the whole pair, its
+    gradients' and optimizer's partitions and the activations fit each GPU (nothing gathered at every step), else
+    ZeRO-3 (also whenever parameters are offloaded, which only ZeRO-3 does)."""
+    counted = count_parameters(inputs)
+    if inputs.zero_stage is not None:
+        return _plan_at(inputs, inputs.zero_stage, counted, "as configured")
+    if inputs.offload_params:
+        return _plan_at(inputs, 3, counted, "chosen: parameter offload needs ZeRO-3")
+    whole = _plan_at(inputs, 2, counted, "")
+    if whole.fits:
+        whole.zero_reason = (f"chosen: the whole pair ({whole.rows[PARAMETER_ROWS[2]]:.1f} GiB bf16) fits each GPU, "
+                             f"so only gradients and optimizer states are partitioned (peak {whole.peak_gib:.1f} of "
+                             f"{inputs.gpu_memory_gib:.0f} GiB)")
+        return whole
+    return _plan_at(inputs, 3, counted, f"chosen: under ZeRO-2 the peak would be {whole.peak_gib:.1f} GiB of "
+                                        f"{inputs.gpu_memory_gib:.0f}, so parameters are partitioned too")
+
+
+PARAMETER_ROWS = {0: "parameters (bf16, whole on each GPU)", 1: "parameters (bf16, whole on each GPU)",
+                  2: "parameters (bf16, whole on each GPU)", 3: "parameters (bf16, ZeRO-3 partitioned)"}
+
+
+def _plan_at(inputs: PlanInput, stage: int, counted: tuple[dict[str, int], int, object], reason: str) -> MemoryPlan:
+    params, largest, model = counted
     n_gpus = inputs.nodes * inputs.gpus_per_node
     trained = params["gca+projection"] + params.get("decoder LoRA", 0)
     trained += params["decoder"] if inputs.decoder == "full" else 0
     trained += params["encoder"] if inputs.encoder == "full" else 0
     total = sum(params.values())
-    plan = MemoryPlan(inputs, params)
+    plan = MemoryPlan(inputs, params, zero_stage=stage, zero_reason=reason)
     on_gpu_param_bytes = 0 if inputs.offload_params else 2 * total
-    plan.rows["parameters (bf16, ZeRO-3 partitioned)"] = on_gpu_param_bytes / n_gpus / GIB
-    plan.rows["gradients of trained parameters (bf16)"] = 2 * trained / n_gpus / GIB
-    optimizer_bytes = 12 * trained / n_gpus
+    plan.rows[PARAMETER_ROWS[stage]] = on_gpu_param_bytes / (n_gpus if stage == 3 else 1) / GIB
+    plan.rows["gradients of trained parameters (bf16)"] = 2 * trained / (n_gpus if stage >= 2 else 1) / GIB
+    optimizer_bytes = 12 * trained / (n_gpus if stage >= 1 else 1)
     if inputs.offload_optimizer:
         plan.cpu_gib_per_node = 12 * trained / inputs.nodes / GIB
     else:
-        plan.rows["fp32 master + Adam moments (partitioned)"] = optimizer_bytes / GIB
+        plan.rows["fp32 master + Adam moments (partitioned)" if stage else "fp32 master + Adam moments"] = (
+            optimizer_bytes / GIB)
     if inputs.offload_params:
         plan.cpu_gib_per_node += 2 * total / inputs.nodes / GIB
-    plan.rows["gathered working set (2 largest layers)"] = 2 * 2 * largest / GIB
+    if stage == 3:
+        plan.rows["gathered working set (2 largest layers)"] = 2 * 2 * largest / GIB
     if inputs.decoder == "lora" and EXPERTS in inputs.lora_targets:
         plan.rows["expert weights with LoRA folded in"] = expert_lora_bytes(inputs, model) / GIB
     plan.rows |= activation_rows(inputs, model)
     plan.rows["allocator's cached slack (12% of the above)"] = ALLOCATOR_SLACK * sum(plan.rows.values())
     plan.rows["CUDA context, NCCL"] = CUDA_CONTEXT_GIB
     plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
-    if inputs.decoder == "full" and inputs.encoder == "full":
+    if stage < 3:  # every rank builds the whole pair and moves it to its GPU
+        plan.load_rows = {"the whole pair (bf16)": 2 * (total - params.get("decoder LoRA", 0)) / GIB,
+                          "CUDA context, NCCL": CUDA_CONTEXT_GIB}
+    if inputs.decoder == "full" and inputs.encoder == "full" and stage == 3:
         # lazy: DeepSpeed; every stage job's --dry-run prints this plan, and only this row needs it
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
@@ -243,12 +285,12 @@ def activation_rows(inputs: PlanInput, model) -> dict[str, float]:
     gca = n_gca * (12 * b * s * h + 2 * 2 * bm * m * kv) + 2 * bm * m * h  # queries/outputs, memory K/V, projected memory
     encoder_h = model.memory_encoder.hidden_size
     encoder = 2 * bm * m * encoder_h * (1 if inputs.encoder == "frozen" else model.memory_encoder.encoder.config.num_hidden_layers * 17)
-    # bf16 logits (2 B), the loss's fp32 log-softmax (4 B) and, in its backward, the fp32 gradients coming in and going
-    # out (4 + 4 B): transformers' ForCausalLMLoss upcasts the whole (B, T, V) block
-    logits = 14 * b * s * d.vocab_size
+    # one chunk of models/loss.py's logits at a time: bf16 logits (2 B), the loss's fp32 log-softmax (4 B) and, in its
+    # backward, the fp32 gradients coming in and going out (4 + 4 B)
+    logits = 14 * min(b * s, CHUNK_TOKENS) * d.vocab_size
     return {
         "decoder activations": decoder / GIB,
         "GCA activations and memory K/V": gca / GIB,
         "memory encoder states": encoder / GIB,
-        "logits and loss (fp32 upcast)": logits / GIB,
+        "logits and loss (one chunk, fp32 upcast)": logits / GIB,
     }

@@ -47,8 +47,8 @@ def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepS
     elif t.memories_per_step % (scaling.num_workers * t.grad_accum):
         p.append(f"train.memories_per_step ({t.memories_per_step}) must divide evenly over scaling.num_workers "
                  f"({scaling.num_workers}) x train.grad_accum ({t.grad_accum})")
-    if deepspeed.zero_stage not in (0, 1, 2, 3):
-        p.append(f"deepspeed.zero_stage must be 0-3, got {deepspeed.zero_stage}")
+    if deepspeed.zero_stage not in (None, 0, 1, 2, 3):
+        p.append(f"deepspeed.zero_stage must be 0-3, or none for the memory plan's choice, got {deepspeed.zero_stage}")
     if deepspeed.precision not in ("auto", "bf16", "fp32"):
         p.append(f"deepspeed.precision must be auto, bf16 or fp32, got {deepspeed.precision!r}")
     bf16 = deepspeed.precision == "bf16" or (deepspeed.precision == "auto" and scaling.use_gpu)
@@ -58,7 +58,7 @@ def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepS
         # (tests/pipelines/train/test_bf16.py); the cause is not established
         p.append("deepspeed.precision bf16 needs deepspeed.zero_stage 1-3 (at stage 0 DeepSpeed's bf16 optimizer "
                  "wrapper trails fp32: docs/testing.md, bf16); use --deepspeed.zero_stage 2, or precision fp32")
-    if deepspeed.offload_params and deepspeed.zero_stage != 3:
+    if deepspeed.offload_params and deepspeed.zero_stage not in (None, 3):
         p.append("deepspeed.offload_params needs deepspeed.zero_stage 3")
     return p
 
@@ -82,7 +82,9 @@ class TrainConfig:
 
 @dataclass
 class DeepSpeedSettings:
-    zero_stage: int = 3  # ZeRO stage: 3 partitions parameters, gradients and optimizer states; 2 all but parameters
+    # ZeRO stage: 3 partitions parameters, gradients and optimizer states; 2 all but parameters. None (stage jobs'
+    # default): on GPUs the memory plan's choice, 2 where the whole pair fits each GPU, else 3; on CPU workers 3
+    zero_stage: int | None = 3
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
     offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)

@@ -70,6 +70,12 @@ class ModelConfig:
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
+    # regional torch.compile of the decoder, GCA and encoder layers (AwarenessModel.compile_layers); none: on for
+    # GPU workers under ZeRO 0-2 (ZeRO-3's parameter hooks run inside every layer), off on CPU workers
+    compile: bool | None = None
+    # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (models/kernels.py; the CUDA lock has it); none: on GPU
+    # workers where it is installed
+    liger: bool | None = None
     encoder_checkpoint: str | None = None  # e.g. jobs/encoder_ul2.py's export/encoder: replaces the pair's encoder
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
     # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
@@ -315,7 +321,7 @@ class StageConfig(JobConfig):
     needle: NeedleConfig = field(default_factory=NeedleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+    deepspeed: DeepSpeedSettings = field(default_factory=lambda: DeepSpeedSettings(zero_stage=None))
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
     run: RunSettings = field(default_factory=RunSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
@@ -330,6 +336,9 @@ class StageConfig(JobConfig):
         p += self.data.problems()
         p += self.distill.problems(self.stage)
         m, d = self.model, self.data
+        if m.liger and not self.scaling.use_gpu:
+            p.append("model.liger runs Liger-Kernel's Triton kernels, which need GPU workers: set --scaling.use_gpu "
+                     "true, or --model.liger false")
         if self.stage == 4 and m.memory != "gca":
             p.append(f"stage 4 trains a GCA student (model.memory gca) from a teacher reading its prompt; got "
                      f"model.memory {m.memory!r}")

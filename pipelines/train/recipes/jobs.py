@@ -38,7 +38,10 @@ class StageJob:
     def dry_run(self, config: StageConfig) -> list[str]:
         """The memory plan of its configured scaling, which a CPU run would have on as many GPUs."""
         device = "" if config.scaling.use_gpu else " (scaling.use_gpu is false: the same workers as GPUs)"
-        return [f"# memory plan{device}", plan_for_stage(config).table()]
+        lines = [f"# memory plan{device}", plan_for_stage(config).table()]
+        if not config.scaling.use_gpu and config.deepspeed.zero_stage is None:
+            lines.append("# CPU workers run ZeRO-3: the plan chooses the stage for GPU runs only")
+        return lines
 
     def recipe(self) -> Recipe:
         from pipelines.train.recipes.stage import STAGE  # lazy: DeepSpeed, Ray Train: only to run

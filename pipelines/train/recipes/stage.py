@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel, get_pair, write_random_checkpoints
+from models.kernels import liger_available, use_liger_kernels
 from models.trainable import is_added_parameter, parameter_group
 from pipelines.corpora.rows import IGNORE
 from pipelines.corpora.shards import MANIFEST, check_splits
@@ -46,7 +47,7 @@ class StageRecipe:
         return StageConfig.from_dict(data)
 
     def prepare(self, config: StageConfig) -> Prepared:
-        config = prepare_paths(config)
+        config = with_zero_stage(prepare_paths(config))
         check_memory_plan(config)
         check_splits([config.data.train_path, config.data.val_path], hashes=False)  # jobs hash them before this
         worker, tags = prepare_distillation(config) if config.stage == 4 else ({}, {})
@@ -54,8 +55,15 @@ class StageRecipe:
 
     def build_model(self, config: StageConfig, worker: dict[str, Any], ds_config: dict[str, Any]) -> AwarenessModel:
         """Under ZeRO-3 built straight into partitions: no rank holds the whole pair."""
+        if config.model.liger or (config.model.liger is None and config.scaling.use_gpu and liger_available()):
+            if not use_liger_kernels():
+                raise RuntimeError("model.liger needs Liger-Kernel and a CUDA device: install the CUDA lock "
+                                   "(make install LOCK=requirements-cuda.txt) or pass --model.liger false")
         with zero3_loading(ds_config) as partitioner:
-            return build_model(config.model, partitioner=partitioner)
+            model = build_model(config.model, partitioner=partitioner)
+        if compiles_layers(config):
+            model.compile_layers()
+        return model
 
     def parameter_groups(self, model: AwarenessModel) -> dict[str, list[torch.nn.Parameter]]:
         return trainable_groups(model, parameter_group)  # gca, decoder (frozen for train.frozen_decoder_steps), encoder
@@ -202,6 +210,22 @@ def distill_summary(config: StageConfig, metrics: dict[str, Any]) -> dict[str, A
             "teacher_logits": str(teacher_logits_dir(config)), "k": manifest["k"],
             "bytes_per_target_token": manifest["bytes_per_target_token"],
             "bytes_on_disk_per_target_token": manifest["bytes_on_disk_per_target_token"]}
+
+
+def with_zero_stage(config: StageConfig) -> StageConfig:
+    """deepspeed.zero_stage none: on GPUs the memory plan's choice (ZeRO-2 where the whole pair fits each GPU,
+    else 3; `jobs/plan.py` and --dry-run say why), on CPU workers 3."""
+    if config.deepspeed.zero_stage is not None:
+        return config
+    stage = plan_for_stage(config).zero_stage if config.scaling.use_gpu else 3
+    return dataclasses.replace(config, deepspeed=dataclasses.replace(config.deepspeed, zero_stage=stage))
+
+
+def compiles_layers(config: StageConfig) -> bool:
+    """model.compile, or by default: on GPU workers whose parameters stay whole (ZeRO 0-2)."""
+    if config.model.compile is not None:
+        return config.model.compile
+    return config.scaling.use_gpu and config.deepspeed.zero_stage != 3
 
 
 def check_memory_plan(config: StageConfig) -> None:

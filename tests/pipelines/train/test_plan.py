@@ -78,8 +78,8 @@ def test_load_peak_is_the_partitions_plus_one_gathered_module():
 
 
 def test_the_verdict_takes_the_larger_of_the_load_and_training_peaks():
-    plan = plan_memory(PlanInput(pair="proto1", nodes=1, gpus_per_node=1, gpu_memory_gib=40))
-    assert plan.fits
+    plan = plan_memory(PlanInput(pair="proto1", nodes=1, gpus_per_node=1, gpu_memory_gib=40, zero_stage=3))
+    assert plan.fits and plan.zero_stage == 3
     plan.load_rows["one module gathered whole (largest)"] = 50.0  # a load that alone would not fit
     assert not plan.fits and plan.peak_gib == plan.load_gib
     assert "does NOT fit: peak" in plan.table()
@@ -99,3 +99,31 @@ def test_stage2_dry_run_of_prod_on_two_nodes_shows_the_load_peak_and_fits(tmp_pa
     out = capsys.readouterr().out
     assert "2 node(s) x 8 GPU(s) of 80 GiB" in out and "total while loading" in out
     assert "host memory while loading, node of rank 0" in out and "\nfits: peak" in out
+
+
+def test_the_plan_keeps_a_pair_that_fits_whole_under_zero2_and_partitions_one_that_does_not():
+    """No stage given: ZeRO-2 (nothing gathered at every step) where the whole bf16 pair, its partitioned training
+    states and the activations fit each GPU; ZeRO-3 where they do not, or where parameters are offloaded."""
+    whole = plan_memory(PlanInput(pair="scale", nodes=1, gpus_per_node=1))
+    assert whole.zero_stage == 2 and whole.fits and "fits each GPU" in whole.table().splitlines()[0]
+    pair = sum(whole.params.values())
+    assert whole.rows["parameters (bf16, whole on each GPU)"] * GIB == pytest.approx(2 * pair)
+    assert "gathered working set (2 largest layers)" not in whole.rows
+    assert whole.load_rows["the whole pair (bf16)"] * GIB == pytest.approx(2 * (pair - whole.params["decoder LoRA"]))
+    partitioned = plan_memory(PlanInput(pair="prod", nodes=1, gpus_per_node=4))  # 30B-A3B + 8B: 76 GiB in bf16
+    assert partitioned.zero_stage == 3 and "under ZeRO-2 the peak would be" in partitioned.zero_reason
+    assert partitioned.rows["parameters (bf16, ZeRO-3 partitioned)"] * GIB == pytest.approx(
+        2 * sum(partitioned.params.values()) / 4)
+    assert plan_memory(PlanInput(pair="proto1", gpus_per_node=1, offload_params=True)).zero_stage == 3
+    forced = plan_memory(PlanInput(pair="scale", nodes=1, gpus_per_node=1, zero_stage=3))
+    assert forced.zero_stage == 3 and forced.zero_reason == "as configured"
+    assert "gathered working set (2 largest layers)" in forced.rows  # on one GPU ZeRO-3 partitions nothing, and gathers
+
+
+def test_the_logits_row_is_one_chunk_of_the_loss():
+    """models/loss.py computes the LM head a chunk of tokens at a time: the row no longer grows with the batch."""
+    from models.loss import CHUNK_TOKENS
+
+    small, large = (plan_memory(PlanInput(pair="proto1", micro_batch=b, seq_len=2048)) for b in (1, 8))
+    row = "logits and loss (one chunk, fp32 upcast)"
+    assert small.rows[row] == large.rows[row] == 14 * CHUNK_TOKENS * 151936 / GIB

@@ -9,12 +9,15 @@ import dataclasses
 import json
 import math
 
+import torch
+
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
 from pipelines.evaluate.common import needle_spec
+from pipelines.train.configs.common import DeepSpeedSettings, ScalingSettings
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.presets import STAGE0
-from pipelines.train.recipes.stage import (STAGE, engine_has_gates, lineage_tags, log_evaluation_table, prepare_paths,
-                                           teacher_run_id, write_system)
+from pipelines.train.recipes.stage import (STAGE, compiles_layers, engine_has_gates, lineage_tags, log_evaluation_table,
+                                           prepare_paths, teacher_run_id, with_zero_stage, write_system)
 
 
 def test_system_json_reads_back_as_the_trained_system(tmp_path):
@@ -94,3 +97,29 @@ def test_lineage_tags_and_prepared_paths(tmp_path, monkeypatch):
     assert tags["base.decoder"] == str(root / "tiny-qwen3") and tags["base.encoder"] == str(root / "tiny-qwen3-encoder")
     assert tags["data.manifest_hash"] == "missing" and "init_from" not in tags  # no corpus there yet
     assert tags["git.commit"] and "sys.python" in tags
+
+
+def test_a_stage_job_takes_the_plans_stage_on_gpus_and_zero3_on_cpu_workers():
+    gpu = StageConfig(model=ModelConfig(pair="scale"), scaling=ScalingSettings(num_workers=1, use_gpu=True))
+    assert StageConfig().deepspeed.zero_stage is None  # the stage jobs' default: chosen
+    assert with_zero_stage(gpu).deepspeed.zero_stage == 2
+    assert with_zero_stage(StageConfig()).deepspeed.zero_stage == 3
+    given = StageConfig(deepspeed=DeepSpeedSettings(zero_stage=1))
+    assert with_zero_stage(given) is given
+
+
+def test_layers_compile_by_default_on_gpus_whose_parameters_stay_whole():
+    gpu = ScalingSettings(num_workers=1, use_gpu=True)
+    assert compiles_layers(StageConfig(scaling=gpu, deepspeed=DeepSpeedSettings(zero_stage=2)))
+    assert not compiles_layers(StageConfig(scaling=gpu, deepspeed=DeepSpeedSettings(zero_stage=3)))
+    assert not compiles_layers(StageConfig(deepspeed=DeepSpeedSettings(zero_stage=2)))  # CPU workers
+    assert compiles_layers(StageConfig(model=ModelConfig(compile=True), deepspeed=DeepSpeedSettings(zero_stage=3)))
+
+
+def test_liger_kernels_are_refused_on_cpu_workers_and_absent_here():
+    from models.kernels import liger_available, use_liger_kernels
+
+    problems = StageConfig(model=ModelConfig(liger=True)).problems()
+    assert any("model.liger" in p and "--scaling.use_gpu true" in p for p in problems)
+    if not torch.cuda.is_available():  # nothing patched where Liger cannot run
+        assert not liger_available() and use_liger_kernels() is False
