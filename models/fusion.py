@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RMSNorm
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
 from models.cross_attention import MemoryCrossAttention, self_cross_mlp
@@ -85,7 +86,7 @@ class FusedCrossAttention(MemoryCrossAttention):
 
     def __init__(self, config, layer_idx: int, router: bool = False):
         super().__init__(config, layer_idx)
-        self.input_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_norm = modeling_qwen3.Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         kv_heads = config.num_key_value_heads
         self.router = ChunkRouter(config.hidden_size, kv_heads, self.head_dim, config.rms_norm_eps) if router else None
 

@@ -77,7 +77,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+# norms and the MLP are looked up in transformers' module when a block is built, so kernels patched in there
+# (models/kernels.py, Liger-Kernel) reach the GCA blocks too
+from transformers.models.qwen3 import modeling_qwen3
 
 
 @dataclass
@@ -170,13 +172,13 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.input_norm = Qwen3RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.input_norm = modeling_qwen3.Qwen3RMSNorm(hidden_size, eps=rms_norm_eps)
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=attention_bias)
-        self.q_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
+        self.q_norm = modeling_qwen3.Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
+        self.k_norm = modeling_qwen3.Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.gate = nn.Parameter(torch.zeros(1))
         # chunk routing's summary keys (memory_top_k > 0): models/gca.py's docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
@@ -187,8 +189,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
-            self.mlp_norm = Qwen3RMSNorm(hidden_size, eps=rms_norm_eps)
-            self.mlp = Qwen3MLP(mlp_config)
+            self.mlp_norm = modeling_qwen3.Qwen3RMSNorm(hidden_size, eps=rms_norm_eps)
+            self.mlp = modeling_qwen3.Qwen3MLP(mlp_config)
             self.mlp_gate = nn.Parameter(torch.zeros(1))
 
     def project_memory(self, memory_states: torch.Tensor, padding: "MemoryPadding | torch.Tensor") -> MemoryKV:
@@ -324,7 +326,7 @@ class ChunkRouter(nn.Module):
         super().__init__()
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
+        self.norm = modeling_qwen3.Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
 
     def forward(self, chunk_states: torch.Tensor) -> torch.Tensor:
         """chunk_states (B, C, hidden) -> summary keys (B, n_kv_heads, C, head_dim)."""
