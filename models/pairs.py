@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,16 @@ def get_pair(name: str) -> PairSpec:
     return PAIRS[name]
 
 
+def truncated_pair(name: str, layers: int) -> PairSpec:
+    """A named pair with only the first `layers` layers on each side, everything else as it is."""
+    spec = get_pair(name)
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
+    return replace(spec, name=f"{name}[{layers} layers]",
+                   decoder_config={**spec.decoder_config, "num_hidden_layers": layers},
+                   encoder_config={**spec.encoder_config, "num_hidden_layers": layers})
+
+
 def decoder_config(spec: PairSpec) -> Qwen3Config | Qwen3MoeConfig:
     fields = dict(spec.decoder_config)
     cls = Qwen3MoeConfig if fields.pop("model_type") == "qwen3_moe" else Qwen3Config
@@ -204,6 +214,7 @@ def build_pair(
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
     random_init: bool = False,
+    layers: int | None = None,
     partitioner: Partitioner = UNPARTITIONED,
 ) -> AwarenessModel:
     """Builds a named pair.
@@ -221,15 +232,19 @@ def build_pair(
     - fusion: how the decoder reads the memory, gca | cross | merged (models/fusion.py).
     - memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries, memory_chunk_weights,
       memory_lexical_routing, memory_lexical_reading: chunk routing (models/gca.py, models/lexical.py) and the length-aware scale.
+    - layers (meta or random_init only): the first `layers` decoder and encoder layers of the real widths, heads
+      and experts (`truncated_pair`): the real shapes on a CPU, or the prod pair on one GPU.
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
-    spec = get_pair(name)
+    spec = get_pair(name) if layers is None else truncated_pair(name, layers)
     reading = dict(memory_top_k=memory_top_k, memory_logn_scale=memory_logn_scale,
                    memory_routing_loss=memory_routing_loss, memory_summaries=memory_summaries,
                    memory_chunk_weights=memory_chunk_weights, memory_lexical_routing=memory_lexical_routing,
                    memory_lexical_reading=memory_lexical_reading)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
+    if layers is not None and not (random_init or torch.device(device).type == "meta"):
+        raise ValueError("layers truncates a pair built from its configs: pass random_init=True or device='meta'")
     if torch.device(device).type == "meta" or random_init:
         if partitioner is not UNPARTITIONED:
             raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")

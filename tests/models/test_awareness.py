@@ -301,3 +301,32 @@ def test_encoder_gradient_scale(checkpoint_root):
     (enc1, proj1), (enc10, proj10) = encoder_grad(1.0), encoder_grad(10.0)
     torch.testing.assert_close(enc10, 10 * enc1, rtol=1e-4, atol=1e-8)
     torch.testing.assert_close(proj10, proj1)  # only the encoder's own gradient is scaled
+
+
+@pytest.mark.slow  # tracing three layer kinds takes minutes on 2 CPU cores
+def test_compiled_layers_give_the_eager_loss_and_gradients(checkpoint_root):
+    """Regional compile (fullgraph: a graph break fails) of the decoder layers with their GCA blocks and of the
+    encoder layers: the same loss and gradients as eager, to 1e-6 (aot_eager keeps torch's own kernels, so what is
+    checked is the captured graphs; inductor's generated kernels are checked on a GPU, tests/gpu)."""
+    from pipelines.train.configs.stage import ModelConfig
+    from pipelines.train.model import prepare_model
+
+    torch.manual_seed(0)
+    model = open_gates(prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root),
+                                     ModelConfig(pair="tiny", encoder="lora")), 0.5)
+    batch = dict(input_ids=random_ids(2, 24, vocab=DEC_VOCAB, seed=0),
+                 memory_input_ids=random_ids(2, 3, 16, vocab=ENC_VOCAB, seed=1))
+
+    def step():
+        model.zero_grad()
+        loss = model(**batch, labels=batch["input_ids"]).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want_grads = step()
+    model.compile_layers(fullgraph=True, backend="aot_eager")
+    got_loss, got_grads = step()
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and any("memory_encoder" in n for n in got_grads)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-6, msg=name)
