@@ -35,14 +35,14 @@ $(STAMP): $(LOCK) pyproject.toml Makefile
 	touch $(STAMP)
 
 # Regenerates both locks from pyproject.toml's ranges (the newest versions they allow, today). The CUDA lock takes
-# the CPU lock's versions for everything but torch and what only a CUDA torch needs.
+# the CPU lock's versions for everything but torch, what only a CUDA torch needs, and the `cuda` extra.
 lock: install
 	echo "$(TORCH_CPU)" > $(VENV)/torch-cpu.txt
 	echo "$(TORCH_CUDA)" > $(VENV)/torch-cuda.txt
 	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override $(VENV)/torch-cpu.txt \
 		--upgrade --quiet -o requirements.txt
 	grep -v '^torch==' requirements.txt | grep -v '^ *--hash' > $(VENV)/cpu-pins.txt
-	$(UV) pip compile $(RESOLVE) --override $(VENV)/torch-cuda.txt --constraint $(VENV)/cpu-pins.txt \
+	$(UV) pip compile $(RESOLVE) --extra cuda --override $(VENV)/torch-cuda.txt --constraint $(VENV)/cpu-pins.txt \
 		--upgrade --quiet -o requirements-cuda.txt
 
 # The next releases, before they reach the lock: a throwaway venv with the newest versions pyproject.toml's ranges

@@ -78,8 +78,21 @@ def locked_versions(lock: Path = LOCK) -> dict[str, str]:
     return {m[1].lower(): m[2] for m in re.finditer(r"^([A-Za-z0-9_.\-]+)==([^ \\\n]+)", lock.read_text(), re.M)}
 
 
+# CUDA-only dependencies (pyproject's `cuda` extra): at the CUDA lock's versions; the box has Triton
+CUDA_BUNDLE = {"liger-kernel": "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (models/kernels.py, models/loss.py)"}
+CUDA_LOCK = ROOT / "requirements-cuda.txt"
+
+
 def plan(python: str) -> list[str]:
     """`name==version` for each wheel of the bundle, at the lock's versions."""
+    cuda = locked_versions(CUDA_LOCK)
+    missing = sorted(n for n in CUDA_BUNDLE if n not in cuda)
+    if missing:
+        raise SystemExit(f"{CUDA_LOCK.name} pins none of {missing}: run make lock")
+    return _cpu_lock_plan() + [f"{name}=={cuda[name]}" for name in sorted(CUDA_BUNDLE)]
+
+
+def _cpu_lock_plan() -> list[str]:
     versions = locked_versions()
     missing = sorted(n for n in BUNDLE if n not in versions)
     if missing:

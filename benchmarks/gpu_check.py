@@ -10,14 +10,16 @@ transformers this project needs, ...) comes as wheels in the bundle `make gpu-ch
 --target` into a directory put first on PYTHONPATH, so the box's own torch is used and nothing of the box changes.
 Then, each step in a child process with its own time limit (one that hangs costs its limit, not the run):
 
-1. the `gpu` tests (tests/gpu/: SDPA kernels against math, bf16 against fp32, proto1 under zero.Init: memory
-   against the plan, training steps);
-2. a 50-step stage-2 run of proto1 (random weights, bf16 checkpoints) through Ray Train on one GPU: NCCL, bf16,
-   ZeRO-3, on a corpus of random rows of 2048 tokens and 16 x 512 memory tokens;
-3. the efficiency suite's time to first token at 16k and 64k memory tokens (pipelines.evaluate.efficiency), on
-   stage 2's export (or, when that run failed, proto1 with GCA as built);
-4. benchmarks/gpu_mfu.py: proto1's training step in bf16, tokens/s and MFU (last: measured before, so what a GPU
-   has not yet seen runs first).
+1. the `gpu` tests (tests/gpu/: SDPA kernels against math, bf16 against fp32, Liger's kernels and compiled layers
+   against eager, proto1 under zero.Init: memory against the plan, training steps);
+2. benchmarks/gpu_mfu.py's lever table (eager, Liger, compile, both) of proto1's training step, with a profile of
+   one step's top operators; then the scale pair and the prod pair's real shapes truncated to 8 layers (eager and
+   both): tokens/s, MFU and peak memory, every ratio from one card.
+
+The second call (`--only "stage2 corpus" --only "stage2 proto1 50 steps" --only "ttft 16k 64k"`): a 50-step
+stage-2 run of proto1 (random weights, bf16 checkpoints) through Ray Train on one GPU: NCCL, bf16, the ZeRO stage
+the memory plan chooses, on a corpus of random rows of 2048 tokens and 16 x 512 memory tokens; then the efficiency
+suite's time to first token at 16k and 64k memory tokens (pipelines.evaluate.efficiency) on its export.
 
 Two serving steps run only when named (`--only "serve demo" --only "serve proto1"`; with the four above they would
 not fit one device command): benchmarks/serve_load.py with a GPU replica (`num_gpus: 1`, bf16, --serve-only: the box
@@ -65,21 +67,28 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle") -> list[Step]:
         Step("versions", [python, "-c", VERSIONS], 20),
         Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-s", "-p", "no:cacheprovider",
                            "-o", "addopts=-ra --strict-markers --durations=10"], 160),
-        Step("stage2 corpus", [python, "-c", CORPUS.format(out=str(stage2 / "corpus"))], 40),
+        # the training step's levers (eager, Liger, compile, both) on proto1 with a profile of one step, then the
+        # scale pair and the prod pair's real shapes (8 of its 48 layers fit one GPU): every ratio from one card
+        Step("mfu proto1 levers", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3",
+                                   "--warmup", "2", "--profile", str(WORK / "proto1-step-profile.txt")], 130),
+        Step("mfu scale", [python, "benchmarks/gpu_mfu.py", "--pair", "scale", "--max-micro-batch", "8",
+                           "--repeats", "3", "--warmup", "2", "--levers", "eager", "both", "--no-flop-check"], 130),
+        Step("mfu prod 8 layers", [python, "benchmarks/gpu_mfu.py", "--pair", "prod", "--layers", "8",
+                                   "--max-micro-batch", "8", "--repeats", "3", "--warmup", "2", "--levers", "eager",
+                                   "both", "--no-flop-check"], 100),
+        Step("stage2 corpus", [python, "-c", CORPUS.format(out=str(stage2 / "corpus"))], 40, default=False),
         Step("stage2 proto1 50 steps", [
             python, "jobs/stage2.py", "--model.pair", "proto1", "--model.checkpoint_root", str(CHECKPOINTS),
             "--scaling.use_gpu", "true", "--scaling.num_workers", "1", "--scaling.gpus_per_node", "1",
-            "--scaling.cpus_per_worker", "4", "--deepspeed.precision", "bf16", "--deepspeed.zero_stage", "3",
+            "--scaling.cpus_per_worker", "4", "--deepspeed.precision", "bf16", "--deepspeed.zero_stage", "none",
             "--data.train_path", str(stage2 / "corpus" / "train"), "--data.val_path", str(stage2 / "corpus" / "val"),
             "--data.max_tokens", "2048", "--data.max_chunks", "16", "--data.chunk_len", "512",
             "--data.val_examples", "8", "--train.max_steps", "50", "--train.memories_per_step", "4",
             "--train.log_every", "10", "--train.eval_every", "50", "--train.checkpoint_every", "50",
             "--run.storage_path", str(stage2 / "ray"), "--run.name", "gpu-check", "--tracking.enabled", "false"],
-            210),
+            210, default=False),
         Step("ttft 16k 64k", [python, "-c", TTFT.format(runs=str(stage2 / "ray" / "gpu-check"),
-                                                       root=str(CHECKPOINTS))], 60),
-        # measured on an H200 before (docs/benchmarks.md): last, so the checks not yet seen on a GPU come first
-        Step("gpu_mfu", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3"], 50),
+                                                       root=str(CHECKPOINTS))], 60, default=False),
         Step("serve demo", [python, "-c", SERVE_DEMO.format(bundle=str(bundle), work=str(WORK), serve=serve)], 170,
              default=False),
         Step("serve proto1", [python, "-c", SERVE_PROTO1.format(root=str(CHECKPOINTS), work=str(WORK), serve=serve)],

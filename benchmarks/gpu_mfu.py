@@ -1,9 +1,17 @@
 """Tokens/s and MFU of a pair's training step on one GPU, against the same model's decoder alone.
 
     python benchmarks/gpu_mfu.py        # proto1 on CUDA, bf16, micro-batch found by doubling, H100 SXM peak
+    python benchmarks/gpu_mfu.py --pair scale --levers eager liger compile both --profile proto1-step.txt
+    python benchmarks/gpu_mfu.py --pair prod --layers 8   # the 30B-A3B pair's real shapes, 8 of its 48 layers
     python benchmarks/gpu_mfu.py --micro-batch 8 --gradient-checkpointing --peak-tflops 756   # e.g. an H100 PCIe
     python benchmarks/gpu_mfu.py --device cpu --pair tiny --peak-tflops 0.2 --seq 256 --chunks 4 --chunk-len 64 \\
         --micro-batch 2 --repeats 3                                                                   # a CPU smoke
+
+Levers, one table row each, every row from the same process and card: `eager` (transformers' modules as they are),
+`liger` (Liger-Kernel's fused RMSNorm, SwiGLU and RoPE: models/kernels.py), `compile` (regional torch.compile of
+the layers: AwarenessModel.compile_layers) and `both`. The loss never holds full logits (models/loss.py; fused by
+Liger where it is installed, whatever the lever). Liger patches transformers' classes for the rest of the process,
+so its rows run after the others; each lever builds its model afresh and frees it before the next.
 
 The step is the pipeline's training configuration (`pipelines.train.model.prepare_model` with ModelConfig's defaults:
 decoder LoRA rank 16 on every projection, GCA blocks and memory projection trained in full, encoder frozen),
@@ -31,15 +39,22 @@ from timing import timed_side_by_side
 
 from models import build_pair, training_flops
 from models.flops import PARTS, flop_counter
+from models.kernels import liger_available, use_liger_kernels
 from pipelines.train.configs.stage import ModelConfig
 from pipelines.train.model import prepare_model
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0  # H200 too; H100 PCIe: 756; A100: 312
 
 
-def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+LEVERS = ("eager", "compile", "liger", "both")  # the order they run in: Liger's patches cannot be undone
+
+
+def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, lever: str = "eager"):
+    if lever in ("liger", "both") and not use_liger_kernels():
+        raise SystemExit(f"lever {lever} needs Liger-Kernel on a CUDA device (the CUDA lock installs it)")
     torch.manual_seed(0)
-    model = build_pair(args.pair, device=device, dtype=dtype, random_init=True, gca_layers=args.gca_layers)
+    model = build_pair(args.pair, device=device, dtype=dtype, random_init=True, gca_layers=args.gca_layers,
+                       layers=args.layers)
     model.to(device)  # a no-op: the weights are created on the device (this only guards that)
     config = ModelConfig(pair=args.pair, gca_layers=args.gca_layers, lora_rank=args.lora_rank,
                          gradient_checkpointing=args.gradient_checkpointing)
@@ -47,6 +62,8 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     with torch.no_grad():
         for block in model.gca_blocks().values():
             block.gate.fill_(0.5)  # an open gate, as after some training
+    if lever in ("compile", "both"):
+        model.compile_layers()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     return model, params, optimizer
@@ -93,16 +110,25 @@ def largest_fitting_micro_batch(model, params, optimizer, args, device) -> int:
 
 
 def cross_check(model, batch: dict) -> tuple[float, float]:
-    """FlopCounterMode's count of one forward + backward, and the analytic count in its convention (dense)."""
+    """FlopCounterMode's count of one forward + backward, and the analytic count in its convention (dense), plus
+    the LM head's forward once more where the chunked loss recomputes it in backward (models/loss.py; Liger's fused
+    loss computes its gradients in the forward instead)."""
     with flop_counter() as counter:
         model(**batch, labels=batch["input_ids"]).loss.backward()
     model.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops()), training_flops(model, batch, causal="full").total
+    flops = training_flops(model, batch, causal="full")
+    recomputed = 0.0 if liger_available() else flops.forward["lm_head"]
+    return float(counter.get_total_flops()), flops.total + recomputed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="proto1", help="a name from models.PAIRS (dense decoders)")
+    parser.add_argument("--pair", default="proto1", help="a name from models.PAIRS (MoE: FLOPs of the active experts)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the first N decoder and encoder layers of the real shapes (prod on one GPU)")
+    parser.add_argument("--levers", nargs="+", choices=LEVERS, default=None,
+                        help="rows to measure (default: all four on CUDA, eager on CPU)")
+    parser.add_argument("--profile", default=None, help="write the top operators of one step of the first lever here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--seq", type=int, default=2048, help="decoder tokens per row")
@@ -120,19 +146,50 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each kind first")
     parser.add_argument("--no-flop-check", action="store_true", help="skip the FlopCounterMode cross-check")
     args = parser.parse_args()
+    args.levers = args.levers or (list(LEVERS) if args.device.startswith("cuda") else ["eager"])
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     cuda = device.type == "cuda"
-    model, params, optimizer = build(args, device, dtype)
-    if args.micro_batch == "auto":
-        micro_batch = largest_fitting_micro_batch(model, params, optimizer, args, device) if cuda else 1
-    else:
-        micro_batch = int(args.micro_batch)
+    levers = sorted(args.levers, key=LEVERS.index)
+    rows, micro_batch = [], None
+    for lever in levers:
+        model, params, optimizer = build(args, device, dtype, lever)
+        if micro_batch is None:
+            micro_batch = (largest_fitting_micro_batch(model, params, optimizer, args, device) if cuda else 1) \
+                if args.micro_batch == "auto" else int(args.micro_batch)
+            header(args, model, params, dtype, device, micro_batch)
+        rows += measure(args, lever, model, params, optimizer, micro_batch, device, first=not rows)
+        del model, params, optimizer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    table(args, rows, micro_batch)
+
+
+def header(args, model, params, dtype, device, micro_batch: int) -> None:
+    cuda = device.type == "cuda"
+    trainable = sum(p.numel() for p in params)
+    device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    layers, decoder = model.gca_layers, model.decoder.config
+    shape = f"{decoder.num_hidden_layers} decoder layers" + (" (truncated: --layers)" if args.layers else "")
+    print(f"torch {torch.__version__}, {device_name}, {str(dtype).removeprefix('torch.')}")
+    print(f"pair {args.pair}, {shape}: GCA in decoder layers {layers[0]}-{layers[-1]} ({len(layers)}), decoder LoRA "
+          f"rank {args.lora_rank}, GCA + projection trained in full, encoder frozen; {trainable / 1e6:.1f}M trainable; "
+          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
+    print(f"micro-batch {micro_batch} x {args.seq} decoder tokens, memory {args.chunks} x {args.chunk_len} tokens per "
+          f"row; medians of {args.repeats} steps (forward + backward + clip + AdamW), timed in turns")
+    print(f"peak used for MFU: {args.peak_tflops:g} TFLOP/s (--peak-tflops)")
+
+
+def measure(args, lever: str, model, params, optimizer, micro_batch: int, device, first: bool) -> list[dict]:
+    """The lever's pair step (and, for the first lever, the decoder alone) timed side by side: one row each."""
+    cuda = device.type == "cuda"
     with_memory, alone = make_batches(model, micro_batch, args, device)
-    steps = [make_step(model, params, optimizer, batch) for batch in (with_memory, alone)]
-    flops = [training_flops(model, batch) for batch in (with_memory, alone)]
-    checks = [] if args.no_flop_check else [cross_check(model, batch) for batch in (with_memory, alone)]
+    batches = [with_memory, alone] if first else [with_memory]
+    steps = [make_step(model, params, optimizer, batch) for batch in batches]
+    flops = [training_flops(model, batch) for batch in batches]
+    checks = [] if args.no_flop_check or not first else [cross_check(model, batch) for batch in batches]
     for _ in range(args.warmup):
         for step in steps:
             step()
@@ -140,40 +197,53 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = timed_side_by_side(steps, args.repeats, synchronize=torch.cuda.synchronize if cuda else None)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    if first and args.profile:
+        profile_step(steps[0], args.profile, cuda)
+    names = [f"pair, {lever}", "decoder alone (no GCA, no memory), eager"]
+    memory_tokens = micro_batch * args.chunks * args.chunk_len
+    rows = [{"name": name, "time": t, "flops": f, "memory_tokens": m, "peak": peak, "check": c}
+            for name, t, f, m, c in zip(names, times, flops, (memory_tokens, 0), checks or [None, None])]
+    return rows
 
-    trainable = sum(p.numel() for p in params)
-    device_name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
-    layers = model.gca_layers
-    print(f"torch {torch.__version__}, {device_name}, {str(dtype).removeprefix('torch.')}")
-    print(f"pair {args.pair}: GCA in decoder layers {layers[0]}-{layers[-1]} ({len(layers)}), decoder LoRA rank "
-          f"{args.lora_rank}, GCA + projection trained in full, encoder frozen; {trainable / 1e6:.1f}M trainable; "
-          f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}")
-    print(f"micro-batch {micro_batch} x {args.seq} decoder tokens, memory {args.chunks} x {args.chunk_len} tokens per "
-          f"row; medians of {args.repeats} steps (forward + backward + clip + AdamW), timed in turns")
-    print(f"peak used for MFU: {args.peak_tflops:g} TFLOP/s (--peak-tflops)")
-    if cuda:
-        print(f"peak memory allocated: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB of "
-              f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.1f}")
-    print()
-    names = ["pair (decoder + GCA reading the memory + frozen encoder)", "decoder alone (no GCA, no memory)"]
-    decoder_tokens, memory_tokens = micro_batch * args.seq, micro_batch * args.chunks * args.chunk_len
-    print(f"| {'step':<56} | {'s/step':>8} | {'decoder tok/s':>13} | {'memory tok/s':>12} | {'TFLOP/step':>10} "
-          f"| {'TFLOP/s':>8} | {'MFU':>6} | {'6NT MFU':>7} | {'time ratio':>10} |")
-    print(f"|{'-' * 58}|{'-' * 10}|{'-' * 15}|{'-' * 14}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 12}|")
-    for name, t, f, memory in zip(names, times, flops, (memory_tokens, 0)):
+
+def profile_step(step: Callable[[], None], path: str, cuda: bool) -> None:
+    """One step under torch.profiler: the top operators by device time (CPU time on CPU), written to `path`."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(profiler.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n")
+    print(f"profile of one step, top operators by {key}: {path}")
+
+
+def table(args, rows: list[dict], micro_batch: int) -> None:
+    decoder_tokens = micro_batch * args.seq
+    print(f"\n| {'step':<56} | {'s/step':>8} | {'decoder tok/s':>13} | {'memory tok/s':>12} | {'TFLOP/step':>10} "
+          f"| {'TFLOP/s':>8} | {'MFU':>6} | {'6NT MFU':>7} | {'peak GiB':>8} | {'vs eager':>8} |")
+    print(f"|{'-' * 58}|{'-' * 10}|{'-' * 15}|{'-' * 14}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 10}|{'-' * 10}|")
+    first = rows[0]["time"]
+    for row in rows:
+        t, f = row["time"], row["flops"]
         achieved = f.total / t / 1e12
-        print(f"| {name:<56} | {t:8.4g} | {decoder_tokens / t:13,.0f} | {memory / t:12,.0f} | {f.total / 1e12:10.4g} "
-              f"| {achieved:8.4g} | {achieved / args.peak_tflops:6.1%} "
-              f"| {f.approx_6nt / t / 1e12 / args.peak_tflops:7.1%} | {t / times[1]:10.2f} |")
-    f = flops[0]
+        peak = f"{row['peak']:8.1f}" if row["peak"] is not None else f"{'-':>8}"
+        print(f"| {row['name']:<56} | {t:8.4g} | {decoder_tokens / t:13,.0f} | {row['memory_tokens'] / t:12,.0f} "
+              f"| {f.total / 1e12:10.4g} | {achieved:8.4g} | {achieved / args.peak_tflops:6.1%} "
+              f"| {f.approx_6nt / t / 1e12 / args.peak_tflops:7.1%} | {peak} | {first / t:8.2f} |")
+    f = rows[0]["flops"]
     print("\nModel FLOPs of the pair's step by part (GFLOP, forward / backward): " + ", ".join(
         f"{part} {f.forward[part] / 1e9:.4g} / {f.backward[part] / 1e9:.4g}" for part in PARTS))
-    for name, (counted, analytic) in zip(("pair", "decoder alone"), checks):
+    for row in rows:
+        if row["check"] is None:
+            continue
+        counted, analytic = row["check"]
         note = (" (counted includes checkpointing's recomputed forward, and the first layer's input gradients"
                 " transformers' checkpointed layers take)") if args.gradient_checkpointing else ""
-        print(f"FlopCounterMode, {name} step: {counted / 1e9:.6g} GFLOP counted vs {analytic / 1e9:.6g} analytic "
+        print(f"FlopCounterMode, {row['name']}: {counted / 1e9:.6g} GFLOP counted vs {analytic / 1e9:.6g} analytic "
               f"with dense attention, ratio {counted / analytic:.4f}{note}")
-
 
 if __name__ == "__main__":
     main()
