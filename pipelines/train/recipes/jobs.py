@@ -142,9 +142,9 @@ def train(config: Any) -> dict[str, Any]:
 
 
 def run_once(job: Job, config: Any) -> dict[str, Any]:
-    from pipelines.train.driver import run_stage  # lazy: Ray Train and DeepSpeed, only to run
+    from pipelines.train.driver import run_training_job  # lazy: Ray Train and DeepSpeed, only to run
 
-    return run_stage(job, config)
+    return run_training_job(job, config)
 
 
 def absolute_paths(section: Any, names: tuple[str, ...]) -> Any:

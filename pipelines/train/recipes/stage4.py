@@ -32,7 +32,7 @@ from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.distill import distillation_loss
-from pipelines.train.driver import init_ray, run_stage
+from pipelines.train.driver import init_ray, run_training_job
 from pipelines.train.recipes import Job, Loss, Prepared, routing_part
 from pipelines.train.recipes.jobs import job_for
 from pipelines.train.recipes.stage import StageRecipe
@@ -131,11 +131,11 @@ def run_stage4(job: Job, config: Stage4Config) -> dict[str, Any]:
     init_ray(config.run.verbose)
     config = with_default_corpus(config)
     config, teacher = with_teacher(config)
-    student = run_stage(job, config, tags={ROLE_TAG: "student"})
+    student = run_training_job(job, config, tags={ROLE_TAG: "student"})
     baseline = None
     if config.distill.baseline and not student.get("error"):
-        baseline = run_stage(job, baseline_config(config), tags={ROLE_TAG: "baseline",
-                                                            "stage4.student_run_id": student["mlflow_run_id"] or ""})
+        baseline = run_training_job(job, baseline_config(config),
+                                    tags={ROLE_TAG: "baseline", "stage4.student_run_id": student["mlflow_run_id"] or ""})
     summary = compare(student, baseline, teacher)
     record_comparison(config, summary)
     return summary
@@ -186,7 +186,7 @@ def with_teacher(config: Stage4Config) -> tuple[Stage4Config, dict[str, Any]]:
     corpus = Path(config.data.train_path).resolve().parent / MANIFEST
     cached = cache_root(config) / "stage4-teachers" / digest([key, hashlib.sha256(corpus.read_bytes()).hexdigest()])
     if not (cached / "teacher.json").is_file():
-        summary = run_stage(job_for(teaching), teaching, tags={ROLE_TAG: "teacher"})
+        summary = run_training_job(job_for(teaching), teaching, tags={ROLE_TAG: "teacher"})
         if summary.get("error") or not summary.get("export"):
             raise RuntimeError(f"the teacher's training failed: {summary.get('error')}")
         if cached.exists():
