@@ -27,13 +27,6 @@ import yaml
 NONE = ("none", "null")
 
 
-def duration(seconds: float) -> str:
-    """A job's console time: `9m12s`, `3h02m` (a training step line's ETA, an evaluation's progress line)."""
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-
-
 class ConfigError(ValueError):
     """A problem a job's user fixes on the command line: shown as one line, exit status 2."""
 
@@ -137,17 +130,6 @@ def field_docs(cls) -> dict[str, str]:
                 at -= 1
             docs[node.target.id] = comments[line] if line else " ".join(above)
     return docs
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1}} -> {'train.lr': 1}: the flags' names, and the params MLflow records."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def from_typed_dict(cls, data: dict[str, Any], prefix: str = ""):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.corpora.rows import IGNORE
+from pipelines.format.rows import IGNORE
 
 MEMORY_MODES = ("gca", "in_context", "rag", "none")
 SYSTEM_FILE = "system.json"  # in a stage's export: how the model reads its memory, and the needle task it learned

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from models import PAIRS, get_pair
-from pipelines.corpora.tokenizer import VOCAB_SIZE
 from pipelines.data.ul2 import Ul2DataConfig
+from pipelines.format.tokenizer import VOCAB_SIZE
 from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.configs.stage4 import DistillConfig, Stage4Config

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models.awareness import CONFIG_NAME
-from pipelines.corpora.shards import MANIFEST
 from pipelines.data.memory_modes import read_system, system_mode
+from pipelines.format.shards import MANIFEST
 from pipelines.teachers.logits import teacher_identity
 from pipelines.train.configs.stage import StageConfig
 

@@ -117,7 +117,7 @@ class Job(Protocol):
     def name(self, config: Any) -> str: ...  # the summary's "job", and the prefix of its refusals
 
     def check(self, config: Any) -> dict[str, Any]:
-        """Pre-flight checks before any cluster time (raises pipelines.corpora.shards.ShardError); what was checked,
+        """Pre-flight checks before any cluster time (raises pipelines.format.shards.ShardError); what was checked,
         for the summary, or {} when nothing was."""
 
     def resolved(self, config: Any) -> Any: ...  # its local paths made absolute, as the driver will

@@ -13,7 +13,7 @@ from transformers import SiglipVisionConfig
 
 from models.pairs import default_tiny_root, get_pair
 from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
-from pipelines.corpora.shards import check_splits
+from pipelines.format.shards import check_splits
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig

@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.trainable import is_added_parameter, parameter_group
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import check_splits
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import check_splits
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.configs.stage import StageConfig

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from models.pairs import default_tiny_root
-from pipelines.corpora.shards import MANIFEST, write_corpus
 from pipelines.data.synthetic_needles import noisy_copy_rows
+from pipelines.format.shards import MANIFEST, write_corpus
 from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig

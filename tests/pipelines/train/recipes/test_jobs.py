@@ -17,7 +17,7 @@ from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE4, TRAFFIC_VLM
 from pipelines.train.recipes.jobs import JOBS, Stage4Job, StageJob, TrafficJob, Ul2Job, job_for
-from tests.pipelines.corpora.test_shards import token_rows, write_split
+from tests.pipelines.format.test_shards import token_rows, write_split
 
 
 def test_each_config_type_has_its_job_and_name():

@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import load_split
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.packing import PackingSpec, pack_examples
 from pipelines.data.streams import CorpusStream
 from pipelines.data.teacher_targets import TeacherEntries, read_scored
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import load_split
 from pipelines.teachers.logits import TeacherLogitsConfig
 from pipelines.train.configs.common import RunSettings, ScalingSettings, TrackingSettings, TrainConfig
 from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.configs.stage4 import DistillConfig, Stage4Config
 from pipelines.train.recipes import model_loss
 from pipelines.train.recipes.stage4 import DISTILLATION, prepare_distillation, teacher_run_id
-from tests.pipelines.corpora.test_shards import write_split
+from tests.pipelines.format.test_shards import write_split
 from tests.pipelines.teachers.test_logits import corpus_rows, run_in_process
 
 ROOT = Path(__file__).resolve().parents[4]
