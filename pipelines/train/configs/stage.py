@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models import PAIRS
-from models.fusion import CHUNK_WEIGHTS, FUSIONS
+from models.fusion import CHUNK_WEIGHTS, FUSIONS, Fusion
 from models.placement import resolve_gca_layers
-from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
-from pipelines.data.memory_modes import MemoryMode
+from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
+from pipelines.data.memory_modes import MemoryKind, MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.train.configs.common import (DeepSpeedSettings, JobConfig, RunSettings, ScalingSettings,
                                             TrackingSettings, TrainConfig, run_problems)
@@ -26,7 +26,7 @@ class ModelConfig:
     # How the decoder reads the memory (models/fusion.py): gca (gated blocks in gca_layers), cross (a cross-attention
     # in every layer, o_proj at 0, trained as the gca group) or merged (every layer's own attention reads it too;
     # nothing added but the projection: it learns through the decoder). gca_layers, gca_mlp and gca_gate_init: gca only
-    fusion: str = "gca"
+    fusion: Fusion = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
     gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
     # Chunk routing (gca and cross; models/gca.py): each query reads only the memory chunks its top-k summary keys
@@ -57,9 +57,9 @@ class ModelConfig:
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
-    decoder: str = "lora"  # frozen | lora | full
-    encoder: str = "frozen"  # frozen | lora | full
-    gca: str = "full"  # full | lora
+    decoder: TrainMode = "lora"  # how the decoder trains (lora: lora_rank, lora_targets)
+    encoder: TrainMode = "frozen"  # how the encoder trains (lora: encoder_lora_rank)
+    gca: TrainMode = "full"  # how the GCA blocks (and the projection) train (lora: gca_lora_rank)
     lora_rank: int = 16  # decoder LoRA rank
     lora_alpha: float | None = None  # None: 2 * rank
     lora_targets: list[str] = field(default_factory=lambda: [*ATTENTION, *MLP])  # decoder projections that get LoRA; MoE pairs: add `experts`
@@ -74,7 +74,7 @@ class ModelConfig:
     # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
     # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them, as
     # is fusion merged's (its one softmax holds the decoder's own tokens too: nothing to route or scale apart).
-    memory: str = "gca"
+    memory: MemoryKind = "gca"
     context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
     rag_k: int = 2  # chunks retrieved per question (rag)
 
@@ -228,7 +228,9 @@ class DataConfig:
 
 @dataclass
 class StageConfig(JobConfig):
-    stage: int = 0  # 0 needles, 1 code/doc Q&A, 2 commits, 4 distillation (jobs/stageN.py sets it; stage 3 makes data)
+    # 0 needles (or Q&A shards), 1 and 2 commit shards (1: hinted and imperative prompts, the decoder frozen at first;
+    # 2: every prompt variant), 4 distillation (jobs/stageN.py sets it; stage 3 makes data)
+    stage: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     needle: NeedleConfig = field(default_factory=NeedleConfig)
     data: DataConfig = field(default_factory=DataConfig)
