@@ -36,7 +36,7 @@ import tiktoken
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipelines.corpora import build, sources, tasks  # noqa: E402
-from pipelines.corpora.tokenizer import QWEN_PATTERN, cached_tokenizer, load_ranks  # noqa: E402
+from pipelines.format.tokenizer import QWEN_PATTERN, cached_tokenizer, load_ranks  # noqa: E402
 
 SKIP = {"torch", "ray", "pip", "setuptools", "__pycache__"}  # one-package giants would be a single repository
 PACK = 16

@@ -52,7 +52,7 @@ BUNDLE = {
     "pydantic-core": "pydantic's", "annotated-types": "pydantic's", "typing-inspection": "pydantic's",
     "hjson": "DeepSpeed's", "jsonschema": "ray's", "jsonschema-specifications": "jsonschema's",
     "referencing": "jsonschema's", "rpds-py": "referencing's", "bm25s": "the rag baseline (imported by the suites)",
-    "fastokens": "the offline tokenizer (pipelines.corpora.tokenizer imports it)",
+    "fastokens": "the offline tokenizer (pipelines.format.tokenizer imports it)",
     # the serving steps (gpu_check.py --only "serve demo"): what Ray Serve's proxy, controller and replica imported,
     # read off each process's sys.modules during a serve_load run here, less what the box has
     "uvicorn": "Ray Serve's HTTP proxy", "httptools": "uvicorn's HTTP parser", "websockets": "uvicorn's",

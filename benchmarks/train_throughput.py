@@ -57,7 +57,7 @@ def plain_pytorch(config: StageConfig, warmup: int = 5) -> float:
 
 
 def ray_zero3(config: StageConfig) -> float:
-    """Median seconds per step through run_stage: 2 workers, ZeRO-3 over gloo (start-up, evaluation and
+    """Median seconds per step through run_training_job: 2 workers, ZeRO-3 over gloo (start-up, evaluation and
     checkpointing excluded)."""
     from pipelines.train.driver import shutdown_ray
     from pipelines.train.recipes.jobs import train

@@ -21,6 +21,8 @@ merged, on to the layer's attention.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -32,7 +34,8 @@ from models.cross_attention import MemoryCrossAttention, self_cross_mlp
 from models.gca import ChunkRouter, GCAMemory, MemoryKV, MemoryPadding
 from models.seq2seq.model import merged_attention, self_queries_keys_values
 
-FUSIONS = ("gca", "cross", "merged")
+Fusion = Literal["gca", "cross", "merged"]
+FUSIONS: tuple[str, ...] = get_args(Fusion)
 
 
 def check_fusion(fusion: str) -> str:

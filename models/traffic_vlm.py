@@ -17,8 +17,10 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from models.cross_attention import Qwen3CrossAttentionConfig, Qwen3CrossAttentionForCausalLM
 
@@ -126,6 +128,25 @@ class TrafficVLM(nn.Module):
         vision = SiglipVisionModel.from_pretrained(directory / "vision", **options)
         decoder = Qwen3CrossAttentionForCausalLM.from_pretrained(directory / "decoder", **options)
         return cls(vision, decoder, yes_id=int(ids["yes_id"]), no_id=int(ids["no_id"]))
+
+
+class YesNoObjective(nn.Module):
+    """What the engine trains: the VLM, its loss the cross-entropy over the [YES]/[NO] logits (labels: 0 = YES,
+    1 = NO)."""
+
+    def __init__(self, vlm: TrafficVLM):
+        super().__init__()
+        self.vlm = vlm
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                answer_positions: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        """labels (B,) for one question a row, or (B, Q) for rows packing Q questions, each answered at its
+        `answer_positions`."""
+        logits = self.vlm.yes_no_logits(pixel_values, input_ids, attention_mask, position_ids=position_ids,
+                                        answer_positions=answer_positions)  # (B, 2) or (B, Q, 2)
+        return SequenceClassifierOutput(loss=F.cross_entropy(logits.reshape(-1, 2), labels.reshape(-1)),
+                                        logits=logits)
 
 
 def last_real_position(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

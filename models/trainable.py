@@ -6,7 +6,7 @@ import copy
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -15,7 +15,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 TrainMode = Literal["frozen", "lora", "full"]
-TRAIN_MODES = ("frozen", "lora", "full")
+TrainMode = Literal["frozen", "lora", "full"]
+TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
 ADAPTER_NAME = "default"
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

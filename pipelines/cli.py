@@ -27,13 +27,6 @@ import yaml
 NONE = ("none", "null")
 
 
-def duration(seconds: float) -> str:
-    """A job's console time: `9m12s`, `3h02m` (a training step line's ETA, an evaluation's progress line)."""
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-
-
 class ConfigError(ValueError):
     """A problem a job's user fixes on the command line: shown as one line, exit status 2."""
 
@@ -59,7 +52,7 @@ def parse_config(argv: list[str] | None, default, description: str = "", *,
                  {"nargs": "?", "const": "true"} if bool in _options(hint) else {})  # a bare bool flag sets it
         (groups[section] if section else parser).add_argument(
             f"--{key}", default=None, metavar=_metavar(hint), **shape,
-            help=f"{doc + '. ' if doc else ''}default: {_show(value)}".replace("%", "%%"))
+            help=f"{doc.rstrip('.') + '. ' if doc else ''}default: {_show(value)}".replace("%", "%%"))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(_unknown(unknown[0], ["config", "dry-run", *leaves]))
@@ -104,7 +97,8 @@ def peek(argv: list[str] | None, key: str, default: Any) -> Any:
 def schema(cls, prefix: str = "", section_doc: str = "") -> dict[str, tuple[Any, str, str]]:
     """{'train.lr': (float, its doc, the section's doc)} for every leaf field of a (nested) config dataclass."""
     hints = typing.get_type_hints(cls)
-    docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base) for k, v in field_docs(base).items()}
+    docs = {k: v for base in reversed(cls.__mro__) if dataclasses.is_dataclass(base)
+            for k, v in field_docs(base).items() if v}  # a subclass's undocumented default keeps its base's doc
     out = {}
     for f in fields(cls):
         hint = hints[f.name]
@@ -117,7 +111,8 @@ def schema(cls, prefix: str = "", section_doc: str = "") -> dict[str, tuple[Any,
 
 
 def field_docs(cls) -> dict[str, str]:
-    """A dataclass's own field docs: the `# comment` trailing each field, or the comment lines right above it."""
+    """A dataclass's own field docs: the `# comment` trailing each field (with the comment lines that continue it),
+    or the comment lines right above it."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
@@ -126,28 +121,32 @@ def field_docs(cls) -> dict[str, str]:
                 tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
     lines = source.splitlines()
     own_line = {n for n in comments if lines[n - 1].lstrip().startswith("#")}
+    fields_ = [node for node in ast.parse(source).body[0].body
+               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
     docs = {}
-    for node in ast.parse(source).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            line = node.end_lineno if node.end_lineno in comments else None
-            above = []
-            at = node.lineno - 1
-            while line is None and at in own_line:
-                above.insert(0, comments[at])
-                at -= 1
-            docs[node.target.id] = comments[line] if line else " ".join(above)
+    for node, following in zip(fields_, [*fields_[1:], None]):
+        if node.end_lineno in comments and node.end_lineno not in own_line:
+            docs[node.target.id] = " ".join([comments[node.end_lineno], *_continuation(node, following, comments,
+                                                                                         own_line)])
+            continue
+        above, at = [], node.lineno - 1
+        while at in own_line:
+            above.insert(0, comments[at])
+            at -= 1
+        docs[node.target.id] = " ".join(above)
     return docs
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'lr': 1}} -> {'train.lr': 1}: the flags' names, and the params MLflow records."""
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _continuation(node, following, comments: dict[int, str], own_line: set[int]) -> list[str]:
+    """The comment lines under a field's trailing comment that finish its sentence: the comment stops mid-sentence
+    and the next field has its own trailing comment (else those lines are the next field's doc, or a section's)."""
+    block, at = [], node.end_lineno + 1
+    while at in own_line:
+        block.append(comments[at])
+        at += 1
+    mid_sentence = comments[node.end_lineno][-1:].isalnum() or comments[node.end_lineno].endswith(",")
+    next_has_own = following is not None and following.end_lineno in comments and following.end_lineno not in own_line
+    return block if block and mid_sentence and next_has_own else []
 
 
 def from_typed_dict(cls, data: dict[str, Any], prefix: str = ""):
@@ -242,8 +241,18 @@ def _list_item(hint: Any) -> Any:
     return None
 
 
+def _choices(hint: Any) -> tuple[str, ...]:
+    """The values a Literal field (or list item) accepts, () for any other type."""
+    return tuple(choice for option in _options(hint) if typing.get_origin(option) is typing.Literal
+                 for choice in typing.get_args(option))
+
+
 def _metavar(hint: Any) -> str:
+    """A field's value as --help shows it: its choices (gca|cross|merged), else its type (INT, FLOAT|NONE...)."""
     item = _list_item(hint)
+    choices = _choices(item or hint)
+    if choices:
+        return "|".join(choices)
     names = [o.__name__ for o in _options(item or hint) if o is not type(None)]
     return "|".join(names).upper()
 
@@ -259,8 +268,8 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if value is None:
         if type(None) in options:
             return None
-        if str in options:  # `--model.memory none` names the no-memory baseline: a word, not an empty value
-            return "none"
+        if str in options or "none" in _choices(hint):
+            return "none"  # `--model.memory none` names the no-memory baseline: a word, not an empty value
         raise ConfigError(f"{name} cannot be empty: give it a {_metavar(hint).lower()}")
     item = _list_item(hint)
     if item is not None:
@@ -268,6 +277,11 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ConfigError(f"{name} is a list: --{name} A B C (or a YAML list in --config), got {value!r}")
         items = [_coerce(v, item, name) for v in value]
         return tuple(items) if tuple in [typing.get_origin(o) for o in options] else items
+    choices = _choices(hint)
+    if choices:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value) in choices:
+            return str(value)
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}: e.g. --{name} {choices[0]}")
     for option in options:
         if option is bool and isinstance(value, bool):
             return value

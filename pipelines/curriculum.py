@@ -1,8 +1,9 @@
 """The curriculum: stages 0 -> 1 -> 2 -> 3 -> 4 as one chain of the documented jobs, each starting from the one before.
 
-Every step is the job a user would run by hand (`python jobs/<job>.py ...`, as its own process, as `ray job submit`
-would run it), its arguments built from the steps before it: the corpora, each stage's export as the next one's
-`--model.init_from`, the in_context teacher that improves stage 3's data and teaches stage 4. After each training
+Every step is the job a user would run by hand (`python jobs/<job>.py ...`, as its own process, as `ray job
+submit` would run it), built from the steps before it (a training step's typed config: its job's preset with the
+curriculum's settings, given as its --config file): the corpora, each stage's export as the next one's
+`model.init_from`, the in_context teacher that improves stage 3's data and teaches stage 4. After each training
 stage its MLflow run is tagged with the curriculum and the run before it, and (with `register`) its export is
 registered as a model version tagged with the version before it. Each step's summary line is kept in
 OUT/summaries/<step>.json; a rerun skips the steps that finished, so a curriculum cut off midway continues.
@@ -10,6 +11,7 @@ OUT/summaries/<step>.json; a rerun skips the steps that finished, so a curriculu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,13 +20,15 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from pipelines.tracking.tracker import resolve_tracking_uri
+from pipelines.tracking.tracker import flatten, resolve_tracking_uri
+from pipelines.train.presets import STAGE0, STAGE1, STAGE2, STAGE4
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 TRAINING = ("stage0", "stage1", "stage2", "teacher", "stage4")  # steps with an MLflow run and an export
 PREVIOUS = {"stage1": "stage0", "stage2": "stage1", "stage4": "stage2"}  # the stage each one starts from
+PRESETS = {"stage0": STAGE0, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4}  # each training job's default
 
 
 @dataclass
@@ -61,14 +65,30 @@ class CurriculumConfig:
         return p
 
 
+class Splits(NamedTuple):
+    train: str
+    val: str
+
+
 @dataclass
 class Step:
     name: str  # stage0 ... stage4, corpus0, corpus2, teacher
     job: str  # jobs/<job>.py
-    args: Callable[[dict[str, dict]], list[str]]  # from the summaries of the steps before it
+    args: Callable[[dict[str, dict]], list[str]] | None = None  # from the summaries of the steps before it
+    # a training step's typed config, from the summaries of the steps before it (given as its --config file)
+    config: Callable[[dict[str, dict]], Any] | None = None
 
-    def command(self, done: dict[str, dict]) -> list[str]:
-        return [sys.executable, str(REPOSITORY / "jobs" / f"{self.job}.py"), *self.args(done)]
+    def config_file(self, out: Path) -> Path:
+        return out / "configs" / f"{self.name}.json"
+
+    def command(self, done: dict[str, dict], out: Path) -> list[str]:
+        """The job's command line; a training step's config written first to its --config file."""
+        if self.config is None:
+            return [sys.executable, str(REPOSITORY / "jobs" / f"{self.job}.py"), *self.args(done)]
+        file = self.config_file(out)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(dataclasses.asdict(self.config(done)), indent=1))
+        return [sys.executable, str(REPOSITORY / "jobs" / f"{self.job}.py"), "--config", str(file)]
 
 
 def steps(config: CurriculumConfig) -> list[Step]:
@@ -76,32 +96,39 @@ def steps(config: CurriculumConfig) -> list[Step]:
     source repository is held out whole or not at all)."""
     out = Path(config.out).resolve()
     corpus0, corpus2, corpus3 = out / "corpus0", out / "corpus2", out / "corpus3"
-    tracking = ["--tracking.tracking_uri", resolve_tracking_uri(config.tracking_uri)]
-    root = ["--model.checkpoint_root", config.checkpoint_root] if config.checkpoint_root else []
-    shapes = ["--data.max_tokens", str(config.max_tokens), "--data.max_chunks", str(config.max_chunks)]
 
-    def training(name: str, steps: int, decoder: str = "lora") -> list[str]:
-        # every stage the same model settings, so each export loads into the next stage's model
-        return ["--model.pair", config.pair, "--model.gca_layers", "upper_third", "--model.decoder", decoder,
-                "--model.encoder", "frozen", "--model.encoder_attention", "bidirectional", *root, *shapes, *tracking,
-                "--train.max_steps", str(steps), "--train.memories_per_step", str(config.memories_per_step),
-                "--train.eval_every", str(steps), "--train.checkpoint_every", str(steps),
-                "--train.log_every", str(max(1, steps // 5)), "--scaling.num_workers", str(config.num_workers),
-                "--run.name", f"curriculum-{name}", "--run.storage_path", str(out / "ray")]
+    def training(preset, name: str, steps: int, data: Splits, *, decoder: str = "lora", **changes):
+        """`preset` (the job's own default) with the curriculum's settings: every stage the same model settings, so
+        each export loads into the next stage's model."""
+        model = dataclasses.replace(preset.model, pair=config.pair, gca_layers="upper_third", decoder=decoder,
+                                    encoder="frozen", encoder_attention="bidirectional",
+                                    checkpoint_root=config.checkpoint_root or preset.model.checkpoint_root,
+                                    **changes.pop("model", {}))
+        return dataclasses.replace(
+            preset, model=model,
+            data=dataclasses.replace(preset.data, max_tokens=config.max_tokens, max_chunks=config.max_chunks,
+                                     train_path=data.train, val_path=data.val),
+            train=dataclasses.replace(preset.train, max_steps=steps, memories_per_step=config.memories_per_step,
+                                      eval_every=steps, checkpoint_every=steps, log_every=max(1, steps // 5),
+                                      **changes.pop("train", {})),
+            scaling=dataclasses.replace(preset.scaling, num_workers=config.num_workers),
+            run=dataclasses.replace(preset.run, name=f"curriculum-{name}", storage_path=str(out / "ray")),
+            tracking=dataclasses.replace(preset.tracking, tracking_uri=resolve_tracking_uri(config.tracking_uri)),
+            **changes)
 
-    def splits(corpus: Path) -> list[str]:
+    def splits(corpus: Path) -> Splits:
         val = corpus / "val" if any((corpus / "val").glob("*.parquet")) else corpus / "train"
-        return ["--data.train_path", str(corpus / "train"), "--data.val_path", str(val)]
+        return Splits(train=str(corpus / "train"), val=str(val))
 
-    def distill_splits(done: dict[str, dict]) -> list[str]:
+    def distill_splits(done: dict[str, dict]) -> Splits:
         """Stage 4 trains on stage 3's accepted rows and validates on stage 2's held-out rows; when stage 3 accepted
         nothing (a teacher too weak to write a verified edit), on the stage-2 corpus itself, as its summary says."""
         accepted = done.get("stage3", {}).get("accepted") or 0
         train = corpus3 / "train" if accepted else corpus2 / "train"
-        return ["--data.train_path", str(train), "--data.val_path", splits(corpus2)[3]]
+        return Splits(train=str(train), val=splits(corpus2).val)
 
-    def export(name: str) -> Callable[[dict[str, dict]], list[str]]:
-        return lambda done: ["--model.init_from", done[name]["export"]]
+    def export(done: dict[str, dict], name: str) -> dict[str, Any]:
+        return {"model": {"init_from": done[name]["export"]}}
 
     return [
         Step("corpus0", "build_corpus", lambda done: [
@@ -111,26 +138,26 @@ def steps(config: CurriculumConfig) -> list[Step]:
             "--stage", "2", "--sources", *config.sources, "--max_commits", str(config.max_commits),
             "--out", str(corpus2)]),
         # stage 0 on the code Q&A corpus (not the synthetic needles), so its export fits the text pair of stages 1-4
-        Step("stage0", "stage0", lambda done: [*training("stage0", config.steps), *splits(corpus0)]),
-        Step("stage1", "stage1", lambda done: [*training("stage1", config.steps), *splits(corpus2),
-                                               "--train.frozen_decoder_steps", str(config.steps // 2),
-                                               *export("stage0")(done)]),
-        Step("stage2", "stage2", lambda done: [*training("stage2", config.steps), *splits(corpus2),
-                                               *export("stage1")(done)]),
+        Step("stage0", "stage0", config=lambda done: training(STAGE0, "stage0", config.steps, splits(corpus0))),
+        Step("stage1", "stage1", config=lambda done: training(
+            STAGE1, "stage1", config.steps, splits(corpus2), train={"frozen_decoder_steps": config.steps // 2},
+            **export(done, "stage0"))),
+        Step("stage2", "stage2", config=lambda done: training(STAGE2, "stage2", config.steps, splits(corpus2),
+                                                              **export(done, "stage1"))),
         # the teacher of stages 3 and 4: the same decoder, trained with the repository's chunks in its prompt. A
         # quarter of a row's tokens for the chunks: stage 4's teacher scores a row only when chunks, prompt and target
         # all fit its context (the tiny decoder's 1024 positions), and this repository's stage-2 rows hold 650-1,450
         # tokens of prompt and target (a full or half budget made it skip every row)
-        Step("teacher", "stage2", lambda done: [*training("teacher", config.teacher_steps, decoder="full"),
-                                                *splits(corpus2), "--model.memory", "in_context",
-                                                "--model.context_budget", str(config.max_tokens // 4)]),
+        Step("teacher", "stage2", config=lambda done: training(
+            STAGE2, "teacher", config.teacher_steps, splits(corpus2), decoder="full",
+            model={"memory": "in_context", "context_budget": config.max_tokens // 4})),
         Step("stage3", "stage3_data", lambda done: [
             "--corpus", str(corpus2), "--teacher", done["teacher"]["export"], "--out", str(corpus3),
             "--attempts", str(config.attempts), "--max_rows", str(config.stage3_rows),
             "--max_new_tokens", str(config.max_new_tokens)]),
-        Step("stage4", "stage4", lambda done: [*training("stage4", config.steps), *distill_splits(done),
-                                               "--distill.teacher", done["teacher"]["export"],
-                                               *export("stage2")(done)]),
+        Step("stage4", "stage4", config=lambda done: training(
+            STAGE4, "stage4", config.steps, distill_splits(done), **export(done, "stage2"),
+            distill=dataclasses.replace(STAGE4.distill, teacher=done["teacher"]["export"]))),
     ]
 
 
@@ -183,7 +210,7 @@ def run_step(step: Step, done: dict[str, dict], out: Path) -> dict[str, Any]:
     log = out / "logs" / f"{step.name}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     with log.open("w") as handle:
-        result = subprocess.run(step.command(done), stdout=subprocess.PIPE, stderr=handle, text=True, env=env,
+        result = subprocess.run(step.command(done, out), stdout=subprocess.PIPE, stderr=handle, text=True, env=env,
                                 cwd=out)
         handle.write(result.stdout)
     lines = result.stdout.strip().splitlines()
@@ -254,7 +281,14 @@ def headline(name: str, summary: dict) -> str:
 def plan(config: CurriculumConfig) -> str:
     """--dry-run: the commands, with the outputs of earlier steps named by placeholders."""
     placeholder = {name: {"export": f"<{name} export>", "mlflow_run_id": f"<{name} run>"} for name in TRAINING}
-    lines = [f"curriculum into {Path(config.out).resolve()}:"]
+    out = Path(config.out).resolve()
+    lines = [f"curriculum into {out}:"]
     for n, step in enumerate(steps(config), 1):
-        lines.append(f"{n}. {step.name}: python jobs/{step.job}.py {' '.join(step.args(placeholder))}")
+        if step.config is None:
+            lines.append(f"{n}. {step.name}: python jobs/{step.job}.py {' '.join(step.args(placeholder))}")
+            continue
+        preset = flatten(dataclasses.asdict(PRESETS[step.job]))
+        changed = {k: v for k, v in flatten(dataclasses.asdict(step.config(placeholder))).items() if preset[k] != v}
+        lines.append(f"{n}. {step.name}: python jobs/{step.job}.py --config {step.config_file(out)}\n   "
+                     f"its preset with {', '.join(f'{k}={v}' for k, v in changed.items())}")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Corpora for the stage jobs, built on Ray Data (`jobs/build_corpus.py`).
 
-Output rows (Parquet, `OUT/train`, `OUT/val`; schema `pipelines.corpora.build.ROW_SCHEMA`):
+Output rows (Parquet, `OUT/train`, `OUT/val`; schema `pipelines.format.rows.ROW_SCHEMA`):
 
     task              code_qa | doc_qa | needle | commit
     variant           direct | agentic (Q&A); single | multikey | multivalue | hop2 | hop3 (needle);
@@ -29,6 +29,6 @@ Output rows (Parquet, `OUT/train`, `OUT/val`; schema `pipelines.corpora.build.RO
     memory_input_ids  list<list<int32>>: one unpadded token list per memory chunk (= tokenizer(memory[k]))
 
 Shards hold row groups of at most `row_group_rows` rows; OUT/manifest.json lists every shard's bytes, rows, rows per
-row group and sha256. The training job checks and reads them with pipelines.corpora.shards (each worker its own row
+row group and sha256. The training job checks and reads them with pipelines.format.shards (each worker its own row
 groups) and pads `input_ids`/`labels` and each memory chunk in its collate function.
 """

@@ -2,7 +2,7 @@
 repository, on a worker: make records (read, parse, chunk, tokenize), build rows, write Parquet shards; the driver
 aggregates one small statistics row per repository into the manifest.
 
-    OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: ROW_SCHEMA below); split by repository
+    OUT/train/*.parquet, OUT/val/*.parquet   rows (schema: pipelines.format.rows.ROW_SCHEMA); split by repository
     OUT/rejects/*.parquet                    one row per rejected input: source, path, reason, detail
     OUT/manifest.json                        rows per task and split, token statistics, rejects by reason,
                                              inputs seen = used + rejected, facts that made no row by reason
@@ -10,7 +10,7 @@ aggregates one small statistics row per repository into the manifest.
                                              every shard's bytes, rows, rows per row group and sha256 (`shards`)
 
 Shards hold row groups of at most `row_group_rows` rows: the training job's unit of sharding
-(pipelines.corpora.shards), so even a small corpus spreads over several workers.
+(pipelines.format.shards), so even a small corpus spreads over several workers.
 
 Nothing of the corpus passes through the driver. Parallelism is across repositories: a corpus that is one big
 repository builds on one worker (split it with `--per-subdir`).
@@ -33,27 +33,15 @@ import ray
 import pyarrow.parquet as pq
 
 from pipelines.corpora import commits, sources, tasks
-from pipelines.corpora.rows import make_row  # noqa: F401  (re-exported for custom row makers)
-from pipelines.corpora.shards import MANIFEST_VERSION, shard_record
-from pipelines.corpora.tokenizer import cached_tokenizer, describe
+from pipelines.format.rows import DICTIONARY_COLUMNS, ROW_SCHEMA
+from pipelines.format.rows import make_row  # noqa: F401  (re-exported for custom row makers)
+from pipelines.format.shards import MANIFEST_VERSION, shard_record
+from pipelines.format.tokenizer import cached_tokenizer, describe
 
-ROW_SCHEMA = pa.schema([
-    ("task", pa.string()), ("variant", pa.string()), ("kind", pa.string()), ("prompt", pa.string()),
-    ("target", pa.string()), ("answer", pa.string()), ("memory", pa.list_(pa.string())), ("source", pa.string()),
-    ("unit", pa.string()),
-    ("evidence", pa.struct([("path", pa.string()), ("start_line", pa.int32()), ("end_line", pa.int32())])),
-    ("evidence_chunks", pa.list_(pa.string())),
-    ("depth", pa.float64()), ("memory_chunks", pa.int32()), ("memory_tokens", pa.int32()), ("diff", pa.string()),
-    ("origin", pa.struct([("repository", pa.string()), ("commit", pa.string()), ("parent", pa.string())])),
-    ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-    ("memory_input_ids", pa.list_(pa.list_(pa.int32()))),
-])
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("path", pa.string()), ("reason", pa.string()),
                            ("detail", pa.string())])
 ROWS_PER_SHARD = 2000
 ROW_GROUP_ROWS = 256  # a few MB of token lists per row group: one read of a training worker
-# Dictionary-encode only the short repeated columns: trying it on unique texts and token lists tripled write time.
-DICTIONARY_COLUMNS = ["task", "variant", "kind", "source", "unit"]
 
 
 @dataclass

@@ -25,11 +25,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from pipelines.corpora import chunking, sources
-from pipelines.corpora.rows import make_row
-from pipelines.corpora.shards import MANIFEST, ShardError, Split, check_split, load_split
+from pipelines.corpora import sources
 from pipelines.corpora.tasks import stable_seed
-from pipelines.corpora.tokenizer import EDIT, END_EDIT, END_PLAN, END_READ, PLAN, READ
+from pipelines.format import chunking
+from pipelines.format.rows import make_row
+from pipelines.format.shards import MANIFEST, ShardError, Split, check_split, load_split
+from pipelines.format.tokenizer import EDIT, END_EDIT, END_PLAN, END_READ, PLAN, READ
 
 VARIANTS = ("raw", "hinted", "imperative", "planning")
 BUILD = "python jobs/build_corpus.py --stage 2 --sources REPO --out DIR"  # what builds a stage-2 corpus

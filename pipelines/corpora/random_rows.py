@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import write_corpus
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import write_corpus
 
 FIRST_ID = 5  # ids below stay clear of special tokens; the pad id (0) never appears
 
@@ -32,7 +32,7 @@ def random_rows(n: int, *, max_tokens: int, chunks: int, chunk_len: int, vocab: 
 
 def write_random_corpus(out: str | Path, *, rows: int, max_tokens: int, chunks: int, chunk_len: int, vocab: int,
                         val_rows: int = 0, seed: int = 0, stage: int = 2) -> Path:
-    """OUT/train (and OUT/val with `val_rows`) and OUT/manifest.json (pipelines.corpora.shards.write_corpus);
+    """OUT/train (and OUT/val with `val_rows`) and OUT/manifest.json (pipelines.format.shards.write_corpus);
     returns OUT/train."""
     shapes = dict(max_tokens=max_tokens, chunks=chunks, chunk_len=chunk_len, vocab=vocab)
     splits = {"train": random_rows(rows, seed=seed, **shapes)}

@@ -23,10 +23,11 @@ from typing import Iterator
 
 import numpy as np
 
-from pipelines.corpora import chunking, docs, needles, sources, syntax
-from pipelines.corpora.chunking import Chunk
-from pipelines.corpora.rows import make_row
-from pipelines.corpora.tokenizer import END_READ, READ
+from pipelines.corpora import docs, needles, sources, syntax
+from pipelines.format import chunking
+from pipelines.format.chunking import Chunk
+from pipelines.format.rows import make_row
+from pipelines.format.tokenizer import END_READ, READ
 
 # Why a fact made no row (counted per repository; the manifest's `dropped_facts`):
 #   not_unique              its name is asked about more than once in the repository (the answer would be ambiguous)

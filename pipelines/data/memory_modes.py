@@ -15,13 +15,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-from pipelines.corpora.rows import IGNORE
+from pipelines.format.rows import IGNORE
 
-MEMORY_MODES = ("gca", "in_context", "rag", "none")
+MemoryKind = Literal["gca", "in_context", "rag", "none"]
+MEMORY_MODES: tuple[str, ...] = get_args(MemoryKind)
 SYSTEM_FILE = "system.json"  # in a stage's export: how the model reads its memory, and the needle task it learned
 
 

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from pipelines.corpora.rows import IGNORE
+from pipelines.format.rows import IGNORE
 
 
 @dataclass(frozen=True)

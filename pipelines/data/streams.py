@@ -1,5 +1,5 @@
 """Where a worker's training examples come from: synthetic needles (stage 0's embedded default) or corpus shards
-(jobs/build_corpus.py output), which each worker reads itself, only its own part (pipelines.corpora.shards).
+(jobs/build_corpus.py output), which each worker reads itself, only its own part (pipelines.format.shards).
 
 Both streams are positional, so a resumed run continues with exactly the examples it had not seen, which the index
 checksum in every checkpoint (the sum of the example ids consumed) lets a test count. Needles: global step s consumes
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import RankReader, Split, head_rows, load_split
 from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
 from pipelines.data.synthetic_needles import NeedleSpec, make_batch, memory_scale, needle_batch
 from pipelines.data.teacher_targets import TeacherEntries, teacher_tensors
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import RankReader, Split, head_rows, load_split
 
 TOKEN_COLUMNS = ["input_ids", "labels", "memory_input_ids"]
 
@@ -55,7 +55,7 @@ class NeedleStream:
 
 
 class CorpusStream:
-    """Packed micro-batches of this rank's own rows of the training split (pipelines.corpora.shards), from the position
+    """Packed micro-batches of this rank's own rows of the training split (pipelines.format.shards), from the position
     `start_step` left off at; the checksum sums the rows' global ids."""
 
     def __init__(self, split: Split, packing: PackingSpec, *, variants: list[str] | None, memories_per_step: int,

@@ -36,8 +36,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memory
+from pipelines.format.rows import IGNORE
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
 VALUES = range(10, 100)  # value tokens: a value position draws from the first `value_range` of them

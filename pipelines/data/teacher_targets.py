@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipelines.corpora.shards import Split, Unit, split_units
+from pipelines.format.shards import Split, Unit, split_units
 
 SCHEMA = pa.schema([("id", pa.int64()), ("skipped", pa.string()), ("positions", pa.list_(pa.int32())),
                     ("topk_ids", pa.list_(pa.int32())), ("topk_logprobs", pa.list_(pa.float16()))])
@@ -63,7 +63,7 @@ def dense_targets(entry: dict[str, Any], length: int, k: int) -> tuple[torch.Ten
 
 
 class TeacherEntries:
-    """A split's stored teacher entries by global row id (the corpus split's fixed order, pipelines.corpora.shards),
+    """A split's stored teacher entries by global row id (the corpus split's fixed order, pipelines.format.shards),
     read one teacher shard at a time: a rank reads its row groups in order, so it opens only its own."""
 
     def __init__(self, directory: str | Path, split: Split, k: int):

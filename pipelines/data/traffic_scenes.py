@@ -185,7 +185,7 @@ def split_of(seed: int, heldout_fraction: float = 0.2) -> str:
 def make_row(seed: int, *, size: int = SIZE, heldout_fraction: float = 0.2,
              question_types: tuple[str, ...] = QUESTION_TYPES) -> dict[str, Any]:
     """One dataset row: {png, question, answer ('yes'/'no'), seed, split} and every question type's answer about the
-    same scene (scene_questions, scene_answers: training asks them all at once, `pipelines.train.recipes.traffic`)."""
+    same scene (scene_questions, scene_answers: training asks them all at once, `pipelines.data.traffic_batches`)."""
     scene = make_scene(seed, question_types)
     return {"png": png_bytes(render(scene, size)), "question": QUESTIONS[scene.question],
             "answer": "yes" if scene.answer_yes else "no", "seed": seed, "split": split_of(seed, heldout_fraction),

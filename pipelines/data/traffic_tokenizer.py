@@ -9,6 +9,7 @@ decoder's `[YES]`/`[NO]` logits are read. Saved as one `tokenizer.json`; the voc
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -73,3 +74,9 @@ def load_traffic_tokenizer(path: str | Path) -> Tokenizer:
     """A saved tokenizer: a `tokenizer.json` file or the directory holding it."""
     path = Path(path)
     return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+
+
+@functools.lru_cache(maxsize=1)
+def traffic_tokenizer() -> Tokenizer:
+    """The one tokenizer a process's batches are encoded with, built once."""
+    return build_traffic_tokenizer()

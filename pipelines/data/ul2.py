@@ -14,8 +14,8 @@ import ray.data
 import torch
 from tokenizers import Tokenizer
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
+from pipelines.format.rows import IGNORE
+from pipelines.format.tokenizer import TOKENIZER_FILE, Ul2Vocab, ul2_vocab
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 

@@ -28,12 +28,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from pipelines.corpora.shards import MANIFEST, RankReader, ShardError, check_split
-from pipelines.corpora.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.streams import prompt_inputs
 from pipelines.evaluate.common import Source, SuiteResult, System, Workers, batch_columns, load_system
 from pipelines.evaluate.metrics import evidence_reading, rate_interval
+from pipelines.format.shards import MANIFEST, RankReader, ShardError, check_split
+from pipelines.format.tokenizer import END_READ, EOS, READ, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 
 TASKS = ("code_qa", "doc_qa", "needle")  # the stage-0 row tasks (pipelines.corpora)
 COLUMNS = ["task", "variant", "kind", "prompt", "target", "answer", "memory", "evidence_chunks", "unit", "input_ids",

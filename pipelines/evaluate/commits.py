@@ -33,13 +33,13 @@ import torch
 
 from models import AwarenessModel
 from pipelines.corpora.commits import BUILD, VARIANTS, CorpusError, commit_split, parent_file
-from pipelines.corpora.shards import head_rows
-from pipelines.corpora.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, system_mode
 from pipelines.data.streams import prompt_inputs
 from pipelines.evaluate.common import Source, SuiteResult, Workers
 from pipelines.evaluate.metrics import edit_similarity, pass_at_k, rate_interval
+from pipelines.format.shards import head_rows
+from pipelines.format.tokenizer import EOS, PAD, SPECIAL_IDS, cached_tokenizer
 from pipelines.repos.agentic import READ_TAG, agentic_compliance, chunk_names, decode, edited_file, same_file
 from pipelines.repos.parent_trees import ParentTree, ParentTrees
 

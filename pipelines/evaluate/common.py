@@ -17,9 +17,15 @@ from typing import Any, Callable, ClassVar, Protocol, TextIO
 
 from models import AwarenessModel
 from models.awareness import CONFIG_NAME
-from pipelines.cli import duration
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
 from pipelines.data.synthetic_needles import NeedleSpec
+
+
+def duration(seconds: float) -> str:
+    """A job's console time: `9m12s`, `3h02m` (a training step line's ETA, an evaluation's progress line)."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 # ---------------------------------------------------------------------------------------------- systems

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
 from pipelines.evaluate.collectives import summed_over_ranks
+from pipelines.format.rows import IGNORE
 
 
 @dataclass

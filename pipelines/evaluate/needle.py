@@ -26,7 +26,6 @@ from typing import Any, ClassVar, Iterable
 import numpy as np
 import torch
 
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
 from pipelines.data.needle_tokenizer import needle_tokenizer
@@ -34,6 +33,7 @@ from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, N
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
 from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
+from pipelines.format.rows import IGNORE
 
 
 @dataclass

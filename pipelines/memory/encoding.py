@@ -23,8 +23,8 @@ from models.awareness import AwarenessConfig, AwarenessModel
 from models.loading import load_encoder
 from models.memory import ENCODER_ATTENTIONS, MemoryEncoder
 from pipelines.corpora import sources, tasks
-from pipelines.corpora.tokenizer import cached_tokenizer
 from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
+from pipelines.format.tokenizer import cached_tokenizer
 from pipelines.memory import store as memory_store
 
 

@@ -10,7 +10,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from pipelines.corpora.tokenizer import EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS, VOCAB_SIZE
+from pipelines.format.tokenizer import EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS, VOCAB_SIZE
 
 AGENTIC = re.compile(r"\s*<plan>(?P<plan>.*?)</plan>\s*(?P<reads>(?:<read>.*?</read>\s*)+)<edit>.*?</edit>\s*", re.S)
 READ_TAG = re.compile(r"<read>(.*?)</read>", re.S)

@@ -46,7 +46,7 @@ from ray import serve
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, _memory_keyword_accepted
 from pipelines.corpora.tasks import readable_text, text_chunks
-from pipelines.corpora.tokenizer import VOCAB_SIZE, QwenTokenizer
+from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, TextMemories, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
 from pipelines.tracking.tracker import for_other_nodes

@@ -29,9 +29,9 @@ from tokenizers import Tokenizer
 
 from models import AwarenessModel
 from models.pairs import RANDOM_WEIGHTS_MARKER
-from pipelines.corpora.tokenizer import VOCAB_SIZE, text_tokenizer, tokenizers_tokenizer
 from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
 from pipelines.data.needle_tokenizer import needle_tokenizer
+from pipelines.format.tokenizer import VOCAB_SIZE, text_tokenizer, tokenizers_tokenizer
 from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity, write
 
 ENTRY = Path(__file__).with_name("pyfunc_entry.py")  # the file MLflow loads the model from (models from code)

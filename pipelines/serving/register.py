@@ -11,7 +11,7 @@ import pyarrow.fs
 from mlflow.tracking import MlflowClient
 
 from models import AwarenessConfig
-from pipelines.corpora.tokenizer import EOS
+from pipelines.format.tokenizer import EOS
 from pipelines.serving.pyfunc import ENTRY, PLACEMENT, ensure_tokenizer, signature
 from pipelines.tracking.checkpoints import open_uri
 from pipelines.tracking.registry import (DEFAULT_NAME, MODEL_ARTIFACT, checkpoint_record, lineage_tags, log_pyfunc,

@@ -1,29 +1,20 @@
 """The traffic-scene VLM as an MLflow pyfunc: rows of {image: PNG bytes or base64 text, question} in, "yes" / "no"
 out. The logged model holds the job's whole export (vision tower, decoder, tokenizer.json) as its artifact and is
-logged from code (`traffic_pyfunc_entry.py`), with this repository's models/ and pipelines/ as code paths and stated
-requirements: the same machinery the stage models use (pipelines.tracking.registry)."""
+logged from code (`traffic_pyfunc_entry.py`, by pipelines.tracking.registry.log_traffic_pyfunc), with this
+repository's models/ and pipelines/ as code paths and stated requirements."""
 
 from __future__ import annotations
 
 import base64
 import binascii
-from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
 import torch
-from mlflow.models import ModelSignature
-from mlflow.types.schema import ColSpec, DataType, Schema
 
 from models.traffic_vlm import TrafficVLM
 from pipelines.data.traffic_scenes import pixel_values
 from pipelines.data.traffic_tokenizer import load_traffic_tokenizer
-from pipelines.tracking.registry import log_pyfunc, pinned_requirements, register_version
-from pipelines.tracking.tracker import Tracker
-
-ARTIFACT = "pyfunc"
-REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pillow")
-
 
 class TrafficPyfunc(mlflow.pyfunc.PythonModel):
     """predict(rows of {image, question}) -> ["yes" | "no", ...]: the [YES]/[NO] logits at the question's last token."""
@@ -69,29 +60,3 @@ def _png(image, i: int) -> bytes:
     if not isinstance(image, bytes | bytearray) or not bytes(image[:8]) == b"\x89PNG\r\n\x1a\n":
         raise ValueError(f"row {i}: 'image' is not a PNG image: pass the bytes of a PNG file (or their base64 text)")
     return bytes(image)
-
-
-def signature():
-    return ModelSignature(inputs=Schema([ColSpec(DataType.binary, "image"), ColSpec(DataType.string, "question")]),
-                          outputs=Schema([ColSpec(DataType.string)]))
-
-
-def log_traffic_pyfunc(tracker: Tracker, export_dir: str, registered_model: str | None) -> dict[str, Any]:
-    """Logs the export as a pyfunc into the tracker's run (and registers it as `registered_model`@candidate);
-    returns the summary's fields. A tracking failure is reported there, not raised: the model is trained and
-    exported either way."""
-    if tracker.client is None:
-        return {"pyfunc": None}
-    try:
-        uri = log_pyfunc(tracker.client, tracker.run_id, Path(__file__).with_name("traffic_pyfunc_entry.py"),
-                         {"export": str(export_dir)}, signature(), {}, pinned_requirements(*REQUIREMENTS), ARTIFACT)
-        if not registered_model:
-            return {"pyfunc": uri, "registered": None}
-        run = tracker.client.get_run(tracker.run_id)
-        tags = {k: v for k, v in run.data.tags.items() if k in ("job", "data.manifest_hash", "git.commit")}
-        version = register_version(tracker.client, registered_model, run, ARTIFACT, tags | {"run_id": tracker.run_id},
-                                   f"run {run.info.run_name} ({tracker.run_id})",
-                                   model_description="Traffic-scene VLM: PNG + question -> yes / no")
-        return {"pyfunc": uri, "registered": f"models:/{registered_model}/{version.version}"}
-    except Exception as error:  # noqa: BLE001 - reported in the summary line, the export stays on disk
-        return {"pyfunc": None, "pyfunc_error": f"{type(error).__name__}: {error}"[:300]}

@@ -51,14 +51,13 @@ import pyarrow.parquet as pq
 import torch
 
 from models.awareness import CONFIG_NAME, AwarenessModel
-from pipelines.corpora.build import DICTIONARY_COLUMNS, ROW_SCHEMA
 from pipelines.corpora.commits import BUILD, commit_split, parent_file
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import MANIFEST, MANIFEST_VERSION, Unit, check_split, shard_record, split_units
-from pipelines.corpora.tokenizer import EOS, PAD, PLAN, SPECIAL_IDS, cached_tokenizer
 from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.data.streams import prompt_inputs, prompt_length
+from pipelines.format.rows import DICTIONARY_COLUMNS, IGNORE, ROW_SCHEMA
+from pipelines.format.shards import MANIFEST, MANIFEST_VERSION, Unit, check_split, shard_record, split_units
+from pipelines.format.tokenizer import EOS, PAD, PLAN, SPECIAL_IDS, cached_tokenizer
 from pipelines.repos.agentic import (FormatError, Trajectory, chunk_names, decode, parse_trajectory, same_file,
                                      trajectory_parts)
 from pipelines.repos.parent_trees import ParentTrees

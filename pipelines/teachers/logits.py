@@ -10,7 +10,7 @@ their log-probs (log-softmax over the full vocabulary, temperature 1) for predic
     OUT/manifest.json               teacher identity, k, rows, target tokens, rows skipped by reason, the bytes per
                                     target token, and every shard (bytes, rows, row groups, sha256, as the corpus's)
     OUT/<split>/<shard>-<group>.parquet   one file per row group of the corpus split; one row per corpus row:
-        id              the row's global id in the split's fixed order (pipelines.corpora.shards), to join on
+        id              the row's global id in the split's fixed order (pipelines.format.shards), to join on
         skipped         "" or why the teacher did not score the row (too_long: over its context budget; no_targets)
         positions       list<int32>, the student's target positions t
         topk_ids        list<int32>, len(positions) * k, row-major (position, rank)
@@ -45,11 +45,11 @@ import pyarrow.parquet as pq
 import torch
 
 from models.awareness import CONFIG_NAME, WEIGHTS_NAME, AwarenessConfig, AwarenessModel
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import MANIFEST, Unit, check_split, shard_record, split_units
 from pipelines.data.batch_inference import DTYPES, actor_dtype, items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, read_system, system_mode
 from pipelines.data.teacher_targets import unit_items, write_scored
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import MANIFEST, Unit, check_split, shard_record, split_units
 
 ID_BYTES, LOGPROB_BYTES = 4, 2  # int32 ids, float16 log-probs
 READ_COLUMNS = ["input_ids", "labels", "memory_input_ids"]

@@ -11,10 +11,12 @@ from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
 from mlflow.tracking import MlflowClient
+from mlflow.types.schema import ColSpec, DataType, Schema
 
 from pipelines.tracking.checkpoints import RECORDS, exists, record_name
-from pipelines.tracking.tracker import resolve_tracking_uri
+from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 
 DEFAULT_NAME = "awareness"
 MODEL_DESCRIPTION = "Qwen3 decoders reading an encoder memory through GCA"
@@ -24,6 +26,9 @@ LINEAGE_TAGS = ("pair", "stage", "base.decoder", "base.encoder", "data.manifest_
 # pip requirements and the base checkpoints, not this repository.
 CODE_PATHS = tuple(str(Path(__file__).resolve().parents[2] / package) for package in ("models", "pipelines"))
 
+# The traffic VLM's pyfunc (pipelines/serving/traffic_pyfunc.py), logged from its entry file at the end of its job.
+TRAFFIC_ENTRY = Path(__file__).resolve().parents[1] / "serving" / "traffic_pyfunc_entry.py"
+TRAFFIC_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pillow")
 
 
 def log_pyfunc(client, run_id: str, entry: Path, artifacts: dict[str, str], signature, model_config: dict[str, Any],
@@ -106,3 +111,30 @@ def pinned_requirements(*packages: str) -> list[str]:
 def describe(version) -> dict[str, Any]:
     return {"name": version.name, "version": version.version, "run_id": version.run_id, "tags": dict(version.tags),
             "aliases": list(getattr(version, "aliases", []) or [])}
+
+
+def traffic_signature() -> ModelSignature:
+    return ModelSignature(inputs=Schema([ColSpec(DataType.binary, "image"), ColSpec(DataType.string, "question")]),
+                          outputs=Schema([ColSpec(DataType.string)]))
+
+
+def log_traffic_pyfunc(tracker: Tracker, export_dir: str, registered_model: str | None) -> dict[str, Any]:
+    """Logs the export as a pyfunc into the tracker's run (and registers it as `registered_model`@candidate);
+    returns the summary's fields. A tracking failure is reported there, not raised: the model is trained and
+    exported either way."""
+    if tracker.client is None:
+        return {"pyfunc": None}
+    try:
+        uri = log_pyfunc(tracker.client, tracker.run_id, TRAFFIC_ENTRY, {"export": str(export_dir)},
+                         traffic_signature(), {}, pinned_requirements(*TRAFFIC_REQUIREMENTS), MODEL_ARTIFACT)
+        if not registered_model:
+            return {"pyfunc": uri, "registered": None}
+        run = tracker.client.get_run(tracker.run_id)
+        tags = {k: v for k, v in run.data.tags.items() if k in ("job", "data.manifest_hash", "git.commit")}
+        version = register_version(tracker.client, registered_model, run, MODEL_ARTIFACT,
+                                   tags | {"run_id": tracker.run_id},
+                                   f"run {run.info.run_name} ({tracker.run_id})",
+                                   model_description="Traffic-scene VLM: PNG + question -> yes / no")
+        return {"pyfunc": uri, "registered": f"models:/{registered_model}/{version.version}"}
+    except Exception as error:  # noqa: BLE001 - reported in the summary line, the export stays on disk
+        return {"pyfunc": None, "pyfunc_error": f"{type(error).__name__}: {error}"[:300]}

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pipelines.cli import flatten
-
 log = logging.getLogger(__name__)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a run under its parent
@@ -33,6 +31,17 @@ RETRY_INTERVAL_S = 20.0  # after a failure, calls only queue until this much tim
 
 QUEUED_CALLS = {"log_metrics", "log_params", "log_dict", "log_artifacts", "log_bytes", "log_table", "log_text",
                 "set_tags", "delete_tags", "terminate"}  # what a saved queue may replay
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: the params MLflow records (the flags' names)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _encode(value):

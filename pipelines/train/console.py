@@ -17,7 +17,7 @@ import ray.train
 from ray.util.queue import Empty, Queue
 from transformers.utils import logging as transformers_logging
 
-from pipelines.cli import duration  # shared with the evaluation job's progress line
+from pipelines.evaluate.common import duration  # shared with the evaluation job's progress line
 
 QUIET_LOGGERS = ("mlflow", "ray", "ray.train", "ray.data", "DeepSpeed")
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from pipelines.corpora.rows import IGNORE
+from pipelines.format.rows import IGNORE
 
 
 class DistillLoss(NamedTuple):

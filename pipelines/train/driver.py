@@ -40,8 +40,8 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-def run_stage(job: Job, config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
-              tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
+def run_training_job(job: Job, config: StageConfig | Ul2Config | TrafficConfig, *, parent_run_id: str | None = None,
+                     tags: dict[str, str] | None = None, callbacks: list | None = None) -> dict[str, Any]:
     """Trains one run of `job` (its Recipe and name) on Ray Train and returns the job's summary. The job is given,
     not looked up: the Jobs' runs call this (pipelines.train.recipes.jobs), so the driver does not import them. A
     rerun with the same run.name and run.storage_path resumes from its last checkpoint (and keeps logging into the

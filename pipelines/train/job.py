@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from pipelines.cli import ConfigError, parse_config
-from pipelines.corpora.shards import ShardError
+from pipelines.format.shards import ShardError
 from pipelines.tracking.tracker import resolve_tracking_uri, summary_json
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.traffic import TrafficConfig

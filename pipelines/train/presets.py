@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from models import PAIRS, get_pair
-from pipelines.corpora.tokenizer import VOCAB_SIZE
 from pipelines.data.ul2 import Ul2DataConfig
+from pipelines.format.tokenizer import VOCAB_SIZE
 from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
-from pipelines.train.configs.stage import DataConfig, DistillConfig, ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.configs.stage4 import DistillConfig, Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
 
@@ -79,8 +80,7 @@ STAGE2 = StageConfig(
 # target digits (pipelines/train/recipes/stage4.py says why); an in_context teacher trains first (cached under the checkpoint
 # root), then the GCA student with the teacher's top-32 (alpha 0.5), then the same student with alpha 0. The pair and
 # settings are stage 0's, which learn a needle lookup from scratch on this machine.
-STAGE4 = StageConfig(
-    stage=4,
+STAGE4 = Stage4Config(
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full", gca_gate_init=0.3, context_budget=64),
     needle=NeedleConfig(facts=1, questions=1, value_digits=4, chunk_len=7, distractors=0),

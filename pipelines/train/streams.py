@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterator
 import ray.train
 import torch
 
-from pipelines.corpora.shards import load_split
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import CorpusStream, NeedleStream
 from pipelines.data.teacher_targets import TeacherEntries
+from pipelines.format.shards import load_split
 from pipelines.train.configs.common import TrainConfig
 from pipelines.train.configs.stage import StageConfig
 

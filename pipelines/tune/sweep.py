@@ -1,7 +1,8 @@
 """Ray Tune sweeps over LoRA rank, GCA placement and learning rate; each trial is the stage job's Ray Train run.
 
 Ray 2.60 runs Ray Train V2, where a TorchTrainer is not a Tune trainable: a function trainable (`train_trial`) runs
-`run_stage`, and a Train callback forwards the workers' evaluation reports to Tune, where ASHA stops weak trials.
+`run_training_job`, and a Train callback forwards the workers' evaluation reports to Tune, where ASHA stops weak
+trials.
 MLflow: one parent run per sweep, each trial's stage run nested under it (the stage job opens and fills that run
 itself, fault-tolerantly, so Ray's MLflowLoggerCallback, which logs from the Tune driver without a retry queue and
 would open a second run per trial, is not used). The best trial's artifact is registered (`pipelines.tracking.registry`).
@@ -30,7 +31,7 @@ from pipelines.serving.register import register_run
 from pipelines.tracking.lineage import git_commit, system_info
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
-from pipelines.train.driver import run_stage
+from pipelines.train.driver import run_training_job
 from pipelines.train.presets import sweep_base, vocab_problem
 from pipelines.train.recipes.jobs import job_for
 from pipelines.train.recipes.stage import prepare_paths
@@ -158,9 +159,9 @@ def train_trial(trial: dict[str, Any]) -> None:
     """One Tune trial: the stage job's Ray Train run with this trial's fusion, rank, placement and learning rate."""
     trial_id = ray.tune.get_context().get_trial_id()
     config = trial_config(StageConfig.from_dict(trial["base"]), trial, trial["sweep_name"], trial_id)
-    summary = run_stage(job_for(config), config, parent_run_id=trial["parent_run_id"], tags={TRIAL_TAG: trial_id,
-                        SWEEP_TAG: trial["parent_run_id"] or ""},
-                        callbacks=[evaluation_report_callback(trial["metric"])])
+    summary = run_training_job(job_for(config), config, parent_run_id=trial["parent_run_id"],
+                               tags={TRIAL_TAG: trial_id, SWEEP_TAG: trial["parent_run_id"] or ""},
+                               callbacks=[evaluation_report_callback(trial["metric"])])
     if summary["error"]:
         raise RuntimeError(f"trial {trial_id}: the stage run failed: {summary['error']}")
     # The trial's last word, once its run holds its export: ASHA stops trials asynchronously, so a stop decided at a

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import SiglipVisionModel
 
-from models.traffic_vlm import TrafficVLM, build_traffic_vlm, last_real_position, tiny_vision_config
+from models.traffic_vlm import TrafficVLM, YesNoObjective, build_traffic_vlm, last_real_position, tiny_vision_config
 from pipelines.data.traffic_scenes import make_row, pixel_values, split_of
 from pipelines.data.traffic_tokenizer import NO, YES, build_traffic_tokenizer
 
@@ -41,6 +41,16 @@ def test_default_model_reads_196_vision_tokens_into_the_seed_decoder():
     assert tokens.shape == (2, 196, model.vision.config.hidden_size)
     ids = torch.tensor([[1, 10, 15, 35, 38, 6]])
     assert model.yes_no_logits(images(1, 224), ids).shape == (1, 2)
+
+
+def test_yes_no_objective_is_the_cross_entropy_over_the_yes_no_logits():
+    model = small_vlm()
+    ids, mask, labels = torch.tensor([[1, 10, 15, 6], [1, 11, 6, 0]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]), \
+        torch.tensor([0, 1])
+    out = YesNoObjective(model)(images(2), ids, labels, attention_mask=mask)
+    logits = model.yes_no_logits(images(2), ids, mask)  # (B, 2): [YES], [NO]
+    torch.testing.assert_close(out.logits, logits)
+    torch.testing.assert_close(out.loss, F.cross_entropy(logits, labels))
 
 
 def test_last_real_position_left_and_right_padding():

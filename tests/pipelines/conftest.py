@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.corpora.tokenizer import cached_tokenizer
+from pipelines.format.tokenizer import cached_tokenizer
 from pipelines.serving.loopback import MlflowServer
 
 

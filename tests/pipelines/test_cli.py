@@ -2,10 +2,11 @@
 docs in --help, and every user error as one stderr line with exit status 2."""
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
-from pipelines.cli import parse_config, peek
+from pipelines.cli import field_docs, parse_config, peek
 
 
 @dataclass
@@ -13,6 +14,7 @@ class Inner:
     names: list[str] = field(default_factory=lambda: ["a", "b"])  # names to keep
     sizes: tuple[int, ...] = (4, 8)
     rate: float = 0.1  # how fast
+    mode: Literal["fast", "slow"] = "fast"  # how to run
 
 
 @dataclass
@@ -79,6 +81,36 @@ def test_help_shows_field_docs(capsys):
     out = capsys.readouterr().out
     for text in ("how many steps", "names to keep", "how fast", "--inner.rate", "default: a b"):
         assert text in out, text
+
+
+def test_a_choice_field_takes_only_its_choices_and_help_names_them(capsys):
+    assert parse_config(["--inner.mode", "slow"], Outer()).inner.mode == "slow"
+    [line] = errors(capsys, ["--inner.mode", "medium"])
+    assert line.endswith("inner.mode must be one of ('fast', 'slow'), got 'medium': e.g. --inner.mode fast")
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], Outer())
+    assert "--inner.mode fast|slow" in capsys.readouterr().out
+
+
+@dataclass
+class Documented:
+    logits: str | None = None  # the directory; None: beside the corpus, computed when absent or
+    # written by another teacher. A named one must hold its logits.
+    actors: int = 1  # actors scoring the corpus (at most 8)
+    # A section of the fields below, not a continuation: the field above ends its sentence.
+    seed: int = 0  # where the draws start
+    # The noise (used without a corpus): each digit replaced with probability label_noise, and
+    label_noise: float = 0.3
+
+
+def test_field_docs_keep_a_comment_continued_on_the_next_line():
+    assert field_docs(Documented) == {
+        "logits": "the directory; None: beside the corpus, computed when absent or written by another teacher. A "
+                  "named one must hold its logits.",
+        "actors": "actors scoring the corpus (at most 8)",
+        "seed": "where the draws start",
+        "label_noise": "The noise (used without a corpus): each digit replaced with probability label_noise, and",
+    }
 
 
 def test_dry_run_prints_and_exits_zero(capsys):

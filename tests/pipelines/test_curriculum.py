@@ -50,10 +50,16 @@ def test_each_stage_starts_from_the_export_before_it(tmp_path):
     done = {name: {"export": f"/x/{name}", "accepted": 3} for name in ORDER}
 
     def flag(name: str, key: str) -> str:
+        """A job's command-line flag, or the field of a training step's typed config."""
+        if chain[name].config is not None:
+            value = chain[name].config(done)
+            for part in key.lstrip("-").split("."):
+                value = getattr(value, part)
+            return value
         args = chain[name].args(done)
         return args[len(args) - 1 - args[::-1].index(key) + 1]
 
-    assert "--model.init_from" not in chain["stage0"].args(done)
+    assert flag("stage0", "--model.init_from") is None
     assert (flag("stage1", "--model.init_from"), flag("stage2", "--model.init_from"),
             flag("stage4", "--model.init_from")) == ("/x/stage0", "/x/stage1", "/x/stage2")
     assert flag("stage3", "--teacher") == flag("stage4", "--distill.teacher") == "/x/teacher"

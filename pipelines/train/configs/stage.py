@@ -1,21 +1,18 @@
-"""The stage jobs' config (jobs/stage0.py, stage1.py, stage2.py, stage4.py, and the sweep's trials): the pair and how
-it reads its memory, stage 0's synthetic needles, corpus shards, and stage 4's distillation."""
+"""The stage jobs' config (jobs/stage0.py, stage1.py, stage2.py, and the sweep's trials): the pair and how
+it reads its memory, stage 0's synthetic needles and corpus shards (stage 4 adds its distillation:
+pipelines.train.configs.stage4)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from models import PAIRS
-from models.awareness import CONFIG_NAME
-from models.fusion import CHUNK_WEIGHTS, FUSIONS
+from models.fusion import CHUNK_WEIGHTS, FUSIONS, Fusion
 from models.placement import resolve_gca_layers
-from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES
-from pipelines.corpora.shards import MANIFEST
-from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
+from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
+from pipelines.data.memory_modes import MemoryKind, MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.teachers.logits import teacher_identity
 from pipelines.train.configs.common import (DeepSpeedSettings, JobConfig, RunSettings, ScalingSettings,
                                             TrackingSettings, TrainConfig, run_problems)
 
@@ -29,7 +26,7 @@ class ModelConfig:
     # How the decoder reads the memory (models/fusion.py): gca (gated blocks in gca_layers), cross (a cross-attention
     # in every layer, o_proj at 0, trained as the gca group) or merged (every layer's own attention reads it too;
     # nothing added but the projection: it learns through the decoder). gca_layers, gca_mlp and gca_gate_init: gca only
-    fusion: str = "gca"
+    fusion: Fusion = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
     gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
     # Chunk routing (gca and cross; models/gca.py): each query reads only the memory chunks its top-k summary keys
@@ -60,9 +57,9 @@ class ModelConfig:
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     memory_logn_scale: int = 0
-    decoder: str = "lora"  # frozen | lora | full
-    encoder: str = "frozen"  # frozen | lora | full
-    gca: str = "full"  # full | lora
+    decoder: TrainMode = "lora"  # how the decoder trains (lora: lora_rank, lora_targets)
+    encoder: TrainMode = "frozen"  # how the encoder trains (lora: encoder_lora_rank)
+    gca: TrainMode = "full"  # how the GCA blocks (and the projection) train (lora: gca_lora_rank)
     lora_rank: int = 16  # decoder LoRA rank
     lora_alpha: float | None = None  # None: 2 * rank
     lora_targets: list[str] = field(default_factory=lambda: [*ATTENTION, *MLP])  # decoder projections that get LoRA; MoE pairs: add `experts`
@@ -83,7 +80,7 @@ class ModelConfig:
     # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
     # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them, as
     # is fusion merged's (its one softmax holds the decoder's own tokens too: nothing to route or scale apart).
-    memory: str = "gca"
+    memory: MemoryKind = "gca"
     context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
     rag_k: int = 2  # chunks retrieved per question (rag)
 
@@ -235,88 +232,11 @@ class DataConfig:
         return p
 
 
-K_RANGE = (8, 256)  # top-k stored per target token; the issue's range is 32-64 (k * 6 bytes a token)
-
-
-@dataclass
-class DistillConfig:
-    """Stage 4: the student (the GCA pair) learns from a teacher that reads the same memory in its prompt. Used only
-    by stage 4 (jobs/stage4.py)."""
-
-    teacher: str | None = None  # an export whose system.json reads the memory in its prompt (in_context or rag)
-    teacher_steps: int = 0  # with no teacher: first train an in_context teacher on the same data for this many steps
-    k: int = 32  # teacher top-k kept per target token (32-64: k * 6 bytes a token; pipelines.teachers.logits)
-    alpha: float = 0.5  # loss = alpha * KL(teacher || student) over the top-k + (1 - alpha) * cross-entropy
-    temperature: float = 1.0  # softens both sides of the KL (scaled by temperature^2)
-    logits: str | None = None  # the teacher logits directory; None: CORPUS/teacher_logits, computed when absent or
-    # written by another teacher, k or corpus. A directory named here must hold this teacher's logits (or none yet).
-    actors: int = 1  # Ray Data actors scoring the corpus with the teacher
-    use_gpu: bool = False  # one GPU per teacher actor
-    baseline: bool = True  # also train the same student with alpha 0 on the same data and steps, to compare
-    # The embedded default corpus (used when data.train_path is unset): one needle fact per memory, its value digits
-    # copied into the target, each replaced by a random digit with probability label_noise.
-    label_noise: float = 0.3
-    train_rows: int = 4096  # rows of the embedded default corpus for training
-    val_rows: int = 256  # and for validation
-
-    def problems(self, stage: int) -> list[str]:
-        if stage != 4:
-            return []
-        p = []
-        if self.teacher:
-            p += teacher_problems(self.teacher)
-        elif self.teacher_steps <= 0:
-            p.append("distill.teacher is missing: name a teacher export (--distill.teacher EXPORT, a stage run with "
-                     "--model.memory in_context or rag), or train one first with --distill.teacher_steps N")
-        if not K_RANGE[0] <= self.k <= K_RANGE[1]:
-            p.append(f"distill.k must be within {K_RANGE[0]}-{K_RANGE[1]} (32-64 intended: k * 6 bytes per target "
-                     f"token), got {self.k}")
-        if not 0.0 <= self.alpha <= 1.0:
-            p.append(f"distill.alpha must be within [0, 1] (the KL's weight), got {self.alpha}")
-        if self.temperature <= 0:
-            p.append(f"distill.temperature must be positive, got {self.temperature}")
-        if self.actors <= 0:
-            p.append("distill.actors must be positive")
-        if not 0.0 <= self.label_noise < 1.0:
-            p.append(f"distill.label_noise must be within [0, 1), got {self.label_noise}")
-        if self.train_rows <= 0 or self.val_rows <= 0:
-            p.append("distill.train_rows and distill.val_rows must be positive")
-        if self.teacher and self.logits and not p:
-            p += logits_problems(self.logits, self.teacher, self.k)
-        return p
-
-
-def teacher_problems(teacher: str) -> list[str]:
-    if not (Path(teacher) / CONFIG_NAME).is_file():
-        return [f"distill.teacher {teacher} is not an export (no {CONFIG_NAME}): pass the `export` path of a "
-                f"finished stage run trained with --model.memory in_context (or rag)"]
-    mode = system_mode(read_system(teacher))
-    if not mode.in_prompt:
-        return [f"distill.teacher {teacher} reads its memory as {mode.kind!r}; a teacher must read it in its prompt: "
-                f"train it with --model.memory in_context (or rag)"]
-    return []
-
-
-def logits_problems(logits: str, teacher: str, k: int) -> list[str]:
-    """Stored logits named explicitly must be this teacher's, at this k (the default directory is recomputed instead)."""
-    manifest = Path(logits) / MANIFEST
-    if not manifest.is_file():
-        return []  # computed there
-    stored = json.loads(manifest.read_text())
-    problems = []
-    if stored.get("teacher", {}).get("weights_sha256") != teacher_identity(teacher)["weights_sha256"]:
-        problems.append(f"distill.logits {logits} holds the logits of another teacher ({stored.get('teacher', {}).get('export')}), "
-                        f"not of {teacher}: omit --distill.logits to compute this teacher's beside the corpus, or "
-                        f"name an empty directory")
-    if stored.get("k") != k:
-        problems.append(f"distill.logits {logits} holds top-{stored.get('k')} logits, and distill.k is {k}: set "
-                        f"--distill.k {stored.get('k')} or name another directory")
-    return problems
-
-
 @dataclass
 class StageConfig(JobConfig):
-    stage: int = 0  # 0 needles, 1 code/doc Q&A, 2 commits, 4 distillation (jobs/stageN.py sets it; stage 3 makes data)
+    # 0 needles (or Q&A shards), 1 and 2 commit shards (1: hinted and imperative prompts, the decoder frozen at first;
+    # 2: every prompt variant), 4 distillation (jobs/stageN.py sets it; stage 3 makes data)
+    stage: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     needle: NeedleConfig = field(default_factory=NeedleConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -325,7 +245,6 @@ class StageConfig(JobConfig):
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
     run: RunSettings = field(default_factory=RunSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
-    distill: DistillConfig = field(default_factory=DistillConfig)  # stage 4 only
 
     def problems(self) -> list[str]:
         """Every problem with this config, each naming the field and what would be accepted."""
@@ -334,14 +253,10 @@ class StageConfig(JobConfig):
                                   num_workers=self.scaling.num_workers)
         p += run_problems(self.train, self.scaling, self.deepspeed, self.tracking)
         p += self.data.problems()
-        p += self.distill.problems(self.stage)
         m, d = self.model, self.data
         if m.liger and not self.scaling.use_gpu:
             p.append("model.liger runs Liger-Kernel's Triton kernels, which need GPU workers: set --scaling.use_gpu "
                      "true, or --model.liger false")
-        if self.stage == 4 and m.memory != "gca":
-            p.append(f"stage 4 trains a GCA student (model.memory gca) from a teacher reading its prompt; got "
-                     f"model.memory {m.memory!r}")
         if self.stage in (1, 2) and not d.train_path:
             p.append(f"stage {self.stage} trains on commit shards: build them with `python jobs/build_corpus.py "
                      f"--stage 2 --sources REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")

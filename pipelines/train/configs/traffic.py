@@ -46,7 +46,7 @@ class TrafficDataConfig:
     heldout_fraction: float = 0.2  # share of seeds the split hash sends to held-out
     question_types: list[str] = field(default_factory=lambda: list(QUESTION_TYPES))  # which questions scenes ask
     pack_questions: bool = True  # a training row asks every question type about its scene at once; False: one
-    # question a row, as the held-out scenes are asked (pipelines.train.recipes.traffic.collate_packed says why)
+    # question a row, as the held-out scenes are asked (pipelines.data.traffic_batches.collate_scene_questions says why)
     shuffle_buffer: int = 512  # rows each worker shuffles locally while streaming
     grid_scenes: int = 12  # held-out scenes drawn with question, prediction and truth in the logged grid
 

@@ -1,7 +1,8 @@
 """What a job plugs into the one driver, worker loop and engine: its data, model, loss inputs, evaluation, export
 and summary (a Recipe), and what its entry point needs before any of that is imported: its name, pre-flight check,
-dry-run lines and how it runs (a Job, which names its Recipe). Three of each: the stage jobs (`stage`; stage 4's
-sequence of runs in `stage4`), the UL2 encoder (`ul2`) and the traffic VLM (`traffic`); their Jobs in `jobs`."""
+dry-run lines and how it runs (a Job, which names its Recipe). Four of each: the stage jobs (`stage`), stage 4's
+distillation (`stage4`, with its sequence of runs), the UL2 encoder (`ul2`) and the traffic VLM (`traffic`); their Jobs
+in `jobs`."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ class Job(Protocol):
     def name(self, config: Any) -> str: ...  # the summary's "job", and the prefix of its refusals
 
     def check(self, config: Any) -> dict[str, Any]:
-        """Pre-flight checks before any cluster time (raises pipelines.corpora.shards.ShardError); what was checked,
+        """Pre-flight checks before any cluster time (raises pipelines.format.shards.ShardError); what was checked,
         for the summary, or {} when nothing was."""
 
     def resolved(self, config: Any) -> Any: ...  # its local paths made absolute, as the driver will

@@ -1,4 +1,4 @@
-"""The three training jobs' entry sides (the Job protocol, pipelines.train.recipes): light to import, so a job's
+"""The training jobs' entry sides (the Job protocol, pipelines.train.recipes): light to import, so a job's
 --help, --dry-run and refusals answer in seconds; each imports its Recipe and the driver only to run."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from transformers import SiglipVisionConfig
 
 from models.pairs import default_tiny_root, get_pair
 from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
-from pipelines.corpora.shards import check_splits
+from pipelines.format.shards import check_splits
 from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.plan import plan_for_stage
@@ -22,7 +23,7 @@ from pipelines.train.recipes import Job, Recipe
 
 
 class StageJob:
-    """Stages 0-2 and 4: the corpus shards checked first, the memory plan in the dry run, and stage 4's runs."""
+    """Stages 0-2: the corpus shards checked first, the memory plan in the dry run."""
 
     config = StageConfig
 
@@ -49,12 +50,32 @@ class StageJob:
         return STAGE
 
     def run(self, config: StageConfig) -> dict[str, Any]:
-        """One run; stage 4's teacher, student and baseline runs (pipelines.train.recipes.stage4)."""
-        if config.stage == 4:
-            from pipelines.train.recipes.stage4 import run_stage4  # lazy: DeepSpeed, Ray Train: only to run
-
-            return run_stage4(self, config)
         return run_once(self, config)
+
+
+class Stage4Job(StageJob):
+    """Stage 4, distillation: a stage job whose run is several (teacher, student, baseline) and whose paths include
+    the teacher's."""
+
+    config = Stage4Config
+
+    def name(self, config: Stage4Config) -> str:
+        return "stage4"
+
+    def resolved(self, config: Stage4Config) -> Stage4Config:
+        config = stage_paths_resolved(config)
+        return dataclasses.replace(config, distill=absolute_paths(config.distill, ("teacher", "logits")))
+
+    def recipe(self) -> Recipe:
+        from pipelines.train.recipes.stage4 import DISTILLATION  # lazy: DeepSpeed, Ray Train: only to run
+
+        return DISTILLATION
+
+    def run(self, config: Stage4Config) -> dict[str, Any]:
+        """The teacher's, student's and baseline's runs (pipelines.train.recipes.stage4)."""
+        from pipelines.train.recipes.stage4 import run_stage4  # lazy: DeepSpeed, Ray Train: only to run
+
+        return run_stage4(self, config)
 
 
 class Ul2Job:
@@ -109,7 +130,7 @@ class TrafficJob:
         return run_once(self, config)
 
 
-JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Ul2Job(), TrafficJob())}
+JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob())}
 
 
 def job_for(config: Any) -> Job:
@@ -124,9 +145,9 @@ def train(config: Any) -> dict[str, Any]:
 
 
 def run_once(job: Job, config: Any) -> dict[str, Any]:
-    from pipelines.train.driver import run_stage  # lazy: Ray Train and DeepSpeed, only to run
+    from pipelines.train.driver import run_training_job  # lazy: Ray Train and DeepSpeed, only to run
 
-    return run_stage(job, config)
+    return run_training_job(job, config)
 
 
 def absolute_paths(section: Any, names: tuple[str, ...]) -> Any:
@@ -169,7 +190,7 @@ def traffic_model_lines(config: TrafficConfig) -> str:
 
 def stage_paths_resolved(config: StageConfig) -> StageConfig:
     """The storage path, a random pair's checkpoint root (written only when the job runs) and every local path the
-    workers read (data, init_from, encoder_checkpoint, the distillation teacher and logits) made absolute: a worker
+    workers read (data, init_from, encoder_checkpoint) made absolute: a worker
     does not start in the driver's directory. The dry run shows them; the run's driver uses them."""
     config = with_absolute_storage(config)
     model, data = config.model, config.data
@@ -177,5 +198,4 @@ def stage_paths_resolved(config: StageConfig) -> StageConfig:
         root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
         model = dataclasses.replace(model, checkpoint_root=str(root))
     return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint")),
-                               data=absolute_paths(data, ("train_path", "val_path")),
-                               distill=absolute_paths(config.distill, ("teacher", "logits")))
+                               data=absolute_paths(data, ("train_path", "val_path")))

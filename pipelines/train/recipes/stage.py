@@ -1,12 +1,12 @@
-"""The stage jobs' recipe (stages 0-2, and 4 with a teacher's top-k logits in its batches): the Awareness pair, needle or corpus streams, needle or corpus evaluation,
-the small GCA/LoRA export, and the lineage tags a registered model needs."""
+"""The stage jobs' recipe (stages 0-2; stage 4 adds its teacher: pipelines.train.recipes.stage4): the Awareness pair,
+needle or corpus streams, needle or corpus evaluation, the small GCA/LoRA export, and the lineage tags a registered
+model needs."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +17,20 @@ import torch.distributed as dist
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.kernels import liger_available, use_liger_kernels
 from models.trainable import is_added_parameter, parameter_group
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import MANIFEST, check_splits
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
-from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import check_splits
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.configs.stage import StageConfig
-from pipelines.train.distill import distillation_loss
 from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
 from pipelines.train.plan import plan_for_stage
-from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, routing_part, trainable_groups
+from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 from pipelines.train.recipes.jobs import stage_paths_resolved
 from pipelines.train.streams import make_stream, packing_spec
 
@@ -41,7 +39,7 @@ NEEDLE_LOSSES = ("needle_val_loss", "no_memory_val_loss")  # what a sweep ranks 
 
 
 class StageRecipe:
-    """Stages 0-2 and 4: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
+    """Stages 0-2: Recipe (pipelines.train.recipes) for an AwarenessModel on needles or corpus shards."""
 
     def parse(self, data: dict[str, Any]) -> StageConfig:
         return StageConfig.from_dict(data)
@@ -50,8 +48,7 @@ class StageRecipe:
         config = with_zero_stage(prepare_paths(config))
         check_memory_plan(config)
         check_splits([config.data.train_path, config.data.val_path], hashes=False)  # jobs hash them before this
-        worker, tags = prepare_distillation(config) if config.stage == 4 else ({}, {})
-        return Prepared(config, worker=worker, tags={"stage": str(config.stage), **lineage_tags(config), **tags})
+        return Prepared(config, tags={"stage": str(config.stage), **lineage_tags(config)})
 
     def build_model(self, config: StageConfig, worker: dict[str, Any], ds_config: dict[str, Any]) -> AwarenessModel:
         """Under ZeRO-3 built straight into partitions: no rank holds the whole pair."""
@@ -75,18 +72,7 @@ class StageRecipe:
         return int((batch["labels"] != IGNORE).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
     def loss(self, engine, config: StageConfig, batch: dict[str, torch.Tensor]) -> Loss:
-        """The model's own loss; with the teacher's top-k in the batch (stage 4), alpha * KL + (1 - alpha) * CE
-        (pipelines.train.distill), its kl and ce logged beside it."""
-        if "teacher_ids" not in batch:
-            return model_loss(engine, batch)
-        batch = {k: v.to(engine.device) for k, v in batch.items()}
-        ids, logprobs, labels = batch.pop("teacher_ids"), batch.pop("teacher_logprobs"), batch.pop("labels")
-        out = engine(**batch)  # no labels: the CE is computed once, below
-        d = config.distill
-        parts = distillation_loss(out.logits, labels, ids, logprobs, d.alpha, d.temperature)  # logits (B, T, V)
-        routing = routing_part(out)  # a routing model's own loss, which no teacher gives
-        total = parts.total + engine.module.memory_routing_loss * out.routing_loss if routing else parts.total
-        return Loss(total, {"kl": parts.kl.detach(), "ce": parts.ce.detach(), **routing})
+        return model_loss(engine, batch)
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross
@@ -140,7 +126,6 @@ class StageRecipe:
             "gate_abs_mean": metrics.get("gate_abs_mean"),
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)) if engine_has_gates(config) else None,
             **{key: metrics.get(key) for key in (CORPUS_METRICS if config.data.train_path else NEEDLE_LOSSES)},
-            **(distill_summary(config, metrics) if config.stage == 4 else {}),
             "examples_seen": metrics.get("examples_seen"),
             "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
             "export": export_dir,
@@ -159,73 +144,6 @@ def prepare_paths(config: StageConfig) -> StageConfig:
     if spec.random_weights:
         write_random_checkpoints(spec, Path(config.model.checkpoint_root))
     return config
-
-
-def teacher_logits_dir(config: StageConfig) -> Path:
-    """distill.logits, else CORPUS/teacher_logits beside the training split."""
-    d = config.distill
-    return Path(d.logits).resolve() if d.logits else Path(config.data.train_path).resolve().parent / "teacher_logits"
-
-
-def prepare_distillation(config: StageConfig) -> tuple[dict[str, Any], dict[str, str]]:
-    """Stage 4: the teacher's top-k logits of the training split, computed once with Ray Data (pipelines.data.
-    teacher_logits) and reused while they match the teacher, k and corpus; what the workers need to join them, and
-    the teacher's lineage as tags."""
-    d, directory = config.distill, teacher_logits_dir(config)
-    if not logits_match(directory, d.teacher, d.k, config.data.train_path):
-        if not d.logits and directory.exists():
-            shutil.rmtree(directory)  # the default place holds another teacher's, k's or corpus's: replaced
-        compute_teacher_logits(TeacherLogitsConfig(teacher=d.teacher, split=config.data.train_path, out=str(directory),
-                                                   k=d.k, actors=d.actors, use_gpu=d.use_gpu))
-    manifest = json.loads((directory / MANIFEST).read_text())
-    if not manifest["target_tokens"]:  # distilling nothing would train the CE alone and call it stage 4
-        skipped = ", ".join(f"{n} {reason}" for reason, n in manifest["skipped"].items() if n) or "none skipped"
-        raise ValueError(f"the teacher scored no target token of {config.data.train_path} ({manifest['rows']} rows: "
-                         f"{skipped}; {directory / MANIFEST}). too_long: its memory in the prompt, the prompt and the "
-                         f"target exceed the teacher's context: train the teacher with a smaller "
-                         f"--model.context_budget, or give it shorter rows")
-    teacher = manifest["teacher"]
-    tags = {"teacher.export": teacher["export"], "teacher.weights_sha256": teacher["weights_sha256"],
-            "teacher.memory": teacher["system"].get("memory", ""), "teacher.logits": str(directory),
-            "teacher.logits_target_tokens": str(manifest["target_tokens"]),
-            **({"teacher.run_id": run_id} if (run_id := teacher_run_id(d.teacher)) else {})}
-    return {"teacher_logits": str(directory)}, tags
-
-
-def teacher_run_id(export: str) -> str | None:
-    """The MLflow run that trained an export: its run directory's `mlflow_run_id` (export = RUN/checkpoint_N/export),
-    or a `teacher.json` beside a cached copy (pipelines.train.recipes.stage4)."""
-    export = Path(export).resolve()
-    for file, read in ((export.parent.parent / "mlflow_run_id", lambda f: f.read_text().strip()),
-                       (export.parent / "teacher.json", lambda f: json.loads(f.read_text()).get("mlflow_run_id"))):
-        if file.is_file():
-            return read(file) or None
-    return None
-
-
-def distill_summary(config: StageConfig, metrics: dict[str, Any]) -> dict[str, Any]:
-    manifest = json.loads((teacher_logits_dir(config) / MANIFEST).read_text())
-    return {"kl_first": metrics.get("kl_first"), "kl_last": metrics.get("kl"), "ce_first": metrics.get("ce_first"),
-            "ce_last": metrics.get("ce"), "alpha": config.distill.alpha, "teacher": config.distill.teacher,
-            "teacher_logits": str(teacher_logits_dir(config)), "k": manifest["k"],
-            "bytes_per_target_token": manifest["bytes_per_target_token"],
-            "bytes_on_disk_per_target_token": manifest["bytes_on_disk_per_target_token"]}
-
-
-def with_zero_stage(config: StageConfig) -> StageConfig:
-    """deepspeed.zero_stage none: on GPUs the memory plan's choice (ZeRO-2 where the whole pair fits each GPU,
-    else 3; `jobs/plan.py` and --dry-run say why), on CPU workers 3."""
-    if config.deepspeed.zero_stage is not None:
-        return config
-    stage = plan_for_stage(config).zero_stage if config.scaling.use_gpu else 3
-    return dataclasses.replace(config, deepspeed=dataclasses.replace(config.deepspeed, zero_stage=stage))
-
-
-def compiles_layers(config: StageConfig) -> bool:
-    """model.compile, or by default: on GPU workers whose parameters stay whole (ZeRO 0-2)."""
-    if config.model.compile is not None:
-        return config.model.compile
-    return config.scaling.use_gpu and config.deepspeed.zero_stage != 3
 
 
 def check_memory_plan(config: StageConfig) -> None:

@@ -17,9 +17,9 @@ from transformers import Qwen3ForCausalLM
 
 from models import Qwen3EncoderModel, Qwen3ForSeq2SeqLM
 from models.pairs import PAIRS, decoder_config, default_tiny_root
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.tokenizer import TOKENIZER_FILE, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.data.ul2 import collate, ul2_dataset
+from pipelines.format.rows import IGNORE
+from pipelines.format.tokenizer import TOKENIZER_FILE, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus
-from pipelines.corpora.shards import check_split
 from pipelines.corpora.sources import Limits
 from pipelines.corpora.tasks import Stage0Settings, split_of
+from pipelines.format.shards import check_split
 from tests.pipelines.corpora.test_commits import body, commit, sh
 
 ROOT = Path(__file__).resolve().parents[3]

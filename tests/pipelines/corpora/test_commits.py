@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.corpora import commits
 from pipelines.corpora.build import BuildConfig
-from pipelines.corpora.tokenizer import SPECIAL_IDS
+from pipelines.format.tokenizer import SPECIAL_IDS
 
 ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x", "GIT_COMMITTER_NAME": "t",
        "GIT_COMMITTER_EMAIL": "t@x", "GIT_CONFIG_GLOBAL": os.devnull}

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipelines.corpora import tasks
-from pipelines.corpora.rows import IGNORE
 from pipelines.corpora.sources import walk_files
-from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS
+from pipelines.format.rows import IGNORE
+from pipelines.format.tokenizer import EOS, SPECIAL_IDS
 
 
 def build_rows(root: Path, tokenizer, name: str, **kw) -> list[dict]:

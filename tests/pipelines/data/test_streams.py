@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.corpora.shards import load_split
 from pipelines.data.memory_modes import GCA, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import CorpusStream, NeedleStream, prompt_inputs, prompt_length, validation_rows
 from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
-from tests.pipelines.corpora.test_shards import token_rows, write_split
+from pipelines.format.shards import load_split
+from tests.pipelines.format.test_shards import token_rows, write_split
 
 ROW = {"input_ids": [50, 51, 52, 53], "labels": [-100, -100, 52, 53], "memory_input_ids": [[7, 51], [8, 9, 10]]}
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, PROMPT_LEN, SEP, NeedleSpec, make_batch, make_example
+from pipelines.format.rows import IGNORE
 
 
 def test_each_asked_needle_is_in_memory_exactly_once_at_the_recorded_depth():

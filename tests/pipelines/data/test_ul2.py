@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.corpora.tokenizer import UL2_SENTINELS, UL2_SPECIALS, load_tokenizer, ul2_vocab, write_byte_tokenizer
 from pipelines.data.ul2 import MIXTURES, Denoiser, denoise, prefix_lm, span_corruption
+from pipelines.format.tokenizer import UL2_SENTINELS, UL2_SPECIALS, load_tokenizer, ul2_vocab, write_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,6 @@ import torch
 
 from models import PAIRS, write_random_checkpoints
 from pipelines.corpora import build, tasks
-from pipelines.corpora.shards import shard_record
-from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
@@ -28,6 +26,8 @@ from pipelines.evaluate.code_qa import (CodeQaSuite, chunk_name, code_qa_metrics
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.evaluate.metrics import evidence_reading
+from pipelines.format.shards import shard_record
+from pipelines.format.tokenizer import EOS, SPECIAL_IDS, VOCAB_SIZE, cached_tokenizer
 from pipelines.train.configs.stage import DataConfig, ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system

@@ -16,7 +16,6 @@ import pytest
 from pipelines.corpora import build, commits
 from pipelines.corpora.build import BuildConfig
 from pipelines.corpora.commits import CorpusError, write_parent_tree
-from pipelines.corpora.shards import MANIFEST
 from pipelines.corpora.tasks import Stage0Settings
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
@@ -24,6 +23,7 @@ from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, commits
                                         generate_answers)
 from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
+from pipelines.format.shards import MANIFEST
 from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
@@ -185,7 +185,7 @@ def text_export(tmp_path: Path, checkpoint_root: Path, memory: str) -> Path:
 
 def test_systems_read_the_memory_as_they_trained(evaluation, tmp_path, checkpoint_root):
     from models import AwarenessModel
-    from pipelines.corpora.tokenizer import cached_tokenizer
+    from pipelines.format.tokenizer import cached_tokenizer
 
     row = next(r for r in evaluation.rows if r["variant"] == "planning")
     prompt = len([label for label in row["labels"] if label == -100])

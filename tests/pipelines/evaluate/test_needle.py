@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from models.gca import MemoryPadding
-from pipelines.corpora.rows import IGNORE
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, is_whole_answer, make_probe,
                                        memory_attention, needle_metrics, score_probe, system_prompts)
+from pipelines.format.rows import IGNORE
 from tests.pipelines.evaluate.test_job import export_of
 
 SPEC = NeedleSpec()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from models.loading import load_encoder
 from models.memory import MemoryEncoder
-from pipelines.corpora.tokenizer import cached_tokenizer
+from pipelines.format.tokenizer import cached_tokenizer
 from pipelines.memory.encoding import ChunkEncoder, EncodeMemoryConfig, chunk_rows, list_files
 from tests.conftest import random_ids
 

@@ -80,7 +80,7 @@ def store(export, repo, tmp_path_factory) -> Path:
 
 def padded(model: AwarenessModel, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk texts as the pyfunc gives them to the encoder: (1, C, longest chunk), right-padded."""
-    from pipelines.corpora.tokenizer import cached_tokenizer
+    from pipelines.format.tokenizer import cached_tokenizer
 
     chunks = [cached_tokenizer(None).encode_text(text) for text in texts]
     ids = torch.zeros((1, len(chunks), max(map(len, chunks))), dtype=torch.long)

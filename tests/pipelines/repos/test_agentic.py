@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.corpora.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS, VOCAB_SIZE,
+from pipelines.format.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS, VOCAB_SIZE,
                                          cached_tokenizer)
 from pipelines.repos.agentic import (FormatError, Trajectory, agentic_compliance, chunk_names, decode, edited_file,
                                      parse_trajectory, same_file, trajectory_parts)

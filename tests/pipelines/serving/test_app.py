@@ -337,7 +337,7 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
     A needle-vocabulary model refuses files (no tokens for them) in a 422 naming the fix."""
     from models import PAIRS, build_pair, write_random_checkpoints
     from pipelines.corpora.tasks import readable_text, text_chunks
-    from pipelines.corpora.tokenizer import QwenTokenizer
+    from pipelines.format.tokenizer import QwenTokenizer
     from pipelines.serving.pyfunc import ensure_tokenizer
 
     client, _, restart, _ = server

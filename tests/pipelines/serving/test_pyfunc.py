@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 import torch
 
-from pipelines.corpora.tokenizer import text_tokenizer
 from pipelines.data.memory_modes import GCA
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
+from pipelines.format.tokenizer import text_tokenizer
 from pipelines.serving.pyfunc import AwarenessPyfunc, _rows, ensure_tokenizer, signature
 from pipelines.serving.tiny import needle_questions
 
@@ -29,7 +29,7 @@ def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
     from tokenizers import Tokenizer
 
     from models import PAIRS, write_random_checkpoints
-    from pipelines.corpora.tokenizer import SPECIAL_IDS, VOCAB_SIZE, QwenTokenizer
+    from pipelines.format.tokenizer import SPECIAL_IDS, VOCAB_SIZE, QwenTokenizer
 
     text_decoder, _ = write_random_checkpoints(PAIRS["tiny-text"], tmp_path)
     needle_decoder, _ = write_random_checkpoints(PAIRS["tiny"], tmp_path)

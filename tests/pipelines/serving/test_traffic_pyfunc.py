@@ -14,7 +14,8 @@ import torch
 from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
 from pipelines.data.traffic_scenes import make_row, pixel_values, scene_seeds
 from pipelines.data.traffic_tokenizer import NO, YES, build_traffic_tokenizer, save_traffic_tokenizer
-from pipelines.serving.traffic_pyfunc import _rows, log_traffic_pyfunc
+from pipelines.serving.traffic_pyfunc import _rows
+from pipelines.tracking.registry import log_traffic_pyfunc
 from pipelines.tracking.tracker import Tracker
 
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pipelines.corpora.commits import CorpusError, commit_split
-from pipelines.corpora.shards import MANIFEST, RankReader, check_split, split_units
-from pipelines.corpora.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS,
-                                         cached_tokenizer)
 from pipelines.data.memory_modes import memory_into_prompt
 from pipelines.data.streams import prompt_length
+from pipelines.format.shards import MANIFEST, RankReader, check_split, split_units
+from pipelines.format.tokenizer import (EDIT, END_EDIT, END_PLAN, END_READ, EOS, PLAN, READ, SPECIAL_IDS,
+                                         cached_tokenizer)
 from pipelines.repos.agentic import parse_trajectory
 from pipelines.repos.parent_trees import ParentTrees
 from pipelines.teachers.improve import (OUTPUT_SCHEMA, REASONS, ParentTreeJudge, Stage3Config, TrajectoryTeacher,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import check_split, split_units
 from pipelines.data.memory_modes import SYSTEM_FILE, MemoryMode
 from pipelines.data.teacher_targets import dense_targets, read_scored, unit_items
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import check_split, split_units
 from pipelines.teachers.logits import (TeacherLogitsConfig, TeacherScorer, bytes_per_target_token,
                                        compute_teacher_logits, score_rows, teacher_row, write_manifest)
-from tests.pipelines.corpora.test_shards import write_split
+from tests.pipelines.format.test_shards import write_split
 
 K = 8
 IN_CONTEXT = MemoryMode("in_context", context_budget=64)

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pipelines.cli import ConfigError
-from pipelines.corpora.shards import load_split, rank_units
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
+from pipelines.format.shards import load_split, rank_units
 from pipelines.train.configs.common import RunSettings, ScalingSettings, TrackingSettings, TrainConfig
 from pipelines.train.configs.stage import DataConfig, ModelConfig, StageConfig
-from tests.pipelines.corpora.test_shards import write_manifest
+from tests.pipelines.format.test_shards import write_manifest
 from tests.pipelines.train import faults
 
 E = 8  # examples per step

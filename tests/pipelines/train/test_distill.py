@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipelines.corpora.rows import IGNORE
+from pipelines.format.rows import IGNORE
 from pipelines.train.distill import distillation_loss
 
 V, K = 16, 4

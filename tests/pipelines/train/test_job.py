@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ray
 
-from tests.pipelines.corpora.test_shards import write_split
+from tests.pipelines.format.test_shards import write_split
 from tests.pipelines.train.test_corpus_training import corpus_rows
 
 ROOT = Path(__file__).resolve().parents[3]

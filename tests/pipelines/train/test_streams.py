@@ -15,7 +15,7 @@ from pipelines.data.synthetic_needles import needle_batch
 from pipelines.train.configs.common import TrainConfig
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.streams import make_stream, packing_spec
-from tests.pipelines.corpora.test_shards import token_rows, write_split
+from tests.pipelines.format.test_shards import token_rows, write_split
 
 CONFIG = StageConfig(model=ModelConfig(memory="rag", rag_k=3, context_budget=512),
                      needle=NeedleConfig(facts=4, questions=4, seed=99),

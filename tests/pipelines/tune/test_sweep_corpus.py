@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models import AwarenessModel
-from pipelines.corpora.tokenizer import EOS, SPECIAL_IDS, QwenTokenizer
+from pipelines.format.tokenizer import EOS, SPECIAL_IDS, QwenTokenizer
 from tests.pipelines.train.test_stage_commits import build_commit_corpus
 
 # every test here starts Ray; ~80 s of a 2-trial sweep, in `make test-slow` (test_sweep.py keeps a sweep in `make test`)

@@ -12,16 +12,18 @@ import pytest
 
 from models.pairs import default_tiny_root
 from pipelines.train.configs.stage import StageConfig
+from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE4, TRAFFIC_VLM
-from pipelines.train.recipes.jobs import JOBS, StageJob, TrafficJob, Ul2Job, job_for
-from tests.pipelines.corpora.test_shards import token_rows, write_split
+from pipelines.train.recipes.jobs import JOBS, Stage4Job, StageJob, TrafficJob, Ul2Job, job_for
+from tests.pipelines.format.test_shards import token_rows, write_split
 
 
 def test_each_config_type_has_its_job_and_name():
-    assert set(JOBS) == {StageConfig, Ul2Config, TrafficConfig}
-    assert [type(job_for(c)) for c in (STAGE0, ENCODER_UL2, TRAFFIC_VLM)] == [StageJob, Ul2Job, TrafficJob]
+    assert set(JOBS) == {StageConfig, Stage4Config, Ul2Config, TrafficConfig}
+    assert [type(job_for(c)) for c in (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM)] == [StageJob, Stage4Job, Ul2Job,
+                                                                                    TrafficJob]
     assert [job_for(c).name(c) for c in (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM)] == [
         "stage0", "stage4", "encoder_ul2", "traffic_vlm"]
     stage2 = dataclasses.replace(STAGE0, stage=2)
@@ -32,10 +34,12 @@ def test_each_config_type_has_its_job_and_name():
 
 def test_each_job_names_its_recipe():
     from pipelines.train.recipes.stage import STAGE
+    from pipelines.train.recipes.stage4 import DISTILLATION
     from pipelines.train.recipes.traffic import TRAFFIC
     from pipelines.train.recipes.ul2 import UL2
 
-    assert [job.recipe() for job in (StageJob(), Ul2Job(), TrafficJob())] == [STAGE, UL2, TRAFFIC]
+    assert [job.recipe() for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob())] == [STAGE, DISTILLATION, UL2,
+                                                                                          TRAFFIC]
 
 
 def test_dry_run_lines():
@@ -57,10 +61,10 @@ def test_dry_run_lines():
 def test_resolved_paths_are_absolute_and_a_random_pair_gets_its_root(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = dataclasses.replace(
-        STAGE0, run=dataclasses.replace(STAGE0.run, storage_path="runs"),
-        data=dataclasses.replace(STAGE0.data, train_path="corpus/train", val_path="s3://bucket/corpus/val"),
-        model=dataclasses.replace(STAGE0.model, init_from="runs/export", encoder_checkpoint="~/encoder"),
-        distill=dataclasses.replace(STAGE0.distill, teacher="teacher/export"))
+        STAGE4, run=dataclasses.replace(STAGE4.run, storage_path="runs"),
+        data=dataclasses.replace(STAGE4.data, train_path="corpus/train", val_path="s3://bucket/corpus/val"),
+        model=dataclasses.replace(STAGE4.model, init_from="runs/export", encoder_checkpoint="~/encoder"),
+        distill=dataclasses.replace(STAGE4.distill, teacher="teacher/export"))
     resolved = job_for(config).resolved(config)
     assert resolved.run.storage_path == str(tmp_path / "runs")
     assert resolved.data.train_path == str(tmp_path / "corpus" / "train")

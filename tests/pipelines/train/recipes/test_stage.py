@@ -1,12 +1,11 @@
 """The stage recipe's driver-side pieces (pipelines/train/recipes/stage.py), without Ray or DeepSpeed running: an
-export's system.json is read back by evaluation as the system that trained; a teacher export's run is found; the
-summary and the needle-by-depth table a run ends with, from hand-written metrics; the lineage tags; paths resolved and
-a random pair's checkpoints written once, before the workers. Training through the recipe: test_stage0.py."""
+export's system.json is read back by evaluation as the system that trained; the summary and the needle-by-depth table
+a run ends with, from hand-written metrics; the lineage tags; paths resolved and a random pair's checkpoints written
+once, before the workers. Training through the recipe: test_stage0.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import torch
@@ -17,7 +16,7 @@ from pipelines.train.configs.common import DeepSpeedSettings, ScalingSettings
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.presets import STAGE0
 from pipelines.train.recipes.stage import (STAGE, compiles_layers, engine_has_gates, lineage_tags, log_evaluation_table,
-                                           prepare_paths, teacher_run_id, with_zero_stage, write_system)
+                                           prepare_paths, with_zero_stage, write_system)
 
 
 def test_system_json_reads_back_as_the_trained_system(tmp_path):
@@ -30,18 +29,6 @@ def test_system_json_reads_back_as_the_trained_system(tmp_path):
     corpus = dataclasses.replace(needles, data=DataConfig(train_path="/corpus/train"))
     write_system(tmp_path, corpus)
     assert read_system(tmp_path)["needle"] is None  # a corpus-trained system learned no needle task
-
-
-def test_a_teacher_exports_run_is_found_beside_it(tmp_path):
-    export = tmp_path / "run" / "checkpoint_000004" / "export"
-    export.mkdir(parents=True)
-    assert teacher_run_id(str(export)) is None
-    (tmp_path / "run" / "mlflow_run_id").write_text("abc123\n")  # a Ray Train run directory's record
-    assert teacher_run_id(str(export)) == "abc123"
-    cached = tmp_path / "cache" / "teacher" / "export"
-    cached.mkdir(parents=True)
-    (cached.parent / "teacher.json").write_text(json.dumps({"mlflow_run_id": "def456"}))  # stage 4's cached copy
-    assert teacher_run_id(str(cached)) == "def456"
 
 
 class Tracker:

@@ -1,6 +1,7 @@
 """Stage 4: the teacher's stored top-k joined to packed training rows by row id (positions line up with the labels, a
 row the teacher skipped counts in the CE only), the recipe's loss hook (alpha 0 is today's loss, alpha 1 the KL),
-config validation, and a few-step run through Ray Train whose summary has the comparison's fields."""
+config validation, a teacher export's run found beside it, and a few-step run through Ray Train whose summary has the
+comparison's fields."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.corpora.rows import IGNORE
-from pipelines.corpora.shards import load_split
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.packing import PackingSpec, pack_examples
 from pipelines.data.streams import CorpusStream
 from pipelines.data.teacher_targets import TeacherEntries, read_scored
+from pipelines.format.rows import IGNORE
+from pipelines.format.shards import load_split
 from pipelines.teachers.logits import TeacherLogitsConfig
 from pipelines.train.configs.common import RunSettings, ScalingSettings, TrackingSettings, TrainConfig
-from pipelines.train.configs.stage import DistillConfig, ModelConfig, StageConfig
+from pipelines.train.configs.stage import ModelConfig, StageConfig
+from pipelines.train.configs.stage4 import DistillConfig, Stage4Config
 from pipelines.train.recipes import model_loss
-from pipelines.train.recipes.stage import STAGE, prepare_distillation
-from tests.pipelines.corpora.test_shards import write_split
+from pipelines.train.recipes.stage4 import DISTILLATION, prepare_distillation, teacher_run_id
+from tests.pipelines.format.test_shards import write_split
 from tests.pipelines.teachers.test_logits import corpus_rows, run_in_process
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -99,8 +101,8 @@ class Engine:
         return self.model(**batch)
 
 
-def stage4_config(alpha: float, **distill) -> StageConfig:
-    return StageConfig(stage=4, distill=DistillConfig(alpha=alpha, **{"k": K, **distill}))
+def stage4_config(alpha: float, **distill) -> Stage4Config:
+    return Stage4Config(distill=DistillConfig(alpha=alpha, **{"k": K, **distill}))
 
 
 def test_loss_hook_is_todays_loss_at_alpha_0_and_the_kl_at_alpha_1(scored, tiny):
@@ -110,10 +112,10 @@ def test_loss_hook_is_todays_loss_at_alpha_0_and_the_kl_at_alpha_1(scored, tiny)
     plain = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
     today = model_loss(engine, plain)
     assert today.parts == {}
-    ce_only = STAGE.loss(engine, stage4_config(0.0), batch)
+    ce_only = DISTILLATION.loss(engine, stage4_config(0.0), batch)
     torch.testing.assert_close(ce_only.total, today.total)
     torch.testing.assert_close(ce_only.parts["ce"], today.total.detach())
-    kl_only = STAGE.loss(engine, stage4_config(1.0), batch)
+    kl_only = DISTILLATION.loss(engine, stage4_config(1.0), batch)
     assert kl_only.parts["kl"] > 0
     torch.testing.assert_close(kl_only.total, kl_only.parts["kl"])
     kl_only.total.backward()  # the KL trains the student
@@ -134,7 +136,7 @@ def test_a_routing_model_adds_and_logs_its_routing_loss(scored, checkpoint_root)
     plain = {k: v for k, v in batch.items() if not k.startswith("teacher_")}
     today = model_loss(engine, plain)
     assert set(today.parts) == {"routing_loss"} and today.parts["routing_loss"] > 0
-    ce_only = STAGE.loss(engine, stage4_config(0.0), batch)
+    ce_only = DISTILLATION.loss(engine, stage4_config(0.0), batch)
     assert set(ce_only.parts) == {"kl", "ce", "routing_loss"}
     torch.testing.assert_close(ce_only.total, ce_only.parts["ce"] + 0.5 * ce_only.parts["routing_loss"])
     routed.memory_routing_loss = 0.0  # weight 0: the routing loss is neither computed nor logged
@@ -174,7 +176,7 @@ def test_logits_of_another_teacher_are_refused(tmp_path, tiny, scored):
     same = problems(stage4_config(0.5, teacher=str(tmp_path / "teacher"), logits=str(logits)))
     assert same == ""
     assert "holds top-8 logits, and distill.k is 16" in problems(
-        StageConfig(stage=4, distill=DistillConfig(teacher=str(tmp_path / "teacher"), logits=str(logits), k=16)))
+        Stage4Config(distill=DistillConfig(teacher=str(tmp_path / "teacher"), logits=str(logits), k=16)))
 
 
 def test_a_teacher_that_scored_no_row_stops_stage4_with_the_fix(tmp_path, tiny):
@@ -189,7 +191,19 @@ def test_a_teacher_that_scored_no_row_stops_stage4_with_the_fix(tmp_path, tiny):
         prepare_distillation(stage4)
 
 
-def few_steps(tmp_path: Path, checkpoint_root: Path) -> StageConfig:
+def test_a_teacher_exports_run_is_found_beside_it(tmp_path):
+    export = tmp_path / "run" / "checkpoint_000004" / "export"
+    export.mkdir(parents=True)
+    assert teacher_run_id(str(export)) is None
+    (tmp_path / "run" / "mlflow_run_id").write_text("abc123\n")  # a Ray Train run directory's record
+    assert teacher_run_id(str(export)) == "abc123"
+    cached = tmp_path / "cache" / "teacher" / "export"
+    cached.mkdir(parents=True)
+    (cached.parent / "teacher.json").write_text(json.dumps({"mlflow_run_id": "def456"}))  # stage 4's cached copy
+    assert teacher_run_id(str(cached)) == "def456"
+
+
+def few_steps(tmp_path: Path, checkpoint_root: Path) -> Stage4Config:
     """The default's task at a few steps: its corpus made here (small), a teacher trained first, student, baseline."""
     from pipelines.train.presets import STAGE4
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipelines.cli import parse_config
-from pipelines.corpora.tokenizer import load_tokenizer
 from pipelines.data.ul2 import Ul2DataConfig, source_files
+from pipelines.format.tokenizer import load_tokenizer
 from pipelines.train.configs.ul2 import Ul2Config
 
 ROOT = Path(__file__).resolve().parents[4]

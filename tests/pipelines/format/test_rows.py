@@ -1,11 +1,11 @@
-"""One output row (pipelines/corpora/rows.py): the prompt's tokens take no loss (IGNORE), the target's and the
+"""One output row (pipelines/format/rows.py): the prompt's tokens take no loss (IGNORE), the target's and the
 closing `<|im_end|>` do; a `<read>` part is the control token, the same string inside text is text; the counts and
 the evidence are what the row was given."""
 
 from __future__ import annotations
 
-from pipelines.corpora.rows import IGNORE, make_row
-from pipelines.corpora.tokenizer import END_READ, EOS, READ, SPECIAL_IDS
+from pipelines.format.rows import IGNORE, make_row
+from pipelines.format.tokenizer import END_READ, EOS, READ, SPECIAL_IDS
 
 
 def row_of(tokenizer, **overrides) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import tiktoken
 from tokenizers import normalizers
 
-from pipelines.corpora.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS, VOCAB_SIZE,
+from pipelines.format.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS, VOCAB_SIZE,
                                          QwenTokenizer, dashscope_ranks_path, load_ranks, tokenizers_tokenizer)
 
 
@@ -99,7 +99,7 @@ def test_checkpoint_tokenizer_matches_offline(checkpoint_dir, tokenizer, package
 
 def test_checkpoint_tokenizer_chunks_like_offline(checkpoint_dir, tokenizer, package_roots):
     """The chunker finds token ends from each backend's byte lengths; both backends cut the same chunks."""
-    from pipelines.corpora import chunking
+    from pipelines.format import chunking
 
     hf = QwenTokenizer(checkpoint_dir)
     assert (hf.token_byte_lengths()[:151643] == tokenizer.token_byte_lengths()[:151643]).all()
@@ -156,7 +156,7 @@ def test_added_tokens_a_checkpoint_leaves_unmarked_stay_text(tmp_path, tokenizer
 
     from tokenizers import Tokenizer
 
-    from pipelines.corpora.tokenizer import text_tokenizer
+    from pipelines.format.tokenizer import text_tokenizer
 
     spec = json.loads(tokenizers_tokenizer().to_str())
     for token in spec["added_tokens"]:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora.shards import (MANIFEST, RankReader, ShardError, Split, check_split, head_rows, load_split,
+from pipelines.format.shards import (MANIFEST, RankReader, ShardError, Split, check_split, head_rows, load_split,
                                       shard_record, split_units)
 
 COLUMNS = ["input_ids", "labels", "memory_input_ids"]

@@ -1,4 +1,4 @@
-"""Memory chunks (pipelines/corpora/chunking.py): cut where the syntax (or a blank line) says, on hand-computed
+"""Memory chunks (pipelines/format/chunking.py): cut where the syntax (or a blank line) says, on hand-computed
 cases and on real code nobody here wrote; a chunk's ids are its text's tokens at any seam; nothing lost, nothing
 repeated; the memory budget keeps every evidence chunk."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.corpora import chunking, syntax
-from pipelines.corpora.chunking import Chunk
+from pipelines.corpora import syntax
+from pipelines.format import chunking
+from pipelines.format.chunking import Chunk
 
 # Six lines (0-based 0..5); the file is 21 tokens, a header 8, so chunks of 24 tokens hold 16 of the file's.
 SMALL = "def a():\n    x = 1\n\n    return x\ndef b():\n    return 2\n"
