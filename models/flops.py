@@ -291,7 +291,20 @@ def flop_counter(**kwargs) -> _counter.FlopCounterMode:
                      aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_for_cpu]
     mapping = {op: _sdpa_backward_without_recompute for op in fused_backward}
     mapping.update({op: _sdpa_forward for op in fused_forward})
+    mapping[aten._grouped_mm] = _grouped_mm  # transformers' Qwen3-MoE experts (grouped_mm), which it leaves out
     return _counter.FlopCounterMode(display=False, custom_mapping=mapping, **kwargs)
+
+
+def _grouped_mm(a_shape, b_shape, *args, **kwargs) -> int:
+    """One product per group: (M, K) x (G, K, N) over groups of M's rows (the experts' forward and input
+    gradient), (K, M) x (M, N) -> (G, K, N) over groups of M (their weight gradient), or (G, M, K) x (G, K, N)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    return 2 * a_shape[-2] * a_shape[-1] * b_shape[-1]  # (G, M, K) x (K, N): not used by transformers
 
 
 def _query_heads(query_shape, shape) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ closed form. SDPA runs in its math backend here: the CPU flash kernel has no for
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
 from models import AwarenessModel, MemoryEncoder, build_pair
@@ -21,10 +20,10 @@ B, T, C, L = 2, 24, 3, 16  # decoder rows x tokens, memory chunks x chunk length
 
 def counted(model: AwarenessModel, batch: dict) -> tuple[int, int]:
     """FlopCounterMode's forward and backward FLOPs of one training step."""
-    with sdpa_kernel(SDPBackend.MATH):
-        with FlopCounterMode(display=False) as forward:
+    with sdpa_kernel(SDPBackend.MATH):  # models.flops.flop_counter: FlopCounterMode plus the MoE experts' grouped_mm
+        with flop_counter() as forward:
             loss = model(**batch, labels=batch["input_ids"]).loss
-        with FlopCounterMode(display=False) as backward:
+        with flop_counter() as backward:
             loss.backward()
     return forward.get_total_flops(), backward.get_total_flops()
 
@@ -173,7 +172,7 @@ def test_flop_counter_counts_grouped_kv_heads_as_repeated_ones():
 
 @pytest.mark.parametrize("settings", [
     {},  # LoRA on the attention projections; the experts and router frozen
-    {"lora_targets": ["q_proj", "v_proj", "experts"], "lora_rank": 4, "lora_dropout": 0.0},  # expert LoRA, W + B·A
+    {"lora_targets": ["q_proj", "v_proj", "experts"], "lora_rank": 4},  # expert LoRA, W + B·A
     {"decoder": "full"},
 ])
 def test_moe_pair_counts_the_active_experts(checkpoint_root, settings):
