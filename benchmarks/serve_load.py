@@ -399,7 +399,7 @@ def generate_ms(pyfunc, store: Path, questions: list[str], batch: int, repeats: 
 
     import torch
 
-    from models.awareness import _memory_keyword_accepted
+    from models.awareness import allowing_memory_keyword
     from pipelines.memory.store import MemoryStore
 
     model = pyfunc.model
@@ -410,7 +410,7 @@ def generate_ms(pyfunc, store: Path, questions: list[str], batch: int, repeats: 
     times = []
     for _ in range(repeats + 2):  # two untimed
         began = time.perf_counter()
-        with torch.no_grad(), _memory_keyword_accepted(model.decoder):
+        with torch.no_grad(), allowing_memory_keyword(model.decoder):
             model.decoder.generate(input_ids=ids, gca_memory=memory, max_new_tokens=pyfunc.max_new_tokens,
                                    eos_token_id=pyfunc.eos_token_id, pad_token_id=pyfunc.pad_token_id,
                                    do_sample=False)

@@ -542,7 +542,7 @@ class AwarenessModel(nn.Module):
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
-        with _memory_keyword_accepted(self.decoder):
+        with allowing_memory_keyword(self.decoder):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs
             )
@@ -645,12 +645,13 @@ _KEYWORD_LOCK = threading.Lock()
 
 
 @contextmanager
-def _memory_keyword_accepted(decoder: nn.Module):
-    """transformers' generate() rejects model kwargs that forward() does not name (a typo check), but `gca_memory`
-    reaches the layers through forward's **kwargs; while generate() calls are running the check skips it. Threads may
+def allowing_memory_keyword(decoder: nn.Module):
+    """While inside, the transformers `decoder`'s generate() takes the `gca_memory` keyword (a GCAMemory), which its
+    own check of model kwargs refuses: forward() does not name it, as it reaches the layers through forward's **kwargs.
+    The check is transformers' private `_validate_model_kwargs`, wrapped on the instance to skip that one keyword
+    (tests/models/test_awareness.py pins it, so `make test-latest` sees a transformers that changes it). Threads may
     generate on one decoder at once (`mlflow models serve` answers concurrent requests in threads): the first to enter
-    installs the skip, the last to leave removes it (a skip per call, each removing its own, left a later call with
-    none: AttributeError, or the check refusing gca_memory)."""
+    installs the skip, the last to leave removes it."""
     with _KEYWORD_LOCK:
         if not getattr(decoder, "_gca_generates", 0):
             validate = decoder._validate_model_kwargs
