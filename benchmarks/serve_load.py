@@ -403,7 +403,7 @@ def generate_ms(pyfunc, store: Path, questions: list[str], batch: int, repeats: 
     from pipelines.memory.store import MemoryStore
 
     model = pyfunc.model
-    states, mask = MemoryStore(store).memory(device=model.device, chunked=bool(model.memory_top_k))
+    states, mask = MemoryStore(store).memory(device=model.device, chunked=bool(model.reading.top_k))
     memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
     ids = torch.tensor([pyfunc.tokenizer.encode(questions[i % len(questions)]).ids for i in range(batch)],
                        device=model.device)

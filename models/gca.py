@@ -104,7 +104,10 @@ class ChunkRouting:
     summaries: int = 1  # S: summary keys per chunk, one per block of L / S tokens; a chunk scores its best block's
     summary_mask: torch.Tensor | None = None  # (B_mem, 1, 1 or T, C * S) bool, when S > 1: the block holds one
     train: bool = False  # compute the routing loss (training)
-    path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
+    # How the chosen chunks are attended: gathered (each query's k chunks copied out) or masked (the whole memory, the
+    # rest masked), the same result at different costs; auto picks the cheaper. A caller that prepared the memory may
+    # set it on each layer's routing (benchmarks/routed_training.py compares the two)
+    path: str = "auto"
     weights: str = "attention"  # attention: one softmax over the chosen chunks' tokens | router: GCA's fusion
     prior: torch.Tensor | None = None  # (B_mem, 1 or R, C) float32: added to the chunk scores (models/lexical.py)
     loss: torch.Tensor | None = None
@@ -178,12 +181,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.q_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.gate = nn.Parameter(torch.zeros(1))
-        # chunk routing's summary keys (memory_top_k > 0): models/gca.py's docstring says why a projection of its own
+        # chunk routing's summary keys (top_k > 0): the module docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
-        self.probe_entropy = False  # when set, forward also records the attention entropy over the memory
-        self.last_entropy: torch.Tensor | None = None
-        self.probe_attention = False  # when set, forward also keeps the attention over the memory (evaluation)
-        self.last_attention: torch.Tensor | None = None  # (B_mem, H, r*T, M); routed: unselected chunks at 0
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -211,22 +210,21 @@ class GatedCrossAttention(GradientCheckpointingLayer):
             hidden_states = hidden_states + self.mlp_gate.tanh() * self.mlp(self.mlp_norm(hidden_states))
         return hidden_states
 
+    def memory_attention(self, hidden_states: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+        """The attention over memory tokens (B_mem, H, r*T, M), float32, that forward gives `hidden_states` (B, T,
+        hidden): SDPA computes it without keeping it, so it is computed again here, for probes (where a block reads,
+        its entropy), e.g. from a forward pre-hook."""
+        with torch.no_grad():
+            query = self._queries(self.input_norm(hidden_states))  # (B, T, H, hd)
+            return memory_probabilities(fold_queries(query, memory), memory, scale=self.head_dim**-0.5)
+
     def _attend(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        b, t, _ = x.shape
-        query = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
-        out, folded = attend_memory(query, memory)  # (B, T, H*hd), (B_mem, H, r*T, hd)
-        if self.probe_entropy or self.probe_attention:
-            probs = self._probabilities(folded.detach(), memory)
-            if self.probe_entropy:  # mean entropy (nats): it should fall as the blocks learn to look up
-                self.last_entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
-            if self.probe_attention:
-                self.last_attention = probs
+        out, _ = attend_memory(self._queries(x), memory)  # (B, T, H*hd)
         return self.o_proj(out)
 
-    def _probabilities(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        """The attention over memory tokens (B_mem, H, r*T, M) that SDPA computed without keeping it: materialised
-        only when probed (logging steps, evaluation)."""
-        return memory_probabilities(query, memory, scale=self.head_dim**-0.5)
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
 
 
 def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None,
@@ -238,14 +236,8 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     `memory.routing` each query reads only its top-k chunks (and in training the routing loss is left in
     `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train)."""
     b, t, h, hd = query.shape
-    b_mem = memory.key.shape[0]
-    if b % b_mem:
-        raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
-    r = b // b_mem
     padding = memory.padding
-    if r != 1 and padding.attn_mask is not None and padding.attn_mask.shape[2] != 1:
-        raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
-    folded = query.reshape(b_mem, r * t, h, hd).transpose(1, 2)  # (B_mem, H, r*T, hd)
+    folded = fold_queries(query, memory)  # (B_mem, H, r*T, hd)
     routing = memory.routing
     if routing is None or not routing.selects:
         if routing is not None and routing.train:
@@ -261,6 +253,18 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     if padding.has_memory is not None:
         out = out * padding.has_memory.to(out.dtype)
     return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
+
+
+def fold_queries(query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+    """Queries (B, T, H, hd), B = r * B_mem -> (B_mem, H, r*T, hd): row i's queries join memory i // r's."""
+    b, t, h, hd = query.shape
+    b_mem = memory.key.shape[0]
+    if b % b_mem:
+        raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
+    r = b // b_mem
+    if r != 1 and memory.padding.attn_mask is not None and memory.padding.attn_mask.shape[2] != 1:
+        raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
+    return query.reshape(b_mem, r * t, h, hd).transpose(1, 2)
 
 
 def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,

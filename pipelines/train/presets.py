@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models import PAIRS, get_pair
+from models import PAIRS, MemoryReading, get_pair
 from pipelines.corpora.tokenizer import VOCAB_SIZE
 from pipelines.data.ul2 import Ul2DataConfig
 from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
@@ -32,8 +32,8 @@ STAGE0 = StageConfig(
     # Read as trained: read at 10 (memory_lexical_reading) multi_value's 2x-8x dip goes, but a single answer no
     # longer ends, the value is given again (whole answers 0.98 -> 0.00 at 1x; "Reading weight").
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
-                      encoder="full", gca="full", gca_gate_init=0.3, memory_top_k=2, memory_chunk_weights="router",
-                      memory_lexical_routing=3.0),
+                      encoder="full", gca="full", gca_gate_init=0.3,
+                      reading=MemoryReading(top_k=2, chunk_weights="router", lexical_routing=3.0)),
     # The RULER tasks the evaluation scores, once the lookup has formed on the base task (needle.base_steps: a
     # mixture from the first step never left the chance plateau): 2,000 steps of single questions (held-out 0.91 by
     # then), then 3,500 of the mixture, the two new answer formats weighted up, over memories of 1x-4x the base size

@@ -23,6 +23,7 @@ from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
+from pipelines.evaluate.probes import attention_entropy
 from pipelines.teachers.logits import TeacherLogitsConfig, compute_teacher_logits, logits_match
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
@@ -77,7 +78,7 @@ class StageRecipe:
         d = config.distill
         parts = distillation_loss(out.logits, labels, ids, logprobs, d.alpha, d.temperature)  # logits (B, T, V)
         routing = routing_part(out)  # a routing model's own loss, which no teacher gives
-        total = parts.total + engine.module.memory_routing_loss * out.routing_loss if routing else parts.total
+        total = parts.total + engine.module.reading.routing_loss * out.routing_loss if routing else parts.total
         return Loss(total, {"kl": parts.kl.detach(), "ce": parts.ce.detach(), **routing})
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
@@ -257,13 +258,8 @@ def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dic
     blocks = model.gca_blocks()
     with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.zero_stage == 3):
         gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
-    for b in blocks.values():
-        b.probe_entropy = True
-    with torch.no_grad():
-        model(**{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
-    entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
-    for b in blocks.values():
-        b.probe_entropy, b.last_entropy = False, None
+    entropy = attention_entropy(model, **{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
+    entropies = torch.tensor([entropy[i] for i in blocks], dtype=torch.float64)
     entropies = summed_over_ranks(entropies) / dist.get_world_size()
     state.gate_history.append([state.step, *gates.values()])
     metrics = {f"gate/layer_{i}": v for i, v in gates.items()}
