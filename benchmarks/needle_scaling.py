@@ -1,5 +1,5 @@
 """Needle accuracy against memory size, and the routers' recall of the evidence chunk, for a stage-0 model trained in
-one process: quick experiments on training for size (issue 26) without Ray.
+one process: quick experiments on training for size without Ray.
 
 It trains with the project's own parts, as the stage-0 job's worker does: the preset's model config
 (`pipelines.train.model.build_model`), the needle stream (`NeedleStream`), AdamW, gradient clipping and the job's

@@ -122,8 +122,7 @@ class AwarenessModel(nn.Module):
         reading.check(fusion)
         # Training only (not saved: reading is the same either way): the routing loss also trains what the chunk
         # summaries are made of (the memory projection and, where it trains, the encoder), so the encoder learns to
-        # pack a chunk's keys into its last token. On the tiny pair it raised the routers' recall of the evidence
-        # chunk among chunks full of similar facts from 0.16-0.22 to 0.26-0.28 at 16x (docs/evaluation.md).
+        # pack a chunk's keys into its last token for its router.
         self.routing_trains_summaries = False
         every_layer = list(range(dcfg.num_hidden_layers))
         self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers) if fusion == "gca" else every_layer

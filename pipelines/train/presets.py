@@ -106,9 +106,9 @@ STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}  # the sweepable stages (stage 4 is a
 # The traffic-scene VLM (issue 15): a random SigLIP tower (224 px, patch 16: 196 vision tokens) and the seed's small
 # cross-attention decoder, trained from scratch on rendered scenes with all six question types, every training row
 # asking all six about its scene (data.pack_questions). ZeRO-2 as stage 0: the 18.7M-parameter model fits anywhere,
-# and ZeRO-3's per-layer gathers only cost time on CPU. One worker with both cores: two one-core workers, exchanging
-# 75 MB of gradients over gloo each step, took 1.79 s a step against 1.65 s (Nov 23 2026, this machine). Evaluated
-# once, at the end (each evaluation reads the held-out scenes twice: with the image and without).
+# and ZeRO-3's per-layer gathers only cost time on CPU. One worker with both cores: two one-core workers exchange
+# 75 MB of gradients over gloo each step, which cost more than the second worker gained. Evaluated once, at the end
+# (each evaluation reads the held-out scenes twice: with the image and without).
 TRAFFIC_VLM = TrafficConfig(
     train=TrainConfig(max_steps=320, memories_per_step=16, lr=5e-4, warmup_steps=20, weight_decay=0.01,
                       log_every=10, eval_every=320, checkpoint_every=320),

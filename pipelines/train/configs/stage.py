@@ -128,7 +128,7 @@ class NeedleConfig:
     value_range: int = 10  # distinct tokens per value position (10: decimal digits; at most 90)
     chunk_len: int = 24  # tokens per memory chunk; facts are packed into fact-sized slots
     distractors: int = 2  # chunks of filler per memory (at the base size)
-    # Training for size and for similar facts (issue 26); each default keeps the task as it was.
+    # Training for size and for similar facts; each is off by default, leaving the base task.
     key_tokens: int = 1  # tokens per key (1 or 2); with 2, a hard distractor's key shares all but one token with an asked key
     hard_distractors: float = 0.0  # share (0-1) of a memory's free fact slots filled with facts near-identical to the asked ones (value one digit off, key one token off) instead of filler
     memory_scale_max: int = 1  # each training micro-batch's memories hold 1x..this many times the base chunks, one size drawn per micro-batch from the seed (each doubling as likely)
