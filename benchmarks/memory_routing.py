@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 import torch
 
@@ -43,7 +42,7 @@ class Decoder:
                  chunk_ids: torch.Tensor):
         self.model = model
         before = model.reading
-        model.reading = replace(before, top_k=top_k)
+        model.reading = before.with_top_k(top_k)
         try:
             started = time.perf_counter()
             self.memory = model.prepare_memory(memory_states=states, memory_states_mask=mask,

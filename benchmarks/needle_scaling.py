@@ -177,7 +177,7 @@ def main() -> None:
     if args.save:
         model.save_pretrained(args.save)
     if args.read_top_k is not None:
-        model.reading = dataclasses.replace(model.reading, top_k=args.read_top_k)
+        model.reading = model.reading.with_top_k(args.read_top_k)
     summary = {"accuracy": evaluate(model, config, args.variants, args.scales, args.memories)}
     if args.recall and model.reading.top_k:
         summary["recall"] = {f"{v}/{s}x": router_recall(model, v, s, args.memories)

@@ -3,7 +3,7 @@ handed whole to the builders and modules that read it, validated in one place.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 NAME_PREFIX = "memory_"  # the options' names in configs, flags and saved files: memory_top_k, memory_summaries, ...
 CHUNK_WEIGHTS = ("attention", "router")  # how routing mixes a query's chosen chunks (models/gca.py)
@@ -43,6 +43,13 @@ class MemoryReading:
     def routes(self) -> bool:
         """Each query reads only its top-k chunks (a model built so has routers)."""
         return self.top_k > 0
+
+    def with_top_k(self, k: int) -> "MemoryReading":
+        """These options reading k chunks a query; k = 0 (the whole memory) also turns routing's companions off (the
+        router's chunk weights, the lexical prior), which mean nothing without it. The logn scale stays."""
+        if k:
+            return replace(self, top_k=k)
+        return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""

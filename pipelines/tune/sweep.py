@@ -173,13 +173,11 @@ def train_trial(trial: dict[str, Any]) -> None:
 def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, trial_id: str) -> StageConfig:
     fusion = str(params.get("fusion", base.model.fusion))
     top_k = 0 if fusion == "merged" else int(params.get("memory_top_k", base.model.reading.top_k))  # gca, cross only
-    reading = dataclasses.replace(base.model.reading, top_k=top_k)
-    routing_grad = base.model.memory_routing_grad
-    if not top_k:  # without routing (k = 0, or merged) its companions mean nothing: their off values, so it validates
-        reading = dataclasses.replace(reading, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None)
-        routing_grad = False
+    # without routing (k = 0, or merged) its companions mean nothing: their off values, so the trial validates
+    routing_grad = base.model.memory_routing_grad and bool(top_k)
     model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]),
-                                fusion=fusion, reading=reading, memory_routing_grad=routing_grad)
+                                fusion=fusion, reading=base.model.reading.with_top_k(top_k),
+                                memory_routing_grad=routing_grad)
     train = dataclasses.replace(base.train, lr=float(params["lr"]))
     run = dataclasses.replace(base.run, name=f"{sweep_name}-{trial_id}")
     return dataclasses.replace(base, model=model, train=train, run=run).validate()
