@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from models import build_pair
+from models import MemoryReading, build_pair
 from timing import timed_side_by_side
 
 
 def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0):
     torch.manual_seed(0)
-    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, memory_top_k=top_k,
-                       memory_chunk_weights=chunk_weights, memory_lexical_routing=lexical).eval()
+    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, 
+                       reading=MemoryReading(top_k=top_k, chunk_weights=chunk_weights, lexical_routing=lexical)).eval()
     if fusion == "gca":
         model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)
     return model
@@ -41,7 +41,8 @@ class Decoder:
     def __init__(self, model, top_k: int, states: torch.Tensor, mask: torch.Tensor, prompt: torch.Tensor,
                  chunk_ids: torch.Tensor):
         self.model = model
-        before, model.memory_top_k = model.memory_top_k, top_k
+        before = model.reading
+        model.reading = before.with_top_k(top_k)
         try:
             started = time.perf_counter()
             self.memory = model.prepare_memory(memory_states=states, memory_states_mask=mask,
@@ -49,7 +50,7 @@ class Decoder:
             self.prepare_s = time.perf_counter() - started
             out = model(input_ids=prompt, gca_memory=self.memory, use_cache=True)  # routed: the question's prior too
         finally:
-            model.memory_top_k = before
+            model.reading = before
         self.cache, self.token = out.cache, out.logits[:, -1:].argmax(-1)
 
     def step(self) -> None:

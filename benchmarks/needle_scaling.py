@@ -1,5 +1,5 @@
 """Needle accuracy against memory size, and the routers' recall of the evidence chunk, for a stage-0 model trained in
-one process: quick experiments on training for size (issue 26) without Ray.
+one process: quick experiments on training for size without Ray.
 
 It trains with the project's own parts, as the stage-0 job's worker does: the preset's model config
 (`pipelines.train.model.build_model`), the needle stream (`NeedleStream`), AdamW, gradient clipping and the job's
@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from models.awareness import WEIGHTS_NAME
 from models.gca import chunk_scores, memory_probabilities
+from pipelines.cli import from_typed_dict, to_dict
 from pipelines.data.memory_modes import NO_MEMORY
 from pipelines.data.streams import NeedleStream
 from pipelines.data.synthetic_needles import generate_memory
@@ -45,11 +46,13 @@ BASE_TASK = NeedleConfig(seed=STAGE0.needle.seed)
 
 
 def overrides(text: str, base) -> dict:
-    """`field=value,field=value` for a config dataclass: lists as a+b, booleans as 1/true."""
+    """`field=value,field=value` for a config dataclass, by its flags' names (`memory_top_k`): lists as a+b, booleans
+    as 1/true."""
     out = {}
+    defaults = to_dict(base)
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        current = getattr(base, name)
+        current = defaults[name]
         if isinstance(current, list):
             out[name] = value.split("+")
         elif isinstance(current, bool):
@@ -124,7 +127,7 @@ def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, f
                 b, t, h, hd = query.shape
                 routing = prepared.layers[i].routing
                 folded = query.reshape(1, b * t, h, hd).transpose(1, 2)
-                k = min(model.memory_top_k, routing.num_chunks)
+                k = min(model.reading.top_k, routing.num_chunks)
                 chosen = chunk_scores(folded, routing, hd**-0.5).topk(k, dim=-1).indices.view(1, -1, b, t, k)
                 probs = memory_probabilities(folded, dataclasses.replace(prepared.layers[i], routing=None),
                                              scale=hd**-0.5)  # full attention: (1, H, b*t, M)
@@ -159,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    config = dataclasses.replace(STAGE0.model, **overrides(args.model, ModelConfig()))
+    config = from_typed_dict(ModelConfig, to_dict(STAGE0.model) | overrides(args.model, ModelConfig()))
     model = build_model(config)
     if args.init_from:
         missing, unexpected = model.load_state_dict(load_file(str(Path(args.init_from) / WEIGHTS_NAME)), strict=False)
@@ -174,9 +177,9 @@ def main() -> None:
     if args.save:
         model.save_pretrained(args.save)
     if args.read_top_k is not None:
-        model.memory_top_k = args.read_top_k
+        model.reading = model.reading.with_top_k(args.read_top_k)
     summary = {"accuracy": evaluate(model, config, args.variants, args.scales, args.memories)}
-    if args.recall and model.memory_top_k:
+    if args.recall and model.reading.top_k:
         summary["recall"] = {f"{v}/{s}x": router_recall(model, v, s, args.memories)
                              for v in args.variants for s in args.scales}
     print(json.dumps(summary), flush=True)

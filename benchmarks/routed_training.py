@@ -28,13 +28,19 @@ PATHS = ("masked", "gathered", "auto")  # masked: the router-weighted read atten
 
 
 class Engine:
-    """What model_loss needs of a DeepSpeed engine, for one process."""
+    """What model_loss needs of a DeepSpeed engine, for one process; its memory read on `path` (models/gca.py's
+    ChunkRouting.path: how the chosen chunks are attended, the same result either way)."""
 
     def __init__(self, model):
-        self.module, self.device = model, torch.device("cpu")
+        self.module, self.device, self.path = model, torch.device("cpu"), "auto"
 
     def __call__(self, **inputs):
-        return self.module(**inputs)
+        memory = self.module.prepare_memory(inputs.get("memory_input_ids"), inputs.get("memory_attention_mask"),
+                                            segment_ids=inputs.get("segment_ids"),
+                                            memory_segment_ids=inputs.get("memory_segment_ids"))
+        for kv in memory.layers.values():
+            kv.routing.path = self.path
+        return self.module(gca_memory=memory, **inputs)
 
 
 def batches_by_size(sizes: int, max_scale: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -56,8 +62,8 @@ def auto_gathers(model, batch: dict[str, torch.Tensor]) -> bool:
     """What models/gca.py's rule picks for this batch's read: its queries (a memory's question tokens) over its
     chunks, on CPU."""
     memories, chunks = batch["memory_input_ids"].shape[:2]
-    routing = ChunkRouting(summary=torch.zeros(1, 1, chunks, 1), chunk_len=1, top_k=model.memory_top_k,
-                           chunk_mask=None, weights=model.memory_chunk_weights)
+    routing = ChunkRouting(summary=torch.zeros(1, 1, chunks, 1), chunk_len=1, top_k=model.reading.top_k,
+                           chunk_mask=None, weights=model.reading.chunk_weights)
     return _reads_gathered(routing, batch["input_ids"].numel() // memories, torch.device("cpu"))
 
 
@@ -75,13 +81,13 @@ def main() -> None:
     batches = batches_by_size(2 if args.quick else args.max_scale, args.max_scale)
     repeats = 2 if args.quick else args.repeats
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; the stage-0 preset "
-          f"(top-{model.memory_top_k} of chunks of {STAGE0.needle.spec().chunk_len}, router-weighted), forward and "
+          f"(top-{model.reading.top_k} of chunks of {STAGE0.needle.spec().chunk_len}, router-weighted), forward and "
           f"backward of one rank's micro-batch")
     print("| chunks | every chunk (ms) | gathered (ms) | auto (ms) | every / gathered | auto reads |")
     print("|---|---|---|---|---|---|")
     for chunks, batch in batches.items():
         def step(path: str, batch=batch) -> None:
-            model.memory_read_path = path
+            engine.path = path
             model_loss(engine, batch).total.backward()
             model.zero_grad(set_to_none=True)
 
@@ -89,7 +95,6 @@ def main() -> None:
         picked = "gathered" if auto_gathers(model, batch) else "every chunk"
         print(f"| {chunks} | {every * 1e3:.1f} | {gathered * 1e3:.1f} | {auto * 1e3:.1f} | {every / gathered:.2f} | "
               f"{picked} |")
-    model.memory_read_path = "auto"
 
 
 if __name__ == "__main__":

@@ -399,18 +399,18 @@ def generate_ms(pyfunc, store: Path, questions: list[str], batch: int, repeats: 
 
     import torch
 
-    from models.awareness import _memory_keyword_accepted
+    from models.awareness import allowing_memory_keyword
     from pipelines.memory.store import MemoryStore
 
     model = pyfunc.model
-    states, mask = MemoryStore(store).memory(device=model.device, chunked=bool(model.memory_top_k))
+    states, mask = MemoryStore(store).memory(device=model.device, chunked=bool(model.reading.top_k))
     memory = model.prepare_memory(memory_states=states, memory_states_mask=mask)
     ids = torch.tensor([pyfunc.tokenizer.encode(questions[i % len(questions)]).ids for i in range(batch)],
                        device=model.device)
     times = []
     for _ in range(repeats + 2):  # two untimed
         began = time.perf_counter()
-        with torch.no_grad(), _memory_keyword_accepted(model.decoder):
+        with torch.no_grad(), allowing_memory_keyword(model.decoder):
             model.decoder.generate(input_ids=ids, gca_memory=memory, max_new_tokens=pyfunc.max_new_tokens,
                                    eos_token_id=pyfunc.eos_token_id, pad_token_id=pyfunc.pad_token_id,
                                    do_sample=False)

@@ -13,6 +13,7 @@ from models.memory import MemoryEncoder
 from models.pairs import PAIRS, PairSpec, build_pair, get_pair, write_random_checkpoints
 from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
+from models.reading import MemoryReading
 from models.seq2seq import Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM
 from models.traffic_vlm import TrafficVLM, build_traffic_vlm
 from models.trainable import LoraPlan, LoraSettings, apply_lora, set_trainable
@@ -30,6 +31,7 @@ __all__ = [
     "MemoryEncoder",
     "MemoryKV",
     "MemoryPadding",
+    "MemoryReading",
     "PairSpec",
     "Partitioner",
     "Qwen3CrossAttentionConfig",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
-from models.fusion import (CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion,
-                           check_memory_reading)
+from models.fusion import CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion
 from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer, chunk_mask,
                         chunk_summary_states)
 from models.lexical import packed_question_prior, question_mask_of, question_prior
@@ -24,6 +23,7 @@ from models.loss import causal_lm_loss
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
+from models.reading import MemoryReading
 from models.trainable import (LoraPlan, TrainMode, apply_lora, is_added_parameter, merged_state_dict, set_trainable,
                               trainable_modes)
 
@@ -43,14 +43,8 @@ class AwarenessConfig:
     encoder_attention: str = "causal"
     gca_mlp: bool = False
     fusion: str = "gca"  # gca | cross | merged (models/fusion.py); files from before the field read as gca
-    memory_top_k: int = 0  # chunks each query reads (models/gca.py, chunk routing; > 0 adds the routers); 0: all
-    memory_logn_scale: int = 0  # n_train of the length-aware scale max(1, log n / log n_train); 0: off
-    memory_routing_loss: float = 1.0  # weight of the auxiliary routing loss in training (with memory_top_k > 0)
-    memory_summaries: int = 1  # routing's summary keys per chunk (one per block of chunk_len / this tokens)
-    memory_chunk_weights: str = "attention"  # routing's mix of the chosen chunks: attention | router (models/gca.py)
-    memory_lexical_routing: float = 0.0  # weight of the question's lexical prior on chunk scores (models/lexical.py)
-    memory_lexical_reading: float | None = None  # its weight in eval mode (evaluation, generate, serving); None: the same
-    format_version: int = 1
+    reading: MemoryReading = field(default_factory=MemoryReading)  # chunk routing and the length-aware scale
+    format_version: int = 2  # 2: the reading options nested under "reading"; 1: flat memory_* keys
 
     def save(self, directory: Path, *, lora: LoraPlan | None, trainable: dict[str, TrainMode]) -> None:
         data = asdict(self) | {"lora": lora.to_dict() if lora else None, "trainable": trainable}
@@ -58,8 +52,11 @@ class AwarenessConfig:
 
     @classmethod
     def load(cls, directory: Path) -> "AwarenessConfig":
+        """The config a directory was saved with; files of format 1 hold the reading options as flat memory_* keys."""
         data = _read_config(directory)
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        reading = MemoryReading(**data["reading"]) if "reading" in data else MemoryReading.from_names(data)
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data} | {"reading": reading,
+                                                                                         "format_version": 2})
 
     @staticmethod
     def load_training(directory: Path) -> tuple[LoraPlan | None, dict[str, TrainMode]]:
@@ -97,11 +94,11 @@ class AwarenessModel(nn.Module):
     `fusion` chooses how the decoder reads the memory (models/fusion.py): `gca` (blocks in `gca_layers`), `cross`
     (a cross-attention in every layer, o_proj at 0, trained as the GCA group) or `merged` (every layer's own
     attention reads it too); for the last two `gca_layers` is every layer.
-    `memory_top_k` > 0 (gca, cross) routes each query to its top-k memory chunks and adds a router to every
-    memory-reading block, trained by the routing loss (weight `memory_routing_loss`, added to `loss` in training);
-    `memory_logn_scale` = n_train > 0 scales queries by max(1, log n / log n_train) (models/gca.py). Both can be
-    changed on a built model for evaluation (`model.memory_top_k = 8`; k > 0 needs a model built with routers); what
-    is saved is what it was built with.
+    `reading` (models/reading.py; gca and cross) with top_k > 0 routes each query to its top-k memory chunks and adds
+    a router to every memory-reading block, trained by the routing loss (weight `reading.routing_loss`, added to
+    `loss` in training); logn_scale = n_train > 0 scales queries by max(1, log n / log n_train) (models/gca.py). A
+    built model may read otherwise for evaluation (`model.reading = replace(model.reading, top_k=8)`; k > 0 needs a
+    model built with routers); what is saved is what it was built with (`model.config.reading`).
     """
 
     def __init__(
@@ -112,13 +109,7 @@ class AwarenessModel(nn.Module):
         *,
         gca_mlp: bool = False,
         fusion: str = "gca",
-        memory_top_k: int = 0,
-        memory_logn_scale: int = 0,
-        memory_routing_loss: float = 1.0,
-        memory_summaries: int = 1,
-        memory_chunk_weights: str = "attention",
-        memory_lexical_routing: float = 0.0,
-        memory_lexical_reading: float | None = None,
+        reading: MemoryReading = MemoryReading(),
         config: AwarenessConfig | None = None,
         partitioner: Partitioner = UNPARTITIONED,
     ):
@@ -129,15 +120,10 @@ class AwarenessModel(nn.Module):
         self.fusion = check_fusion(fusion)
         if fusion != "gca" and gca_mlp:
             raise ValueError(f"gca_mlp adds a gated MLP to GCA blocks; fusion={fusion!r} has none: set gca_mlp=False")
-        check_memory_reading(fusion, memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries,
-                             memory_chunk_weights, memory_lexical_routing, memory_lexical_reading)
-        self._routers = memory_top_k > 0
-        self._memory_top_k = memory_top_k
-        self.memory_logn_scale, self.memory_routing_loss = memory_logn_scale, memory_routing_loss
+        reading.check(fusion)
         # Training only (not saved: reading is the same either way): the routing loss also trains what the chunk
         # summaries are made of (the memory projection and, where it trains, the encoder), so the encoder learns to
-        # pack a chunk's keys into its last token. On the tiny pair it raised the routers' recall of the evidence
-        # chunk among chunks full of similar facts from 0.16-0.22 to 0.26-0.28 at 16x (docs/evaluation.md).
+        # pack a chunk's keys into its last token for its router.
         self.routing_trains_summaries = False
         every_layer = list(range(dcfg.num_hidden_layers))
         self.gca_layers = resolve_gca_layers(gca_layers, dcfg.num_hidden_layers) if fusion == "gca" else every_layer
@@ -149,20 +135,8 @@ class AwarenessModel(nn.Module):
             gca_mlp=gca_mlp,
             fusion=fusion,
         )
-        self.config.gca_layers, self.config.fusion = self.gca_layers, fusion
-        self.config.memory_top_k, self.config.memory_logn_scale = memory_top_k, memory_logn_scale
-        self.config.memory_routing_loss, self.config.memory_summaries = memory_routing_loss, memory_summaries
-        self.config.memory_chunk_weights = memory_chunk_weights
-        self.config.memory_lexical_routing = memory_lexical_routing
-        self.config.memory_lexical_reading = memory_lexical_reading
-        self.memory_summaries, self.memory_chunk_weights = memory_summaries, memory_chunk_weights
-        self.memory_lexical_routing = memory_lexical_routing
-        # The prior's weight when reading (eval mode): trained at a small weight the learned router still learns to
-        # rank, read at a larger one the prior outvotes it where it misranks (docs/evaluation.md, "Reading weight")
-        self.memory_lexical_reading = memory_lexical_reading
-        # How routed reads attend their chosen chunks: auto | masked | gathered (models/gca.py; the same result, so
-        # not saved): forced only by benchmarks and tests that compare the forms
-        self.memory_read_path = "auto"
+        self.config.gca_layers, self.config.fusion, self.config.reading = self.gca_layers, fusion, reading
+        self._reading = reading  # how it reads now: the config keeps how it was built (what is saved)
         weight = decoder.get_input_embeddings().weight
         with partitioner.creating(), torch.device(weight.device):
             self.memory_projection = (
@@ -171,9 +145,9 @@ class AwarenessModel(nn.Module):
                 else nn.Identity()
             )
             if fusion == "gca":
-                blocks = {i: _build_gca(dcfg, gca_mlp, router=self._routers) for i in self.gca_layers}
+                blocks = {i: _build_gca(dcfg, gca_mlp, router=reading.routes) for i in self.gca_layers}
             elif fusion == "cross":
-                blocks = {i: FusedCrossAttention(dcfg, i, router=self._routers) for i in self.gca_layers}
+                blocks = {i: FusedCrossAttention(dcfg, i, router=reading.routes) for i in self.gca_layers}
             else:
                 blocks = {}
         self._init_added(list(blocks.values()), std=getattr(dcfg, "initializer_range", 0.02), partitioner=partitioner,
@@ -200,13 +174,7 @@ class AwarenessModel(nn.Module):
         encoder_attention: EncoderAttention = "causal",
         gca_mlp: bool = False,
         fusion: str = "gca",
-        memory_top_k: int = 0,
-        memory_logn_scale: int = 0,
-        memory_routing_loss: float = 1.0,
-        memory_summaries: int = 1,
-        memory_chunk_weights: str = "attention",
-        memory_lexical_routing: float = 0.0,
-        memory_lexical_reading: float | None = None,
+        reading: MemoryReading = MemoryReading(),
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
@@ -225,11 +193,9 @@ class AwarenessModel(nn.Module):
             encoder_attention=encoder_attention,
             gca_mlp=gca_mlp,
             fusion=fusion,
+            reading=reading,
         )
-        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, memory_top_k=memory_top_k,
-                   memory_logn_scale=memory_logn_scale, memory_routing_loss=memory_routing_loss,
-                   memory_summaries=memory_summaries, memory_chunk_weights=memory_chunk_weights,
-                   memory_lexical_routing=memory_lexical_routing, memory_lexical_reading=memory_lexical_reading,
+        return cls(base, memory_encoder, config.gca_layers, gca_mlp=gca_mlp, fusion=fusion, reading=reading,
                    config=config, partitioner=partitioner)
 
     @staticmethod
@@ -247,16 +213,23 @@ class AwarenessModel(nn.Module):
 
     # -------------------------------------------------------------------------------------------- inspection
     @property
-    def memory_top_k(self) -> int:
-        """Chunks each query reads (chunk routing); 0: the whole memory."""
-        return self._memory_top_k
+    def reading(self) -> MemoryReading:
+        """How the model reads its memory now (chunk routing, the length-aware scale)."""
+        return self._reading
 
-    @memory_top_k.setter
-    def memory_top_k(self, k: int) -> None:
-        if k < 0 or (k and not self._routers):
-            raise ValueError(f"memory_top_k {k}: routing needs the routers of a model built with memory_top_k > 0 "
-                             f"(build_pair(..., memory_top_k=K), --model.memory_top_k K); 0 reads the whole memory")
-        self._memory_top_k = k
+    @reading.setter
+    def reading(self, reading: MemoryReading) -> None:
+        reading.check(self.fusion)
+        if reading.routes and not self.has_routers:
+            raise ValueError(f"memory_top_k {reading.top_k}: routing needs the routers of a model built with "
+                             f"memory_top_k > 0 (build_pair(..., reading=MemoryReading(top_k=K)), --model.memory_top_k "
+                             f"K); 0 reads the whole memory")
+        self._reading = reading
+
+    @property
+    def has_routers(self) -> bool:
+        """The memory-reading blocks have chunk routers (the model was built with top_k > 0)."""
+        return any(getattr(reader, "router", None) is not None for reader in self.memory_readers().values())
 
     def gca_blocks(self) -> dict[int, GatedCrossAttention]:
         """The gated blocks by layer; none unless fusion is gca (gates, probes and plots are GCA's)."""
@@ -286,24 +259,6 @@ class AwarenessModel(nn.Module):
     def gate_values(self) -> dict[int, float]:
         """|tanh(gate)| of each GCA layer's attention: how much each layer reads the memory."""
         return {i: float(block.gate.detach().float().tanh().abs()) for i, block in self.gca_blocks().items()}
-
-    @torch.no_grad()
-    def memory_attention(self, **inputs: Any) -> list[torch.Tensor]:
-        """Where each GCA layer reads when it predicts the token after each row: one forward over `inputs` (one
-        memory row per prompt row) and, per GCA layer in layer order, the attention over the memory at the last
-        position, (B, H, M) on the CPU. Evaluation's memory-attention accuracy; the probe is switched off again."""
-        if self.fusion != "gca":
-            raise ValueError(f"memory_attention probes GCA blocks; this model reads its memory with "
-                             f"fusion={self.fusion!r}")
-        blocks = list(self.gca_blocks().values())
-        for block in blocks:
-            block.probe_attention = True
-        try:
-            self(**inputs)
-            return [block.last_attention[:, :, -1].cpu() for block in blocks]  # (B_mem, H, r*T, M) -> (B, H, M)
-        finally:
-            for block in blocks:
-                block.probe_attention, block.last_attention = False, None
 
     @property
     def device(self) -> torch.device:
@@ -357,8 +312,8 @@ class AwarenessModel(nn.Module):
         readers = self.memory_readers()
         layers = {i: reader.project_memory(projected, padding) for i, reader in readers.items()}
         for kv in layers.values():
-            kv.logn_base = self.memory_logn_scale
-        if self.memory_top_k:
+            kv.logn_base = self.reading.logn_scale
+        if self.reading.routes:
             self._route(layers, readers, projected, mask, padding, chunk_len)
         chunk_ids = None
         if memory_input_ids is not None and memory_input_ids.dim() == 3:  # the question's lexical prior compares them
@@ -372,17 +327,15 @@ class AwarenessModel(nn.Module):
 
     def _question_pending(self, gca_memory: GCAMemory | None) -> bool:
         """Lexical routing over a routed memory that holds no question prior yet (with_question adds one)."""
-        if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
+        if gca_memory is None or not self.reading.lexical_routing or not self.reading.routes:
             return False
         routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
         return bool(routed) and routed[0].prior is None
 
     def lexical_weight(self) -> float:
-        """The question prior's weight now: memory_lexical_routing in training, memory_lexical_reading (when set) in
-        eval mode."""
-        if self.training or self.memory_lexical_reading is None:
-            return self.memory_lexical_routing
-        return self.memory_lexical_reading
+        """The question prior's weight now: reading.lexical_routing in training, reading.lexical_reading (when set)
+        in eval mode."""
+        return self.reading.lexical_weight(self.training)
 
     def with_question(self, gca_memory: GCAMemory | None, input_ids: torch.Tensor, question_mask: torch.Tensor, *,
                       segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -392,7 +345,7 @@ class AwarenessModel(nn.Module):
         was, so one prepared memory (a served memory's K/V) serves every question. Rows (B, T) fold onto the
         memory's B_mem rows as the GCA blocks fold them (row i reads memory i // (B / B_mem)); packed rows
         (`segment_ids`, with `labels` and `memory_segment_ids`) get each example's own prior."""
-        if gca_memory is None or not self.memory_lexical_routing or not self.memory_top_k:
+        if gca_memory is None or not self.reading.lexical_routing or not self.reading.routes:
             return gca_memory
         if gca_memory.chunk_ids is None:
             raise ValueError("memory_lexical_routing compares the question's tokens with the memory's, and this memory "
@@ -425,7 +378,7 @@ class AwarenessModel(nn.Module):
             raise ValueError("memory_top_k routes over chunks, and flat memory_states (B, M, H_enc) do not say where "
                              "chunks end: pass them as (B, C, L, H_enc) with a (B, C, L) mask "
                              "(MemoryStore.memory(chunked=True)), or memory_input_ids (B, C, L)")
-        summaries = self.memory_summaries
+        summaries = self.reading.summaries
         if chunk_len % summaries:
             raise ValueError(f"memory_summaries ({summaries}) must divide the memory's chunk length ({chunk_len}): "
                              f"each summary key stands for a block of chunk_len / memory_summaries tokens")
@@ -434,12 +387,11 @@ class AwarenessModel(nn.Module):
         summary_states = chunk_summary_states(source, mask, block)  # (B, C * S, H_dec)
         readable = chunk_mask(padding, chunk_len)  # (B, 1, 1 or T, C) or None
         blocks = chunk_mask(padding, block) if summaries > 1 else None  # (B, 1, 1 or T, C * S) or None
-        train = self.training and self.memory_routing_loss > 0 and torch.is_grad_enabled()
+        train = self.training and self.reading.routing_loss > 0 and torch.is_grad_enabled()
         for i, kv in layers.items():
             kv.routing = ChunkRouting(summary=readers[i].router(summary_states), chunk_len=chunk_len,
-                                      top_k=self.memory_top_k, chunk_mask=readable, train=train,
-                                      summaries=summaries, summary_mask=blocks,
-                                      weights=self.memory_chunk_weights, path=self.memory_read_path)
+                                      top_k=self.reading.top_k, chunk_mask=readable, train=train,
+                                      summaries=summaries, summary_mask=blocks, weights=self.reading.chunk_weights)
 
     @property
     def memory_projection_dtype(self) -> torch.dtype:
@@ -514,7 +466,7 @@ class AwarenessModel(nn.Module):
                                gca_memory=gca_memory, **decoder_kwargs)
         loss, routing_loss = out.loss, _routing_loss(gca_memory)
         if loss is not None and routing_loss is not None:
-            loss = loss + self.memory_routing_loss * routing_loss
+            loss = loss + self.reading.routing_loss * routing_loss
         return AwarenessOutput(
             loss=loss,
             logits=out.logits,
@@ -548,7 +500,7 @@ class AwarenessModel(nn.Module):
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
-        with _memory_keyword_accepted(self.decoder):
+        with allowing_memory_keyword(self.decoder):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs
             )
@@ -579,7 +531,7 @@ class AwarenessModel(nn.Module):
         weights."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        config = AwarenessConfig(**asdict(self.config))
+        config = replace(self.config)
         if merged:
             decoder, encoder = self.decoder, self.memory_encoder.encoder
             decoder.save_pretrained(directory / "decoder", state_dict=merged_state_dict(decoder, base_only=True))
@@ -616,13 +568,7 @@ class AwarenessModel(nn.Module):
             encoder_attention=config.encoder_attention,  # type: ignore[arg-type]
             gca_mlp=config.gca_mlp,
             fusion=config.fusion,
-            memory_top_k=config.memory_top_k,
-            memory_logn_scale=config.memory_logn_scale,
-            memory_routing_loss=config.memory_routing_loss,
-            memory_summaries=config.memory_summaries,
-            memory_chunk_weights=config.memory_chunk_weights,
-            memory_lexical_routing=config.memory_lexical_routing,
-            memory_lexical_reading=config.memory_lexical_reading,
+            reading=config.reading,
             dtype=dtype,
             device=device,
         )
@@ -659,12 +605,13 @@ _KEYWORD_LOCK = threading.Lock()
 
 
 @contextmanager
-def _memory_keyword_accepted(decoder: nn.Module):
-    """transformers' generate() rejects model kwargs that forward() does not name (a typo check), but `gca_memory`
-    reaches the layers through forward's **kwargs; while generate() calls are running the check skips it. Threads may
+def allowing_memory_keyword(decoder: nn.Module):
+    """While inside, the transformers `decoder`'s generate() takes the `gca_memory` keyword (a GCAMemory), which its
+    own check of model kwargs refuses: forward() does not name it, as it reaches the layers through forward's **kwargs.
+    The check is transformers' private `_validate_model_kwargs`, wrapped on the instance to skip that one keyword
+    (tests/models/test_awareness.py pins it, so `make test-latest` sees a transformers that changes it). Threads may
     generate on one decoder at once (`mlflow models serve` answers concurrent requests in threads): the first to enter
-    installs the skip, the last to leave removes it (a skip per call, each removing its own, left a later call with
-    none: AttributeError, or the check refusing gca_memory)."""
+    installs the skip, the last to leave removes it."""
     with _KEYWORD_LOCK:
         if not getattr(decoder, "_gca_generates", 0):
             validate = decoder._validate_model_kwargs

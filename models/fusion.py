@@ -45,43 +45,6 @@ def check_fusion(fusion: str) -> str:
     return fusion
 
 
-CHUNK_WEIGHTS = ("attention", "router")  # how routing mixes a query's chosen chunks (models/gca.py)
-
-
-def check_memory_reading(fusion: str, memory_top_k: int, memory_logn_scale: int,
-                         memory_routing_loss: float, memory_summaries: int = 1,
-                         memory_chunk_weights: str = "attention", memory_lexical_routing: float = 0.0,
-                         memory_lexical_reading: float | None = None) -> None:
-    """Chunk routing and the length-aware scale (models/gca.py) belong to the fusions that read the memory in an
-    attention of their own (gca, cross). Merged attention shares one softmax between the decoder's own tokens and the
-    memory, where neither fits without changing the pretrained attention: refused."""
-    if memory_top_k < 0:
-        raise ValueError(f"memory_top_k must be 0 (full attention) or the chunks each query reads, got {memory_top_k}")
-    if memory_logn_scale < 0 or memory_logn_scale == 1:
-        raise ValueError(f"memory_logn_scale must be 0 (off) or the memory length trained at (n_train >= 2), got "
-                         f"{memory_logn_scale}")
-    if memory_routing_loss < 0:
-        raise ValueError(f"memory_routing_loss must be >= 0, got {memory_routing_loss}")
-    if memory_summaries < 1:
-        raise ValueError(f"memory_summaries must be >= 1 (summary keys per chunk for routing), got {memory_summaries}")
-    if memory_chunk_weights not in CHUNK_WEIGHTS:
-        raise ValueError(f"memory_chunk_weights must be one of {CHUNK_WEIGHTS}, got {memory_chunk_weights!r}")
-    if memory_chunk_weights == "router" and (not memory_top_k or memory_logn_scale):
-        raise ValueError("memory_chunk_weights='router' mixes the top-k chunks of routing by their scores: it needs "
-                         "memory_top_k > 0 and memory_logn_scale 0 (one softmax per chunk has no memory length to "
-                         "scale by)")
-    if memory_lexical_routing < 0 or (memory_lexical_routing and not memory_top_k):
-        raise ValueError(f"memory_lexical_routing ({memory_lexical_routing}) weighs the question's lexical prior on "
-                         f"routing's chunk scores: give a weight >= 0, and memory_top_k > 0 with a positive one")
-    if memory_lexical_reading is not None and (memory_lexical_reading < 0 or not memory_lexical_routing):
-        raise ValueError(f"memory_lexical_reading ({memory_lexical_reading}) is the lexical prior's weight when reading: "
-                         f"give a weight >= 0 with a positive memory_lexical_routing (the prior trained with), or None")
-    if fusion == "merged" and (memory_top_k or memory_logn_scale):
-        raise ValueError("memory_top_k and memory_logn_scale route and scale a memory-only attention (fusion gca or "
-                         "cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "
-                         "fusion gca or cross")
-
-
 class FusedCrossAttention(MemoryCrossAttention):
     """The cross-attention block `fusion="cross"` adds to a pretrained layer: the residual update
     `o(attn(q(norm(x)), k(mem), v(mem)))`, Qwen3Attention's projections, QK-norm and GQA, no RoPE, no gate; o_proj

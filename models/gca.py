@@ -2,70 +2,44 @@
 
 Design (after Flamingo, Mllama and torchtune's `FusionLayer`/`TanhGate`):
 
-* The GCA block sits *before* the wrapped transformers decoder layer, so the layer's own forward runs untouched
-  (no second copy of Qwen3) and its self-attention and MLP then process what the block wrote into the stream.
-* Pre-norm (RMSNorm) on the decoder stream, queries from the decoder, keys/values from the memory, the decoder's
-  GQA layout and per-head QK-norm, no RoPE on memory keys (memory is a set of chunks, each prefixed with its path),
-  attention through `scaled_dot_product_attention`.
-* The residual update is scaled by `tanh(gate)` with `gate` initialised at 0, so at initialisation the model is
-  exactly the pretrained decoder.
-* A gated MLP after the cross-attention (Flamingo/Mllama) is optional and off by default: the wrapped layer's own
-  MLP follows immediately, the extra MLP would add 3·d·d_ff parameters per layer (1.8B for the 8B pair's 12 GCA
-  layers), and in our needle runs its gate stayed below 0.02 (shared/notes/needle-feasibility.md).
+* The block sits *before* the wrapped transformers decoder layer, so the layer's own forward runs untouched (no
+  second copy of Qwen3) and its self-attention and MLP process what the block wrote into the stream.
+* Pre-norm on the decoder stream, queries from the decoder, keys/values from the memory, the decoder's GQA layout and
+  QK-norm, no RoPE on memory keys (the memory is a set of chunks, each prefixed with its path), SDPA.
+* The update is scaled by `tanh(gate)`, gate at 0: at initialisation the model is exactly the pretrained decoder.
+* The gated MLP after the cross-attention (Flamingo/Mllama) is optional and off by default: the wrapped layer's MLP
+  follows at once, and the extra one adds 3·d·d_ff parameters per block.
 
-**Chunk-routed memory attention** (`memory_top_k` > 0; shared by GCA blocks and the `cross` fusion through
-`attend_memory`). The memory is C chunks of L tokens, flattened to C*L; read in full, a query's softmax mass on the
-right chunk is diluted by every other chunk as the memory grows (trained at 1x, the right chunk's mass fell from 0.73
-to 0.48 at 16x while it stayed the most attended one 95% of the time). Routing keeps each query's top-k chunks and
-attends to their tokens only:
+**Chunk-routed attention** (`MemoryReading.top_k` > 0; GCA blocks and the `cross` fusion, through `attend_memory`).
+The memory is C chunks of L tokens; read in full, a query's softmax mass on the right chunk is diluted by every other
+chunk as the memory grows. Routing keeps each query's top-k chunks and attends to their tokens only:
 
-* **Selection, then exact attention over the union.** A query scores every chunk against one summary key per chunk
-  (per kv head), keeps the k highest, and runs ordinary softmax attention over the real tokens of those chunks. With k
-  at least the number of chunks this *is* full attention (no approximation, whatever the weights), and within the
-  kept chunks the token attention is the trained one. Not Grouped Cross Attention's fusion (Hu et al. 2024: one
-  softmax per retrieved chunk, outputs mixed by the softmax of the retrieval scores, so the answer loss trains the
-  retriever) nor Landmark Attention's grouped softmax (a landmark token's score gates its block): both change the
-  attention itself, so a model trained without routing would read differently at any k.
-* **Summary key: a learned projection (`ChunkRouter`: Linear + RMSNorm per kv head, like k_proj + k_norm) of the
-  projected memory state of each chunk's last real token.** The memory encoder is causal by default, so the last
-  token is the only one that has seen its whole chunk, and it is what Qwen3-Embedding pools as the chunk's
-  embedding; a mean of the chunk's keys would dilute a single needle by 1/L. The block's own k_proj is not reused:
-  the routing loss would then pull the token keys that the answer depends on.
-* **Several summaries a chunk** (`memory_summaries` = S > 1): one summary key per block of L / S tokens, and a
-  chunk scores the best of its blocks (a max, as Landmark Attention gives each block its own landmark). One vector
-  per chunk must hold every key the chunk defines; a tiny pair's (head_dim 16) routers then found the evidence chunk
-  among chunks full of similar facts for only ~20% of questions at 16x, and S = 4 (a summary per fact slot) did not
-  raise that within 1,500 steps (docs/evaluation.md). S summaries cost C * S scores per decoding step instead of C,
-  still far fewer than the C * L of full attention.
-* **Training signal: an auxiliary routing loss**, KL(teacher || router) per query and kv head, where the teacher is
-  full attention's chunk mass (softmax over chunks of the logsumexp of each chunk's token logits, averaged over the
-  kv head's query heads, no gradient) and the router's distribution is the softmax over its chunk scores. It is
-  computed in training, where memories are short and the full logits affordable (and also when k >= C: the router
-  learns at 1x what it must do at 64x). The queries and the summarised states are detached in it, so it trains the
-  router's parameters only and the answer path is exactly what it would be without routing.
-* **Chunk weights from the router** (`memory_chunk_weights="router"`, an option): Grouped Cross Attention's fusion
-  (Hu et al. 2024) instead of one softmax over the union: attention runs inside each selected chunk, and the k
-  chunk outputs are mixed by the softmax of their router scores, queries and summary keys both with gradients, so
-  the answer loss itself trains the router (the KL routing loss may stay on beside it, or be set to 0). It reads
-  differently from full attention at any k (k >= C keeps full attention, and a model trained at k < C reads its
-  weighted form). Few queries take the gathered path (O(Q * k * L)); long blocks attend inside every chunk and give
-  the unchosen ones weight 0 (O(Q * M), no per-query copies of the memory), except on CPU over 10 x k chunks or more,
-  where the gathered copies cost less (ROUTER_GATHERS_FROM_CHUNKS_PER_K). Measured in docs/evaluation.md.
-* **GQA: one selection per kv head**, scored with the mean of its query heads' queries (the mean of their scores):
-  the group's heads then share one gathered key/value set, as they share keys in GQA, so memory traffic per token is
-  k*L per kv head; per query head selection would gather G times as much.
-* **Padding**: a chunk with no token the query may read (all padding, or, packed, another example's) scores -inf and
-  is never selected while any readable chunk is left; a row (or packed token) with no memory reads nothing, as before.
-* **Cost**: summary keys are computed once per forward or generation, like keys and values. A decoding step scores C
-  summaries and attends over k*L gathered tokens (`gathered` path); long query blocks (training, prefill of long
-  prompts) attend over the whole memory with the unselected chunks masked (`masked` path), which is the cheaper form
-  when queries * k exceeds the chunk count. Both give the same result.
+* **Selection, then exact attention over the union**: with k >= C it *is* full attention, whatever the weights, and
+  within the kept chunks the token attention is the trained one. Unlike Grouped Cross Attention (Hu et al. 2024) or
+  Landmark Attention, the attention itself is unchanged, so a model trained without routing reads alike at any k.
+* **Summary key**: `ChunkRouter` (Linear + RMSNorm per kv head) of the projected state of each chunk's last real
+  token: the causal encoder's only token that saw the whole chunk (what Qwen3-Embedding pools), where a mean would
+  dilute a single needle by 1/L. Not the block's own k_proj, which the routing loss would then pull.
+* **Several summaries a chunk** (`summaries` = S): one key per block of L / S tokens, a chunk scoring its best block,
+  since one vector cannot hold every key of a chunk full of similar facts; C * S scores a step, still far below C * L.
+* **Training signal**: KL(full attention's chunk mass || router) per query and kv head, the teacher without
+  gradient, queries and summarised states detached: it trains the router only, and the answer path is what it would
+  be unrouted. Computed in training, where memories are short (also at k >= C: the router learns at 1x what it must do
+  at 64x).
+* **Router chunk weights** (`chunk_weights="router"`): Grouped Cross Attention's fusion: a softmax inside each chosen
+  chunk, the k outputs mixed by the softmax of their router scores, with gradients, so the answer loss trains the
+  router too. It reads differently from full attention at any k < C.
+* **GQA**: one selection per kv head (its query heads' mean query), so the group shares one gathered key/value set.
+* **Padding**: a chunk with nothing the query may read scores -inf; a row with no memory reads nothing.
+* **Cost**: summary keys are computed once per forward or generation. Few queries (a decoding step) gather their k
+  chunks (`gathered`: O(Q * k * L)); long query blocks attend over the whole memory with the unchosen chunks masked
+  (`masked`: O(Q * M), no per-query copies). Both give the same result; `ChunkRouting.path` "auto" picks by cost.
 
-**Length-aware scale** (`memory_logn_scale` = n_train > 0): queries are multiplied by max(1, log n / log n_train), n
-the real memory tokens in the query's softmax (per row; with routing, in its selected chunks): Qwen's logn scaling
-(Scalable-Softmax's s log n with s fixed at 1 / log n_train). Chosen over SSMax's learned per-head s because it needs
-no training and is exactly the identity up to the trained length, so a model trained at 1x is unchanged there and
-only sharpens where the memory outgrew it.
+**Length-aware scale** (`logn_scale` = n_train > 0): queries times max(1, log n / log n_train), n the real memory
+tokens a query reads (Qwen's logn scaling; Scalable-Softmax with s fixed at 1 / log n_train): no training, and the
+identity up to the trained length, so a model trained at 1x is unchanged there and sharpens only beyond it.
+
+Measurements behind these choices: docs/results/2026-11-27-code-comment-measurements.md.
 """
 
 from __future__ import annotations
@@ -106,7 +80,10 @@ class ChunkRouting:
     summaries: int = 1  # S: summary keys per chunk, one per block of L / S tokens; a chunk scores its best block's
     summary_mask: torch.Tensor | None = None  # (B_mem, 1, 1 or T, C * S) bool, when S > 1: the block holds one
     train: bool = False  # compute the routing loss (training)
-    path: str = "auto"  # auto | masked | gathered: how the selected chunks are attended (same result)
+    # How the chosen chunks are attended: gathered (each query's k chunks copied out) or masked (the whole memory, the
+    # rest masked), the same result at different costs; auto picks the cheaper. A caller that prepared the memory may
+    # set it on each layer's routing (benchmarks/routed_training.py compares the two)
+    path: str = "auto"
     weights: str = "attention"  # attention: one softmax over the chosen chunks' tokens | router: GCA's fusion
     prior: torch.Tensor | None = None  # (B_mem, 1 or R, C) float32: added to the chunk scores (models/lexical.py)
     loss: torch.Tensor | None = None
@@ -180,12 +157,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.q_norm = modeling_qwen3.Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.k_norm = modeling_qwen3.Qwen3RMSNorm(head_dim, eps=rms_norm_eps)
         self.gate = nn.Parameter(torch.zeros(1))
-        # chunk routing's summary keys (memory_top_k > 0): models/gca.py's docstring says why a projection of its own
+        # chunk routing's summary keys (top_k > 0): the module docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
-        self.probe_entropy = False  # when set, forward also records the attention entropy over the memory
-        self.last_entropy: torch.Tensor | None = None
-        self.probe_attention = False  # when set, forward also keeps the attention over the memory (evaluation)
-        self.last_attention: torch.Tensor | None = None  # (B_mem, H, r*T, M); routed: unselected chunks at 0
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -213,22 +186,21 @@ class GatedCrossAttention(GradientCheckpointingLayer):
             hidden_states = hidden_states + self.mlp_gate.tanh() * self.mlp(self.mlp_norm(hidden_states))
         return hidden_states
 
+    def memory_attention(self, hidden_states: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+        """The attention over memory tokens (B_mem, H, r*T, M), float32, that forward gives `hidden_states` (B, T,
+        hidden): SDPA computes it without keeping it, so it is computed again here, for probes (where a block reads,
+        its entropy), e.g. from a forward pre-hook."""
+        with torch.no_grad():
+            query = self._queries(self.input_norm(hidden_states))  # (B, T, H, hd)
+            return memory_probabilities(fold_queries(query, memory), memory, scale=self.head_dim**-0.5)
+
     def _attend(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        b, t, _ = x.shape
-        query = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
-        out, folded = attend_memory(query, memory)  # (B, T, H*hd), (B_mem, H, r*T, hd)
-        if self.probe_entropy or self.probe_attention:
-            probs = self._probabilities(folded.detach(), memory)
-            if self.probe_entropy:  # mean entropy (nats): it should fall as the blocks learn to look up
-                self.last_entropy = -(probs * probs.clamp_min(1e-12).log()).sum(-1).mean()
-            if self.probe_attention:
-                self.last_attention = probs
+        out, _ = attend_memory(self._queries(x), memory)  # (B, T, H*hd)
         return self.o_proj(out)
 
-    def _probabilities(self, query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        """The attention over memory tokens (B_mem, H, r*T, M) that SDPA computed without keeping it: materialised
-        only when probed (logging steps, evaluation)."""
-        return memory_probabilities(query, memory, scale=self.head_dim**-0.5)
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
 
 
 def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None,
@@ -240,14 +212,8 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     `memory.routing` each query reads only its top-k chunks (and in training the routing loss is left in
     `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train)."""
     b, t, h, hd = query.shape
-    b_mem = memory.key.shape[0]
-    if b % b_mem:
-        raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
-    r = b // b_mem
     padding = memory.padding
-    if r != 1 and padding.attn_mask is not None and padding.attn_mask.shape[2] != 1:
-        raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
-    folded = query.reshape(b_mem, r * t, h, hd).transpose(1, 2)  # (B_mem, H, r*T, hd)
+    folded = fold_queries(query, memory)  # (B_mem, H, r*T, hd)
     routing = memory.routing
     if routing is None or not routing.selects:
         if routing is not None and routing.train:
@@ -265,13 +231,24 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
 
 
+def fold_queries(query: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
+    """Queries (B, T, H, hd), B = r * B_mem -> (B_mem, H, r*T, hd): row i's queries join memory i // r's."""
+    b, t, h, hd = query.shape
+    b_mem = memory.key.shape[0]
+    if b % b_mem:
+        raise ValueError(f"decoder batch {b} is not a multiple of the memory batch {b_mem}")
+    r = b // b_mem
+    if r != 1 and memory.padding.attn_mask is not None and memory.padding.attn_mask.shape[2] != 1:
+        raise ValueError("packed memory masks are per query token: pass one memory row per decoder row")
+    return query.reshape(b_mem, r * t, h, hd).transpose(1, 2)
+
+
 def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                  **kwargs) -> torch.Tensor:
     """SDPA of (B, H, Q, hd) queries over (B, H_kv, M, hd) keys/values, H a multiple of H_kv. CUDA's fused kernels
-    take `enable_gqa` only without a mask ("both fused kernels require query, key and value to have the same
-    num_heads", torch 2.11 on an H200, 2026-11-26), so a masked read there gets its kv heads repeated, as
-    transformers' sdpa_attention does: the memory-efficient kernel instead of the math one, which materialises
-    (B, H, Q, M) scores. Elsewhere `enable_gqa` reads the kv heads in place."""
+    take `enable_gqa` only without a mask (they require query, key and value to have the same num_heads), so a masked
+    read there gets its kv heads repeated, as transformers' sdpa_attention does: the memory-efficient kernel instead
+    of the math one, which materialises (B, H, Q, M) scores. Elsewhere `enable_gqa` reads the kv heads in place."""
     key, value, enable_gqa = kernel_heads(query, key, value, attn_mask)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
 
@@ -439,10 +416,8 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
 
 
 # On CPU the router-weighted read of a long query block costs more attending every chunk than copying each query's
-# k chunks out once the memory holds about 10 x k chunks (benchmarks/routed_training.py, the stage-0 preset's
-# training step, Nov 27 2026, 2 cores: every chunk / gathered 0.64 at 4 chunks, 0.98 at 16, 1.08 at 20, 1.22 at 28
-# and 32, the gathered read flat in C). On an accelerator every chunk stays: one fused kernel, where gathering
-# copies Q x k x L keys and values per kv head.
+# k chunks out once the memory holds about 10 x k chunks (benchmarks/routed_training.py measures it). On an
+# accelerator every chunk stays: one fused kernel, where gathering copies Q x k x L keys and values per kv head.
 ROUTER_GATHERS_FROM_CHUNKS_PER_K = 10
 
 

@@ -15,6 +15,7 @@ from models.awareness import AwarenessModel
 from models.fusion import FUSIONS
 from models.memory import MemoryEncoder
 from models.partitioning import UNPARTITIONED, Partitioner
+from models.reading import MemoryReading
 
 CHECKPOINT_ROOT_ENV = "AWARENESS_CHECKPOINT_ROOT"
 RANDOM_WEIGHTS_MARKER = "awareness_random_weights.json"
@@ -203,13 +204,7 @@ def build_pair(
     encoder_attention: str | None = None,
     gca_mlp: bool = False,
     fusion: str = "gca",
-    memory_top_k: int = 0,
-    memory_logn_scale: int = 0,
-    memory_routing_loss: float = 1.0,
-    memory_summaries: int = 1,
-    memory_chunk_weights: str = "attention",
-    memory_lexical_routing: float = 0.0,
-    memory_lexical_reading: float | None = None,
+    reading: MemoryReading = MemoryReading(),
     dtype: torch.dtype | None = None,
     seed: int = 0,
     encoder_checkpoint: str | Path | None = None,
@@ -230,18 +225,13 @@ def build_pair(
       UL2-trained Qwen3ForSeq2SeqLM (`Qwen3EncoderModel.from_seq2seq(model).save_pretrained(dir)`); it was trained
       bidirectionally, so it is read bidirectionally unless encoder_attention says otherwise.
     - fusion: how the decoder reads the memory, gca | cross | merged (models/fusion.py).
-    - memory_top_k, memory_logn_scale, memory_routing_loss, memory_summaries, memory_chunk_weights,
-      memory_lexical_routing, memory_lexical_reading: chunk routing (models/gca.py, models/lexical.py) and the length-aware scale.
+    - reading: chunk routing and the length-aware scale (models/reading.py).
     - layers (meta or random_init only): the first `layers` decoder and encoder layers of the real widths, heads
       and experts (`truncated_pair`): the real shapes on a CPU, or the prod pair on one GPU.
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
     """
     spec = get_pair(name) if layers is None else truncated_pair(name, layers)
-    reading = dict(memory_top_k=memory_top_k, memory_logn_scale=memory_logn_scale,
-                   memory_routing_loss=memory_routing_loss, memory_summaries=memory_summaries,
-                   memory_chunk_weights=memory_chunk_weights, memory_lexical_routing=memory_lexical_routing,
-                   memory_lexical_reading=memory_lexical_reading)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if layers is not None and not (random_init or torch.device(device).type == "meta"):
         raise ValueError("layers truncates a pair built from its configs: pass random_init=True or device='meta'")
@@ -264,12 +254,12 @@ def build_pair(
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
-        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner, **reading,
+        gca_mlp=gca_mlp, fusion=fusion, reading=reading, dtype=dtype, device=device, partitioner=partitioner,
     )
 
 
 def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention, gca_mlp, fusion, dtype,
-                        seed, reading: dict[str, Any]) -> AwarenessModel:
+                        seed, reading: MemoryReading) -> AwarenessModel:
     """The pair from its configs on `device`: shapes only on meta, randomly initialised elsewhere."""
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
@@ -284,7 +274,7 @@ def _build_from_configs(spec: PairSpec, *, device, gca_layers, encoder_attention
     if spec.encoder_from_decoder and not on_meta:
         _initialise_from(encoder, decoder.model)
     return AwarenessModel(decoder, MemoryEncoder(encoder, attention=encoder_attention), gca_layers, gca_mlp=gca_mlp,
-                          fusion=fusion, **reading)
+                          fusion=fusion, reading=reading)
 
 
 def added_parameters(name: str, fusion: str) -> int:

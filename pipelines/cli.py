@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -25,6 +26,14 @@ from typing import Any, Callable
 import yaml
 
 NONE = ("none", "null")
+INLINE = "inline_prefix"  # field metadata of a nested config read as its section's own fields (see `inline`)
+
+
+def inline(cls, prefix: str):
+    """A field holding the config dataclass `cls` whose fields read as the section's own, each name prefixed: flags,
+    config files, MLflow params and `to_dict` say `model.memory_top_k` for `ModelConfig.reading.top_k`. The value
+    stays one typed object inside the code, the names its users know stay flat outside."""
+    return dataclasses.field(default_factory=cls, metadata={INLINE: prefix})
 
 
 class ConfigError(ValueError):
@@ -42,12 +51,13 @@ def parse_config(argv: list[str] | None, default, description: str = "", *,
         parser.add_argument("--dry-run", action="store_true",
                             help="validate, print the resolved config and the memory plan, and exit without Ray")
     leaves = schema(type(default))
+    defaults = to_dict(default)
     groups: dict[str, Any] = {}
     for key, (hint, doc, section_doc) in leaves.items():
         section = key.rpartition(".")[0]
         if section and section not in groups:
             groups[section] = parser.add_argument_group(section, section_doc or None)
-        value = _get(default, key)
+        value = _get_plain(defaults, key, None)
         shape = ({"nargs": "+"} if _list_item(hint) is not None else
                  {"nargs": "?", "const": "true"} if bool in _options(hint) else {})  # a bare bool flag sets it
         (groups[section] if section else parser).add_argument(
@@ -58,7 +68,7 @@ def parse_config(argv: list[str] | None, default, description: str = "", *,
         parser.error(_unknown(unknown[0], ["config", "dry-run", *leaves]))
     args = vars(args)
     try:
-        data = dataclasses.asdict(default)
+        data = to_dict(default)
         if args.get("config"):
             path = Path(args["config"])
             if not path.is_file():
@@ -102,7 +112,9 @@ def schema(cls, prefix: str = "", section_doc: str = "") -> dict[str, tuple[Any,
     out = {}
     for f in fields(cls):
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if INLINE in f.metadata:
+            out |= schema(hint, prefix + f.metadata[INLINE], section_doc)
+        elif dataclasses.is_dataclass(hint):
             written = hint.__doc__ and not hint.__doc__.startswith(hint.__name__ + "(")  # not dataclass's own
             out |= schema(hint, f"{prefix}{f.name}.", inspect.getdoc(hint) if written else "")
         else:
@@ -149,19 +161,44 @@ def _continuation(node, following, comments: dict[int, str], own_line: set[int])
     return block if block and mid_sentence and next_has_own else []
 
 
+def to_dict(config) -> dict[str, Any]:
+    """A (nested) config dataclass as plain data, like dataclasses.asdict, with `inline` fields' values under their
+    prefixed names: the form flags, config files and MLflow params name."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            nested = to_dict(value)
+            out |= {f.metadata[INLINE] + k: v for k, v in nested.items()} if INLINE in f.metadata else {f.name: nested}
+        else:
+            out[f.name] = copy.deepcopy(value)
+    return out
+
+
 def from_typed_dict(cls, data: dict[str, Any], prefix: str = ""):
-    """A (nested) config dataclass from plain data, coercing each value to its field's type; unknown keys fail."""
+    """A (nested) config dataclass from plain data, coercing each value to its field's type; unknown keys fail.
+    An `inline` field takes its values from the prefixed names (or, as dataclasses.asdict writes it, its own)."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in fields(cls)]
-    for key in data:
-        if key not in known:
-            raise ConfigError(_unknown(prefix + key, [prefix + k for k in known]))
+    inlined = {f.name: (f.metadata[INLINE], [g.name for g in fields(hints[f.name])]) for f in fields(cls)
+               if INLINE in f.metadata}
+    data = dict(data)
+    for key in list(data):
+        owner = next((name for name, (pre, names) in inlined.items()
+                      if key.startswith(pre) and key[len(pre):] in names), None)
+        if owner is not None and key not in known:
+            data[owner] = {**(data.get(owner) or {}), key[len(inlined[owner][0]):]: data.pop(key)}
+        elif key not in known:
+            flags = [k for k in known if k not in inlined] + [pre + n for pre, names in inlined.values() for n in names]
+            raise ConfigError(_unknown(prefix + key, [prefix + k for k in flags]))
     kwargs = {}
     for f in fields(cls):
         if f.name not in data:
             continue
         hint, value = hints[f.name], data[f.name]
-        if dataclasses.is_dataclass(hint):
+        if f.name in inlined:
+            kwargs[f.name] = from_typed_dict(hint, value or {}, prefix + inlined[f.name][0])
+        elif dataclasses.is_dataclass(hint):
             kwargs[f.name] = from_typed_dict(hint, value or {}, f"{prefix}{f.name}.")
         else:
             kwargs[f.name] = _coerce(value, hint, f"{prefix}{f.name}")
@@ -212,12 +249,6 @@ def _yaml(raw: str) -> Any:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-
-
-def _get(config, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
 
 
 def _get_plain(data: dict, dotted: str, default: Any) -> Any:

@@ -7,9 +7,9 @@ query that finds the fact is the key's own state: asked as `BOS key =`, the deco
 key one position on, and a tiny random pair sat on the chance plateau about twice as long (both measured in
 single-process runs of the stage-0 model). Example i is drawn from its own seeded generator, so any worker can
 produce any example and a resumed run continues with exactly the examples it had not seen. Several questions per
-memory share one encoder pass (shared/notes/needle-feasibility.md: that is what makes learning fast).
+memory share one encoder pass, so a step trains on more questions for the same encoding.
 
-Training for size and for similar facts (issue 26), each off by default, so the default task is the one above:
+Training for size and for similar facts, each off by default, so the default task is the one above:
 - `memory_scale_max`: each training micro-batch's memories hold 1x..Nx the base number of chunks, one size per
   micro-batch (drawn from the seed and the micro-batch's number, so a resumed run sees the same sizes; each
   doubling of the size is as likely as the next). `single` adds filler chunks, `multi_key` adds facts too.

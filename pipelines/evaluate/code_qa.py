@@ -30,6 +30,7 @@ import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.streams import prompt_inputs
+from pipelines.evaluate import probes
 from pipelines.evaluate.common import Source, SuiteResult, System, Workers, batch_columns, load_system
 from pipelines.evaluate.metrics import evidence_reading, rate_interval
 from pipelines.format.shards import MANIFEST, RankReader, ShardError, check_split
@@ -207,7 +208,7 @@ def generate_text(model, inputs: dict[str, torch.Tensor], max_new_tokens: int) -
 def attention_scores(model, inputs: dict[str, torch.Tensor], row: dict[str, Any]) -> dict[str, float]:
     """Memory-attention accuracy at the prompt's last token: mass on the evidence chunks and whether the top chunk
     is one, in the GCA layer that reads the evidence most (metrics.evidence_reading)."""
-    maps = model.memory_attention(**inputs)  # per layer (1, heads, chunks * chunk_len)
+    maps = probes.memory_attention(model, **inputs)  # per layer (1, heads, chunks * chunk_len)
     count, length = inputs["memory_input_ids"].shape[1:]
     chunks = [(c * length, (c + 1) * length) for c in range(count)]
     mass, top = evidence_reading([m[0] for m in maps], chunks, evidence_indices(row))

@@ -96,12 +96,12 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
     with PeakRss() as rss, tempfile.TemporaryDirectory(prefix="memory-store-") as store:
         if mode.kind == "gca":
             row["encode_s"], identity = write_filler_store(system, memory, store)
-            chunked = bool(model.memory_top_k)  # a routing model reads the store's chunks as chunks
+            chunked = model.reading.routes  # a routing model reads the store's chunks as chunks
 
             def stored() -> dict[str, torch.Tensor]:
                 states, mask = memory_store.read(store, identity, device=device, chunked=chunked)
                 inputs = {"memory_states": states, "memory_states_mask": mask}
-                if chunked and model.memory_lexical_routing:  # the question's prior compares the chunks' ids
+                if chunked and model.reading.lexical_routing:  # the question's prior compares the chunks' ids
                     inputs["memory_chunk_ids"] = memory_store.MemoryStore(store).token_ids(device=device)
                 return inputs
 

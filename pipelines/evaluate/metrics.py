@@ -163,7 +163,7 @@ def top_chunk_is_evidence(attention: Any, chunks: Any, evidence_chunks: Sequence
 def evidence_reading(layer_maps: Sequence[Any], chunks: Any, evidence_chunks: Sequence[int]) -> tuple[float, bool]:
     """Memory-attention accuracy of one query read by several GCA layers: (attention mass on the evidence chunks,
     whether the most-read chunk is one of them) in the layer that puts the most mass on the evidence, since one layer
-    usually carries retrieval (shared/notes/needle-feasibility.md). `chunks` are (start, stop) spans of memory
+    usually carries retrieval (the others read elsewhere). `chunks` are (start, stop) spans of memory
     positions; each map is (heads, positions) or (heads, queries, positions)."""
     spans = [chunks[c] for c in evidence_chunks]
     return max((attention_mass(m, spans), top_chunk_is_evidence(m, chunks, evidence_chunks)) for m in layer_maps)

@@ -30,6 +30,7 @@ from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, generate_memory
+from pipelines.evaluate import probes
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
 from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
@@ -173,7 +174,7 @@ def memory_attention(system: System, probe: Probe) -> list[dict[str, float]]:
     GCA attention mass on the evidence chunks and whether the chunk read most is one of them, in the GCA layer that
     puts the most mass on the evidence (metrics.evidence_reading)."""
     inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
-    maps = system.model.memory_attention(**inputs)  # per layer (questions, heads, M)
+    maps = probes.memory_attention(system.model, **inputs)  # per layer (questions, heads, M)
     length = probe.memory.shape[1]
     chunks = [(c * length, (c + 1) * length) for c in range(probe.memory.shape[0])]
     out = []

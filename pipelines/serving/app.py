@@ -44,7 +44,7 @@ import ray
 from ray import serve
 
 from models import AwarenessConfig
-from models.awareness import CONFIG_NAME, _memory_keyword_accepted
+from models.awareness import CONFIG_NAME, allowing_memory_keyword
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, TextMemories, UnknownMemory
@@ -203,7 +203,7 @@ class AwarenessServer:
         model = self.pyfunc.model
         input_ids = torch.tensor(ids, device=model.device)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-        with self.model_lock, torch.no_grad(), _memory_keyword_accepted(model.decoder):
+        with self.model_lock, torch.no_grad(), allowing_memory_keyword(model.decoder):
             began = time.perf_counter()
             # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory);
             # with lexical routing each row's question prior on a copy, the cached memory left as it was

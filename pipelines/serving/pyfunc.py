@@ -169,10 +169,10 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
     def store_inputs(self, store: MemoryStore) -> dict[str, torch.Tensor]:
         """A store as this model's memory inputs: its states (chunked for a routing model) and, for lexical
         routing, its chunks' token ids."""
-        routed = bool(self.model.memory_top_k)
+        routed = self.model.reading.routes
         states, mask = store.memory(device=self.model.device, chunked=routed)
         inputs = {"memory_states": states, "memory_states_mask": mask}
-        if routed and self.model.memory_lexical_routing:
+        if routed and self.model.reading.lexical_routing:
             inputs["memory_chunk_ids"] = store.token_ids(device=self.model.device)
         return inputs
 

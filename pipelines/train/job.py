@@ -6,7 +6,6 @@ What differs per job is its Job (pipelines.train.recipes.jobs)."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import yaml
@@ -47,7 +46,7 @@ def dry_run_report(config) -> str:
     lines (a stage's memory plan, the traffic VLM's shape)."""
     job = job_for(config)
     config = job.resolved(config)
-    lines = ["# resolved config", yaml.safe_dump(dataclasses.asdict(config), sort_keys=False).rstrip()]
+    lines = ["# resolved config", yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip()]
     return "\n".join(lines + job.dry_run(config))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import (UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, Partitioner, apply_lora, build_pair,
-                    set_trainable)
+from models import (UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, MemoryReading, Partitioner, apply_lora,
+                    build_pair, set_trainable)
 from models.awareness import WEIGHTS_NAME
 from pipelines.train.configs.stage import ModelConfig
 
@@ -13,15 +13,12 @@ from pipelines.train.configs.stage import ModelConfig
 def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
     """The pair, its LoRA adapters and what trains, all from the model config; partitioned as it is built under a
     ZeRO-3 `partitioner` (pipelines.train.engine.zero3_loading)."""
-    reading = {"memory_top_k": cfg.memory_top_k, "memory_logn_scale": cfg.memory_logn_scale,
-               "memory_routing_loss": cfg.memory_routing_loss, "memory_summaries": cfg.memory_summaries,
-               "memory_chunk_weights": cfg.memory_chunk_weights, "memory_lexical_routing": cfg.memory_lexical_routing,
-               "memory_lexical_reading": cfg.memory_lexical_reading}
+    reading = cfg.reading
     if cfg.memory != "gca" or cfg.fusion == "merged":  # the prompt, or the decoder's own softmax: nothing to route
-        reading = {}
+        reading = MemoryReading()
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp, fusion=cfg.fusion,
-                       encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner, **reading)
+                       reading=reading, encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner)
     return prepare_model(model, cfg, partitioner=partitioner)
 
 

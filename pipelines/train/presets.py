@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models import PAIRS, get_pair
+from models import PAIRS, MemoryReading, get_pair
 from pipelines.data.ul2 import Ul2DataConfig
 from pipelines.format.tokenizer import VOCAB_SIZE
 from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
@@ -33,8 +33,8 @@ STAGE0 = StageConfig(
     # Read as trained: read at 10 (memory_lexical_reading) multi_value's 2x-8x dip goes, but a single answer no
     # longer ends, the value is given again (whole answers 0.98 -> 0.00 at 1x; "Reading weight").
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
-                      encoder="full", gca="full", gca_gate_init=0.3, memory_top_k=2, memory_chunk_weights="router",
-                      memory_lexical_routing=3.0),
+                      encoder="full", gca="full", gca_gate_init=0.3,
+                      reading=MemoryReading(top_k=2, chunk_weights="router", lexical_routing=3.0)),
     # The RULER tasks the evaluation scores, once the lookup has formed on the base task (needle.base_steps: a
     # mixture from the first step never left the chance plateau): 2,000 steps of single questions (held-out 0.91 by
     # then), then 3,500 of the mixture, the two new answer formats weighted up, over memories of 1x-4x the base size
@@ -106,9 +106,9 @@ STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}  # the sweepable stages (stage 4 is a
 # The traffic-scene VLM (issue 15): a random SigLIP tower (224 px, patch 16: 196 vision tokens) and the seed's small
 # cross-attention decoder, trained from scratch on rendered scenes with all six question types, every training row
 # asking all six about its scene (data.pack_questions). ZeRO-2 as stage 0: the 18.7M-parameter model fits anywhere,
-# and ZeRO-3's per-layer gathers only cost time on CPU. One worker with both cores: two one-core workers, exchanging
-# 75 MB of gradients over gloo each step, took 1.79 s a step against 1.65 s (Nov 23 2026, this machine). Evaluated
-# once, at the end (each evaluation reads the held-out scenes twice: with the image and without).
+# and ZeRO-3's per-layer gathers only cost time on CPU. One worker with both cores: two one-core workers exchange
+# 75 MB of gradients over gloo each step, which cost more than the second worker gained. Evaluated once, at the end
+# (each evaluation reads the held-out scenes twice: with the image and without).
 TRAFFIC_VLM = TrafficConfig(
     train=TrainConfig(max_steps=320, memories_per_step=16, lr=5e-4, warmup_steps=20, weight_decay=0.01,
                       log_every=10, eval_every=320, checkpoint_every=320),

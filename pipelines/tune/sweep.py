@@ -121,7 +121,7 @@ class SweepConfig:
         return list(self.fusions) if self.fusions else [base.model.fusion]
 
     def memory_top_k_choices(self, base: StageConfig) -> list[int]:
-        return list(self.memory_top_ks) if self.memory_top_ks else [base.model.memory_top_k]
+        return list(self.memory_top_ks) if self.memory_top_ks else [base.model.reading.top_k]
 
     def placement_specs(self, base: StageConfig) -> list[str]:
         if self.placements:
@@ -173,13 +173,12 @@ def train_trial(trial: dict[str, Any]) -> None:
 
 def trial_config(base: StageConfig, params: dict[str, Any], sweep_name: str, trial_id: str) -> StageConfig:
     fusion = str(params.get("fusion", base.model.fusion))
-    top_k = 0 if fusion == "merged" else int(params.get("memory_top_k", base.model.memory_top_k))  # gca, cross only
-    # without routing (k = 0, or merged) routing's companions mean nothing: their off values, so the trial validates
-    unrouted = {} if top_k else {"memory_chunk_weights": "attention", "memory_lexical_routing": 0.0,
-                                 "memory_lexical_reading": None,
-                                 "memory_routing_grad": False}
+    top_k = 0 if fusion == "merged" else int(params.get("memory_top_k", base.model.reading.top_k))  # gca, cross only
+    # without routing (k = 0, or merged) its companions mean nothing: their off values, so the trial validates
+    routing_grad = base.model.memory_routing_grad and bool(top_k)
     model = dataclasses.replace(base.model, lora_rank=int(params["lora_rank"]), gca_layers=str(params["gca_layers"]),
-                                fusion=fusion, memory_top_k=top_k, **unrouted)
+                                fusion=fusion, reading=base.model.reading.with_top_k(top_k),
+                                memory_routing_grad=routing_grad)
     train = dataclasses.replace(base.train, lr=float(params["lr"]))
     run = dataclasses.replace(base.run, name=f"{sweep_name}-{trial_id}")
     return dataclasses.replace(base, model=model, train=train, run=run).validate()
@@ -278,7 +277,7 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         rows.append({
             "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"], "lora_rank": c["lora_rank"],
             "placement": c["gca_layers"], "gca_layers": memory_layers(c["fusion"], c["gca_layers"], depth), "lr": c["lr"],
-            "memory_top_k": 0 if c["fusion"] == "merged" else c.get("memory_top_k", base.model.memory_top_k),
+            "memory_top_k": 0 if c["fusion"] == "merged" else c.get("memory_top_k", base.model.reading.top_k),
             sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
             "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,
             "stopped_early": not finished and result.error is None,

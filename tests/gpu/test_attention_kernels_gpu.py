@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from models import build_pair
+from models import MemoryReading, build_pair
 from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, chunk_mask, kernel_heads
 from tests.conftest import open_gates
 from tests.gpu.conftest import relative_error
@@ -110,7 +110,7 @@ def test_the_padded_gqa_read_reaches_a_fused_kernel(device):
 def fusion_model(fusion: str, device, dtype, memory_top_k: int = 0):
     torch.manual_seed(0)
     model = build_pair("tiny", fusion=fusion, random_init=True, device=device, dtype=dtype, gca_layers="every_k:1",
-                       memory_top_k=memory_top_k)
+                       reading=MemoryReading(top_k=memory_top_k))
     return open_gates(model) if fusion == "gca" else model
 
 

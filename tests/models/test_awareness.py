@@ -5,6 +5,7 @@ import torch
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 from models import AwarenessModel, build_pair
+from models.awareness import allowing_memory_keyword
 from tests.conftest import open_gates, random_ids
 
 DEC_VOCAB, ENC_VOCAB = 512, 496
@@ -212,6 +213,32 @@ def test_moe_decoder_generates_with_memory(tiny_moe):
                             num_beams=2, eos_token_id=None, pad_token_id=0)
     assert out.shape == (2, 9)
     assert torch.equal(out[:, :5], prompt)
+
+
+def test_allowing_memory_keyword_lets_transformers_generate_read_the_memory(tiny):
+    """transformers' generate() refuses `gca_memory` (forward does not name it); inside allowing_memory_keyword,
+    nested too, it takes it and its first step scores what the model's forward over the memory gives; after, the
+    decoder refuses it again, with nothing left on it. A transformers that changes the check it wraps fails here."""
+    open_gates(tiny)
+    prompt = random_ids(2, 5, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch(pad_from=3)
+    memory = tiny.prepare_memory(mem, mask)
+    settings = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                    return_dict_in_generate=True, output_logits=True)
+    with pytest.raises(ValueError, match="gca_memory"):
+        tiny.decoder.generate(prompt, gca_memory=memory, **settings)
+    with torch.no_grad(), allowing_memory_keyword(tiny.decoder):
+        with allowing_memory_keyword(tiny.decoder):
+            inner = tiny.decoder.generate(prompt, gca_memory=memory, **settings)
+        outer = tiny.decoder.generate(prompt, gca_memory=memory, **settings)
+        read = tiny(input_ids=prompt, gca_memory=memory).logits[:, -1]
+        unread = tiny(input_ids=prompt).logits[:, -1]
+    assert torch.equal(inner.sequences, outer.sequences)
+    torch.testing.assert_close(outer.logits[0], read, rtol=1e-5, atol=1e-5)
+    assert (read - unread).abs().max() > 1e-3  # the memory mattered to the step compared
+    assert "_validate_model_kwargs" not in vars(tiny.decoder) and "_gca_generates" not in vars(tiny.decoder)
+    with pytest.raises(ValueError, match="gca_memory"):
+        tiny.decoder.generate(prompt, gca_memory=memory, **settings)
 
 
 def test_generate_from_several_threads_at_once_answers_as_alone(tiny):

@@ -199,5 +199,3 @@ def test_bad_fusion_is_refused_clearly(checkpoint_root):
         build_pair("tiny", checkpoint_root=checkpoint_root, fusion="concat")
     with pytest.raises(ValueError, match="gca_mlp"):
         build_pair("tiny", device="meta", fusion="cross", gca_mlp=True)
-    with pytest.raises(ValueError, match="probes GCA blocks"):
-        pair(checkpoint_root, "merged").memory_attention(input_ids=random_ids(1, 4, vocab=DEC_VOCAB, seed=0))

@@ -3,6 +3,7 @@ tokens count as the question, the chunks it makes a query read, that the routing
 generate and save/load with it, and the refusals."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from models import AwarenessModel
 from models.gca import chunk_scores
 from models.lexical import question_mask_of, question_prior
+from pipelines.evaluate.probes import memory_attention
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, logits, memory_batch
@@ -56,22 +58,22 @@ def needle_memory(seed: int, where: list[int], chunks: int = 4, length: int = 8)
 def test_a_query_reads_the_chunk_holding_the_questions_rare_token(checkpoint_root, weights):
     """k = 1 and a heavy prior: every GCA layer's attention lies inside the chunk that names the question's token,
     wherever it is; without the prior the random routers read elsewhere for some rows."""
-    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights=weights, memory_lexical_routing=100.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, chunk_weights=weights, lexical_routing=100.0)
     where = [0, 1, 2, 3, 3, 1]
     mem = needle_memory(0, where)
     prompt = torch.cat([torch.ones(len(where), 1, dtype=torch.long), torch.full((len(where), 1), ASKED)], dim=1)
-    for layer in routed.memory_attention(input_ids=prompt, memory_input_ids=mem):  # (B, H, M)
+    for layer in memory_attention(routed, input_ids=prompt, memory_input_ids=mem):  # (B, H, M)
         mass = layer.view(len(where), layer.shape[1], 4, 8).sum(-1)  # (B, H, C)
         for row, chunk in enumerate(where):
             torch.testing.assert_close(mass[row, :, chunk], torch.ones(layer.shape[1]))
-    routed.memory_lexical_routing = 0.0
+    routed.reading = replace(routed.reading, lexical_routing=0.0)
     elsewhere = [layer.view(len(where), layer.shape[1], 4, 8).sum(-1).argmax(-1)
-                 for layer in routed.memory_attention(input_ids=prompt, memory_input_ids=mem)]
+                 for layer in memory_attention(routed, input_ids=prompt, memory_input_ids=mem)]
     assert any((chosen != torch.tensor(where)[:, None]).any() for chosen in elsewhere)
 
 
 def test_chosen_chunks_are_the_top_scores_of_router_plus_prior_and_the_loss_ignores_the_prior(checkpoint_root):
-    _, routed = routed_pair(checkpoint_root, "gca", k=2, memory_lexical_routing=1.5)
+    _, routed = routed_pair(checkpoint_root, "gca", k=2, lexical_routing=1.5)
     mem = needle_memory(1, [2, 0])
     prompt = torch.tensor([[1, ASKED, 7], [1, ASKED, 9]])
     unasked = routed.prepare_memory(mem)
@@ -89,7 +91,7 @@ def test_chosen_chunks_are_the_top_scores_of_router_plus_prior_and_the_loss_igno
     labels = ids.clone()
     labels[:, :2] = -100
     with_prior = routed(input_ids=ids, labels=labels, memory_input_ids=mem).routing_loss
-    routed.memory_lexical_routing = 0.0
+    routed.reading = replace(routed.reading, lexical_routing=0.0)
     without = routed(input_ids=ids, labels=labels, memory_input_ids=mem).routing_loss
     torch.testing.assert_close(with_prior, without)
 
@@ -97,7 +99,7 @@ def test_chosen_chunks_are_the_top_scores_of_router_plus_prior_and_the_loss_igno
 def test_cached_decoding_generate_and_save_load_with_lexical_routing(checkpoint_root, tmp_path):
     """The prior comes from the prompt: cached decoding equals a full forward whose labels mark the continuation
     as the answer; greedy generate is the argmax of such forwards; save and load keep the weight and the logits."""
-    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=2.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, chunk_weights="router", lexical_routing=2.0)
     mem, mask = memory_batch(chunks=4)
     prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)  # names chunk 2's tokens
     continuation = mem[:, 0, :4]  # names chunk 0's: read as question, it would move the prior there
@@ -117,7 +119,7 @@ def test_cached_decoding_generate_and_save_load_with_lexical_routing(checkpoint_
     assert torch.equal(generated, steps)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert loaded.memory_lexical_routing == 2.0
+    assert loaded.reading.lexical_routing == 2.0
     torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
 
 
@@ -125,8 +127,8 @@ def test_the_reading_weight_holds_in_eval_mode_only_and_is_saved(checkpoint_root
     """memory_lexical_reading: the prior's weight when the model reads (eval mode); training keeps
     memory_lexical_routing's. Read, the model is the same one trained at the reading weight (logits equal); saved and
     loaded, it reads the same."""
-    _, routed = routed_pair(checkpoint_root, "gca", k=2, memory_chunk_weights="router", memory_lexical_routing=1.5,
-                            memory_lexical_reading=6.0)  # the two chunks read are mixed by their scores, prior in
+    _, routed = routed_pair(checkpoint_root, "gca", k=2, chunk_weights="router", lexical_routing=1.5,
+                            lexical_reading=6.0)  # the two chunks read are mixed by their scores, prior in
     mem, mask = memory_batch(chunks=4)
     prompt = torch.cat([random_ids(2, 3, vocab=DEC_VOCAB, seed=1), mem[:, 2, :2]], dim=1)
     question = torch.ones_like(prompt, dtype=torch.bool)
@@ -138,19 +140,19 @@ def test_the_reading_weight_holds_in_eval_mode_only_and_is_saved(checkpoint_root
         torch.testing.assert_close(layer.routing.prior, weight * prior)
     routed.eval()
     read = logits(routed, prompt, mem, mask)
-    routed.memory_lexical_routing, routed.memory_lexical_reading = 6.0, None  # trained at 6, read as trained
+    routed.reading = replace(routed.reading, lexical_routing=6.0, lexical_reading=None)  # trained at 6, read as trained
     torch.testing.assert_close(logits(routed, prompt, mem, mask), read)
-    routed.memory_lexical_routing = 1.5
+    routed.reading = replace(routed.reading, lexical_routing=1.5)
     assert not torch.allclose(logits(routed, prompt, mem, mask), read)  # the weight it trained at reads otherwise
-    routed.memory_lexical_reading = 6.0
+    routed.reading = replace(routed.reading, lexical_reading=6.0)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (1.5, 6.0)
+    assert (loaded.reading.lexical_routing, loaded.reading.lexical_reading) == (1.5, 6.0)
     torch.testing.assert_close(logits(loaded, prompt, mem, mask), read, rtol=1e-5, atol=1e-5)
 
 
 def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
-    full, routed = routed_pair(checkpoint_root, "gca", k=3, memory_lexical_routing=5.0)
+    full, routed = routed_pair(checkpoint_root, "gca", k=3, lexical_routing=5.0)
     ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=3)
     mem, mask = memory_batch()
     torch.testing.assert_close(logits(routed, ids, mem, mask), logits(full, ids, mem, mask), rtol=1e-5, atol=1e-5)
@@ -158,14 +160,14 @@ def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
 
 def test_refusals(checkpoint_root):
     with pytest.raises(ValueError, match="memory_lexical_routing"):
-        routed_pair(checkpoint_root, "gca", k=0, memory_lexical_routing=1.0)
+        routed_pair(checkpoint_root, "gca", k=0, lexical_routing=1.0)
     with pytest.raises(ValueError, match="memory_lexical_routing"):
-        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=-1.0)
+        routed_pair(checkpoint_root, "gca", k=1, lexical_routing=-1.0)
     with pytest.raises(ValueError, match="memory_lexical_reading .* with a positive memory_lexical_routing"):
-        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_reading=10.0)
+        routed_pair(checkpoint_root, "gca", k=1, lexical_reading=10.0)
     with pytest.raises(ValueError, match="memory_lexical_reading"):
-        routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=1.0, memory_lexical_reading=-1.0)
-    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_lexical_routing=1.0)
+        routed_pair(checkpoint_root, "gca", k=1, lexical_routing=1.0, lexical_reading=-1.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, lexical_routing=1.0)
     mem, mask = memory_batch()
     states, states_mask = routed.encode_memory(mem, mask)
     ids = random_ids(2, 5, vocab=DEC_VOCAB, seed=0)
@@ -176,7 +178,7 @@ def test_refusals(checkpoint_root):
 def test_packed_examples_each_get_their_own_questions_prior(checkpoint_root):
     """Two examples in one row (question, then a labelled answer), each with its own chunks, one naming its own
     chunk 1's tokens: packed, each example's logits are its logits alone (its question, its chunks' idf)."""
-    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=3.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, chunk_weights="router", lexical_routing=3.0)
     mem_a, mem_b = random_ids(1, 3, 8, vocab=496, seed=8), random_ids(1, 3, 8, vocab=496, seed=9)
     mask_b = torch.ones_like(mem_b)
     mask_b[0, 2] = 0  # example b's last chunk is padding
@@ -195,7 +197,7 @@ def test_packed_examples_each_get_their_own_questions_prior(checkpoint_root):
         packed = routed(**inputs).logits
     torch.testing.assert_close(packed[:, :6], alone[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, 6:], alone[1], rtol=1e-5, atol=1e-5)
-    routed.memory_lexical_routing = 0.0  # and the prior mattered
+    routed.reading = replace(routed.reading, lexical_routing=0.0)  # and the prior mattered
     assert (logits(routed, a, mem_a, torch.ones_like(mem_a), labels=label_a) - alone[0]).abs().max() > 1e-4
 
 
@@ -217,7 +219,7 @@ def test_packed_prior_equals_the_per_row_prior():
 def test_one_prepared_memory_serves_each_question_with_its_own_prior(checkpoint_root):
     """As the Serve app does: one memory prepared once, then questions naming different chunks, each generated over
     it, answer as with the memory encoded for that question alone; the prepared memory keeps no question."""
-    _, routed = routed_pair(checkpoint_root, "gca", k=1, memory_chunk_weights="router", memory_lexical_routing=3.0)
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, chunk_weights="router", lexical_routing=3.0)
     mem = needle_memory(2, [1], chunks=4)
     mem[0, 3, 5] = ASKED + 1  # a second rare token, in chunk 3
     prepared = routed.prepare_memory(mem)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models import AwarenessModel, build_pair
+from models import AwarenessModel, MemoryReading, build_pair
 from models.gca import MemoryKV, MemoryPadding, attend_memory
 from tests.conftest import open_gates, random_ids
 
@@ -80,7 +80,8 @@ def test_the_memory_store_keeps_the_encoders_dtype_and_the_model_casts_it(tiny):
 
 
 def test_losses_are_fp32_in_a_bf16_model(checkpoint_root):
-    model = build_pair("tiny", checkpoint_root=checkpoint_root, memory_top_k=2, dtype=torch.bfloat16).train()
+    model = build_pair("tiny", checkpoint_root=checkpoint_root, reading=MemoryReading(top_k=2),
+                       dtype=torch.bfloat16).train()
     open_gates(model)
     inputs = batch()
     out = model(**inputs, labels=inputs["input_ids"])
@@ -90,7 +91,7 @@ def test_losses_are_fp32_in_a_bf16_model(checkpoint_root):
         logits = model.eval()(**inputs).logits
     assert logits.dtype == torch.bfloat16
     want = F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten())
-    assert torch.allclose(out.loss - model.memory_routing_loss * out.routing_loss, want, atol=1e-5)
+    assert torch.allclose(out.loss - model.reading.routing_loss * out.routing_loss, want, atol=1e-5)
 
 
 def test_a_bf16_export_reloads_in_bf16_and_fp32(checkpoint_root, tmp_path):

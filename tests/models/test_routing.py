@@ -3,14 +3,17 @@ reference, exact parity with full attention when k keeps every chunk, padding, p
 generated decoding, the routing loss and its gradients, probes, save/load and the refusals."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, build_pair, gca_parameter_count, set_trainable
+from models import (AwarenessModel, LoraPlan, LoraSettings, MemoryReading, apply_lora, build_pair, gca_parameter_count,
+                    set_trainable)
 from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, memory_probabilities
 from models.gca import _routing_loss as routing_loss
 import models.gca as gca
+from pipelines.evaluate.probes import memory_attention
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, ENC_VOCAB, logits, memory_batch, pair, reading
@@ -21,7 +24,7 @@ FUSIONS = ("gca", "cross")
 def routed_pair(checkpoint_root, fusion: str, k: int, **kwargs) -> tuple[AwarenessModel, AwarenessModel]:
     """The same reading model twice: without routers, and with them (random) and memory_top_k = k."""
     full = reading(pair(checkpoint_root, fusion))
-    routed = pair(checkpoint_root, fusion, memory_top_k=k, **kwargs)
+    routed = pair(checkpoint_root, fusion, reading=MemoryReading(top_k=k, **kwargs))
     missing = routed.load_state_dict(full.state_dict(), strict=False).missing_keys
     assert missing and all(".router." in name for name in missing)
     return full, routed
@@ -229,7 +232,7 @@ def test_k_at_least_the_chunks_equals_full_attention_and_fewer_changes_it(checkp
     mask[1, 2, 4:] = 0
     expected = logits(full, ids, mem, mask)
     torch.testing.assert_close(logits(routed, ids, mem, mask), expected, rtol=1e-5, atol=1e-5)
-    routed.memory_top_k = 1
+    routed.reading = replace(routed.reading, top_k=1)
     assert (logits(routed, ids, mem, mask) - expected).abs().max() > 1e-3
 
 
@@ -287,7 +290,7 @@ def test_generate_with_routing_greedy_and_beams(checkpoint_root, fusion):
         alone = routed.generate(prompt[row:row + 1], memory_input_ids=mem[row:row + 1, :chunks],
                                 memory_attention_mask=mask[row:row + 1, :chunks], num_beams=3, **kwargs)
         assert torch.equal(together[row:row + 1], alone)
-    routed.memory_top_k = 3
+    routed.reading = replace(routed.reading, top_k=3)
     for mode in (dict(do_sample=False), dict(num_beams=3)):
         expected = full.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, **mode, **kwargs)
         assert torch.equal(routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, **mode, **kwargs),
@@ -299,7 +302,7 @@ def test_router_weights_learn_from_the_answer_and_survive_decoding_and_save(chec
     """With memory_chunk_weights='router' and no routing loss the language-model loss alone trains the routers (k
     = 2 of 4 chunks: with k = 1 the mix is always 1); cached decoding equals a full forward; save and load keep the
     mode and the logits."""
-    _, routed = routed_pair(checkpoint_root, fusion, k=2, memory_chunk_weights="router", memory_routing_loss=0.0)
+    _, routed = routed_pair(checkpoint_root, fusion, k=2, chunk_weights="router", routing_loss=0.0)
     ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
     mem, mask = memory_batch(chunks=4)
     mask[1, 3] = 0
@@ -314,7 +317,7 @@ def test_router_weights_learn_from_the_answer_and_survive_decoding_and_save(chec
     torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert loaded.memory_chunk_weights == "router"
+    assert loaded.reading.chunk_weights == "router"
     torch.testing.assert_close(logits(loaded, ids, mem, mask), full, rtol=1e-5, atol=1e-5)
 
 
@@ -346,7 +349,8 @@ def test_packed_examples_route_within_their_own_chunks(checkpoint_root, fusion):
         packed = routed(**inputs).logits
     torch.testing.assert_close(packed[:, :5], alone[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, 5:], alone[1], rtol=1e-5, atol=1e-5)
-    routed.memory_top_k = 2  # and the routing mattered: keeping both of a's chunks reads otherwise
+    # and the routing mattered: keeping both of a's chunks reads otherwise
+    routed.reading = replace(routed.reading, top_k=2)
     assert (logits(routed, a, mem_a, torch.ones_like(mem_a)) - alone[0]).abs().max() > 1e-4
 
 
@@ -428,7 +432,7 @@ def test_memory_attention_probe_under_routing(checkpoint_root):
     _, routed = routed_pair(checkpoint_root, "gca", k=1)
     ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=0)
     mem, mask = memory_batch()
-    probes = routed.memory_attention(input_ids=ids, memory_input_ids=mem, memory_attention_mask=mask)
+    probes = memory_attention(routed, input_ids=ids, memory_input_ids=mem, memory_attention_mask=mask)
     for attention in probes:  # (B, H, M)
         torch.testing.assert_close(attention.sum(-1), torch.ones(2, attention.shape[1]))
         per_chunk = attention.view(2, attention.shape[1], 3, 8).sum(-1)
@@ -436,7 +440,7 @@ def test_memory_attention_probe_under_routing(checkpoint_root):
 
 
 def test_save_and_load_keep_the_routing(checkpoint_root, tmp_path):
-    _, routed = routed_pair(checkpoint_root, "cross", k=1, memory_logn_scale=16, memory_routing_loss=0.5)
+    _, routed = routed_pair(checkpoint_root, "cross", k=1, logn_scale=16, routing_loss=0.5)
     apply_lora(routed, LoraPlan(decoder=LoraSettings(rank=4)))
     set_trainable(routed, decoder="lora")
     with torch.no_grad():
@@ -448,7 +452,7 @@ def test_save_and_load_keep_the_routing(checkpoint_root, tmp_path):
     expected = logits(routed, ids, mem, mask)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert (loaded.memory_top_k, loaded.memory_logn_scale, loaded.memory_routing_loss) == (1, 16, 0.5)
+    assert (loaded.reading.top_k, loaded.reading.logn_scale, loaded.reading.routing_loss) == (1, 16, 0.5)
     torch.testing.assert_close(logits(loaded, ids, mem, mask), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="missing"):  # a model without routers cannot take these weights
         pair(checkpoint_root, "cross").load_added_weights(tmp_path / "run" / "awareness.safetensors")
@@ -457,25 +461,25 @@ def test_save_and_load_keep_the_routing(checkpoint_root, tmp_path):
 @pytest.mark.parametrize("fusion", FUSIONS)
 def test_summaries_per_chunk_keep_parity_save_load_and_refuse_a_length_they_do_not_divide(checkpoint_root, fusion,
                                                                                          tmp_path):
-    full, routed = routed_pair(checkpoint_root, fusion, k=3, memory_summaries=4)  # memory_batch: 3 chunks of 8
+    full, routed = routed_pair(checkpoint_root, fusion, k=3, summaries=4)  # memory_batch: 3 chunks of 8
     ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=0)
     mem, mask = memory_batch()
     with torch.no_grad():
         torch.testing.assert_close(logits(routed, ids, mem, mask), logits(full, ids, mem, mask))  # k keeps all
-    routed.memory_top_k = 1
+    routed.reading = replace(routed.reading, top_k=1)
     with torch.no_grad():  # 4 summary keys a chunk: each of a two-token block
         assert routed.prepare_memory(mem, mask).layers[routed.gca_layers[-1]].routing.summary.shape[2] == 3 * 4
     expected = logits(routed, ids, mem, mask)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert (loaded.memory_summaries, loaded.memory_top_k) == (4, 3)  # saved as built
-    loaded.memory_top_k = 1
+    assert (loaded.reading.summaries, loaded.reading.top_k) == (4, 3)  # saved as built
+    loaded.reading = replace(loaded.reading, top_k=1)
     torch.testing.assert_close(logits(loaded, ids, mem, mask), expected, rtol=1e-5, atol=1e-5)
-    _, odd = routed_pair(checkpoint_root, fusion, k=1, memory_summaries=3)
+    _, odd = routed_pair(checkpoint_root, fusion, k=1, summaries=3)
     with pytest.raises(ValueError, match=r"memory_summaries \(3\) must divide the memory's chunk length \(8\)"):
         logits(odd, ids, mem, mask)
     with pytest.raises(ValueError, match="memory_summaries must be >= 1"):
-        pair(checkpoint_root, fusion, memory_top_k=1, memory_summaries=0)
+        pair(checkpoint_root, fusion, reading=MemoryReading(top_k=1, summaries=0))
 
 
 def test_chunked_memory_states_route_as_memory_ids_do(checkpoint_root):
@@ -496,7 +500,7 @@ def test_routers_add_one_small_projection_per_block(fusion):
     """k/v-sized: hidden x (kv heads x head_dim) and an RMSNorm per block; the closed form counts them."""
     added = {}
     for k in (0, 4):
-        model = build_pair("proto1", device="meta", fusion=fusion, memory_top_k=k)
+        model = build_pair("proto1", device="meta", fusion=fusion, reading=MemoryReading(top_k=k))
         added[k] = sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n
                        or n.startswith("memory_projection."))
     d = model.decoder.config
@@ -509,20 +513,20 @@ def test_routers_add_one_small_projection_per_block(fusion):
 
 def test_refusals(checkpoint_root):
     with pytest.raises(ValueError, match="fusion='merged'"):
-        pair(checkpoint_root, "merged", memory_top_k=2)
+        pair(checkpoint_root, "merged", reading=MemoryReading(top_k=2))
     with pytest.raises(ValueError, match="fusion='merged'"):
-        pair(checkpoint_root, "merged", memory_logn_scale=64)
+        pair(checkpoint_root, "merged", reading=MemoryReading(logn_scale=64))
     with pytest.raises(ValueError, match="memory_top_k must be"):
-        pair(checkpoint_root, "gca", memory_top_k=-1)
+        pair(checkpoint_root, "gca", reading=MemoryReading(top_k=-1))
     with pytest.raises(ValueError, match="n_train >= 2"):
-        pair(checkpoint_root, "gca", memory_logn_scale=1)
+        pair(checkpoint_root, "gca", reading=MemoryReading(logn_scale=1))
     with pytest.raises(ValueError, match="built with memory_top_k > 0"):
-        pair(checkpoint_root, "gca").memory_top_k = 2
+        pair(checkpoint_root, "gca").reading = MemoryReading(top_k=2)
     with pytest.raises(ValueError, match="memory_chunk_weights must be one of"):
-        pair(checkpoint_root, "gca", memory_top_k=2, memory_chunk_weights="chunks")
-    for reading_options in (dict(), dict(memory_top_k=2, memory_logn_scale=64)):
+        pair(checkpoint_root, "gca", reading=MemoryReading(top_k=2, chunk_weights="chunks"))
+    for reading_options in (dict(), dict(top_k=2, logn_scale=64)):
         with pytest.raises(ValueError, match="needs memory_top_k > 0 and memory_logn_scale 0"):
-            pair(checkpoint_root, "gca", memory_chunk_weights="router", **reading_options)
+            pair(checkpoint_root, "gca", reading=MemoryReading(chunk_weights="router", **reading_options))
 
 
 # --------------------------------------------------------------------------------------------- the logn scale
@@ -537,11 +541,11 @@ def test_logn_scale_changes_only_rows_reading_more_than_n_train(checkpoint_root,
     mask[1, 0, :] = 0
     expected = logits(base, ids, mem, mask)
     for n_train, changed in ((24, False), (1000, False), (16, True)):
-        base.memory_logn_scale = n_train
+        base.reading = replace(base.reading, logn_scale=n_train)
         out = logits(base, ids, mem, mask)
         assert torch.equal(out[1], expected[1])
         assert torch.equal(out[0], expected[0]) != changed
-    base.memory_logn_scale = 0
+    base.reading = replace(base.reading, logn_scale=0)
     assert torch.equal(logits(base, ids, mem, mask), expected)
 
 
@@ -550,7 +554,7 @@ def test_router_weighted_read_of_long_blocks_equals_the_gathered_read_with_gradi
                                                                                     monkeypatch):
     """Long query blocks (training) attend inside every chunk and weigh the unchosen 0 instead of copying each
     query's chunks out: same logits and same gradients as the gathered read, padded chunks and packed rows too."""
-    _, routed = routed_pair(checkpoint_root, fusion, k=2, memory_chunk_weights="router")
+    _, routed = routed_pair(checkpoint_root, fusion, k=2, chunk_weights="router")
     routed.train()
     ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
     mem, mask = memory_batch(chunks=4)

@@ -1,5 +1,6 @@
 """save_pretrained writes only what training changes; from_pretrained rebuilds from the base checkpoints."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-from models import AwarenessModel, LoraPlan, LoraSettings, apply_lora, set_trainable
+from models import AwarenessModel, LoraPlan, LoraSettings, MemoryReading, apply_lora, build_pair, set_trainable
 from models.awareness import WEIGHTS_NAME
 from models.trainable import trainable_modes
 from tests.conftest import open_gates, random_ids
@@ -92,3 +93,21 @@ def test_weights_from_another_placement_are_refused(tiny, tmp_path, checkpoint_r
         other.load_added_weights(tmp_path / "run" / WEIGHTS_NAME)
     with pytest.raises(FileNotFoundError, match="awareness_config.json"):
         AwarenessModel.from_pretrained(tmp_path)
+
+
+def test_an_export_of_format_1_with_flat_reading_keys_loads_as_it_was_saved(checkpoint_root, tmp_path):
+    """Exports written before MemoryReading hold the reading options as flat memory_* keys (format 1): they load with
+    the same reading and read the same; a format-2 file nests them under "reading"."""
+    torch.manual_seed(0)
+    reading = MemoryReading(top_k=2, routing_loss=0.5, summaries=2, chunk_weights="router", lexical_routing=1.5,
+                            lexical_reading=3.0)
+    routed = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root, reading=reading)).eval()
+    config_path = routed.save_pretrained(tmp_path / "run") / "awareness_config.json"
+    config = json.loads(config_path.read_text())
+    assert config["format_version"] == 2 and config["reading"] == dataclasses.asdict(reading)
+    flat = {k: v for k, v in config.items() if k != "reading"} | {"format_version": 1}
+    flat |= {f"memory_{name}": value for name, value in config["reading"].items()}
+    config_path.write_text(json.dumps(flat))
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert loaded.reading == reading and loaded.config.reading == reading
+    torch.testing.assert_close(logits(loaded), logits(routed), rtol=0, atol=0)

@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from pipelines.cli import field_docs, parse_config, peek
+from pipelines.cli import ConfigError, field_docs, from_typed_dict, inline, parse_config, peek, to_dict
 
 
 @dataclass
@@ -134,3 +134,46 @@ def test_none_is_a_word_for_a_string_field_and_empty_for_an_optional_one():
 
     config = parse_config(["--model.memory", "none", "--model.init_from", "none"], StageConfig())
     assert config.model.memory == "none" and config.model.init_from is None
+
+
+@dataclass(frozen=True)
+class Reading:
+    top_k: int = 0  # chunks each query reads
+    scale: float = 1.0
+
+
+@dataclass
+class Section:
+    reading: Reading = inline(Reading, "read_")
+    read_grad: bool = False  # its own field, though it shares the prefix
+    steps: int = 10
+
+
+@dataclass
+class WithInline:
+    model: Section = field(default_factory=Section)
+
+    def problems(self) -> list[str]:
+        return []
+
+
+def test_an_inline_field_reads_as_its_sections_own_flags_files_and_dicts(capsys, tmp_path):
+    """`inline`: one typed value inside the code, flat prefixed names outside (flags, --help, files, to_dict)."""
+    config = parse_config(["--model.read_top_k", "4", "--model.read_grad", "true"], WithInline())
+    assert config.model.reading == Reading(top_k=4) and config.model.read_grad is True
+    assert to_dict(config) == {"model": {"read_top_k": 4, "read_scale": 1.0, "read_grad": True, "steps": 10}}
+    assert from_typed_dict(WithInline, to_dict(config)) == config
+    assert from_typed_dict(WithInline, {"model": {"reading": {"top_k": 2}}}).model.reading.top_k == 2  # asdict's form
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  read_scale: 0.5\n")
+    assert parse_config(["--config", str(path)], WithInline()).model.reading == Reading(scale=0.5)
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], WithInline())
+    shown = capsys.readouterr().out
+    assert "--model.read_top_k" in shown and "chunks each query reads" in shown and "--model.reading" not in shown
+    with pytest.raises(SystemExit) as exit:
+        parse_config(["--model.read_topk", "1"], WithInline())
+    assert exit.value.code == 2
+    assert "did you mean --model.read_top_k?" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="did you mean --model.read_scale"):
+        from_typed_dict(WithInline, {"model": {"read_scal": 1.0}})

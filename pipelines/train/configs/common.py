@@ -5,10 +5,10 @@ schedule, DeepSpeed, the workers, the run and its tracking."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pipelines.cli import ConfigError, from_typed_dict
+from pipelines.cli import ConfigError, from_typed_dict, to_dict
 
 
 class JobConfig:
@@ -18,7 +18,7 @@ class JobConfig:
     KIND: ClassVar[str] = "config"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from models import PAIRS
-from models.fusion import CHUNK_WEIGHTS, FUSIONS, Fusion
+from models.fusion import FUSIONS, Fusion
 from models.placement import resolve_gca_layers
+from models.reading import NAME_PREFIX, MemoryReading
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
+from pipelines.cli import inline
 from pipelines.data.memory_modes import MemoryKind, MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.train.configs.common import (DeepSpeedSettings, JobConfig, RunSettings, ScalingSettings,
@@ -29,34 +31,11 @@ class ModelConfig:
     fusion: Fusion = "gca"
     gca_mlp: bool = False  # a gated MLP after each cross-attention
     gca_gate_init: float = 0.0  # gates start closed (Flamingo), so a pretrained decoder starts unchanged (gca only)
-    # Chunk routing (gca and cross; models/gca.py): each query reads only the memory chunks its top-k summary keys
-    # score highest, exact attention over their tokens; > 0 adds a small router per block, trained by the routing loss.
-    # 0: the whole memory (full attention)
-    memory_top_k: int = 0
-    # Weight of the routing loss (KL from full attention's chunk mass to the router's), added in training with
-    # memory_top_k > 0; it reaches the routers only. 0: the routers do not learn
-    memory_routing_loss: float = 1.0
+    # Chunk routing and the length-aware scale (models/reading.py): flags --model.memory_top_k, memory_summaries, ...
+    reading: MemoryReading = inline(MemoryReading, NAME_PREFIX)
     # With routing: the routing loss also trains the memory projection and a trained encoder (what the chunk summaries
     # are made of), not the routers alone, so the encoder learns to summarise a chunk's keys for its router
     memory_routing_grad: bool = False
-    # With routing: summary keys per chunk, one per block of chunk_len / this tokens, a chunk scoring its best block
-    # (must divide the chunk length): one vector per chunk cannot hold every key of a chunk full of similar facts
-    memory_summaries: int = 1
-    # With routing: how a query's chosen chunks are mixed. attention: one softmax over their tokens (k >= the chunk
-    # count is full attention). router: Grouped Cross Attention's fusion, a softmax inside each chunk and the chunk
-    # outputs weighted by the softmax of their router scores, so the answer loss trains the routers too
-    memory_chunk_weights: str = "attention"
-    # With routing: the weight of the question's lexical prior on the chunk scores (models/lexical.py): a chunk holding
-    # the question's rare tokens is scored up by their idf, as BM25 ranks, so among near-alike chunks the one naming
-    # what is asked is read. 0: the learned router alone. Needs one question a row (no packing)
-    memory_lexical_routing: float = 0.0
-    # With lexical routing: the prior's weight when the export reads (evaluation, generate, serving: eval mode); None:
-    # memory_lexical_routing. Trained at a small weight the learned router still learns; read at a larger one the
-    # prior outvotes it where it misranks a memory's filler above a fact (docs/evaluation.md, "Reading weight")
-    memory_lexical_reading: float | None = None
-    # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
-    # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
-    memory_logn_scale: int = 0
     decoder: TrainMode = "lora"  # how the decoder trains (lora: lora_rank, lora_targets)
     encoder: TrainMode = "frozen"  # how the encoder trains (lora: encoder_lora_rank)
     gca: TrainMode = "full"  # how the GCA blocks (and the projection) train (lora: gca_lora_rank)
@@ -116,28 +95,8 @@ class ModelConfig:
             if m.fusion == "merged" and m.decoder == "frozen":
                 p.append("model.fusion merged adds no attention weights (the decoder's own attention reads the memory): "
                          "train the decoder with model.decoder lora or full")
-        if m.memory_top_k < 0:
-            p.append(f"model.memory_top_k must be 0 (full attention) or the chunks a query reads, got {m.memory_top_k}")
-        if m.memory_logn_scale < 0 or m.memory_logn_scale == 1:
-            p.append(f"model.memory_logn_scale must be 0 (off) or the memory length trained at (>= 2), got "
-                     f"{m.memory_logn_scale}")
-        if m.memory_routing_loss < 0:
-            p.append(f"model.memory_routing_loss must be >= 0, got {m.memory_routing_loss}")
-        if m.memory_summaries < 1:
-            p.append(f"model.memory_summaries must be >= 1 (summary keys per chunk), got {m.memory_summaries}")
-        if m.memory_chunk_weights not in CHUNK_WEIGHTS:
-            p.append(f"model.memory_chunk_weights must be one of {', '.join(CHUNK_WEIGHTS)}, got "
-                     f"{m.memory_chunk_weights!r}")
-        elif m.memory_chunk_weights == "router" and (not m.memory_top_k or m.memory_logn_scale):
-            p.append("model.memory_chunk_weights router mixes routing's top-k chunks by their scores: set "
-                     "model.memory_top_k (e.g. 2) and leave model.memory_logn_scale at 0")
-        if m.memory_lexical_routing < 0 or (m.memory_lexical_routing and not m.memory_top_k):
-            p.append(f"model.memory_lexical_routing ({m.memory_lexical_routing}) weighs the question's lexical prior "
-                     f"on routing's chunk scores: give a weight >= 0, and model.memory_top_k > 0 with a positive one")
-        if m.memory_lexical_reading is not None and (m.memory_lexical_reading < 0 or not m.memory_lexical_routing):
-            p.append(f"model.memory_lexical_reading ({m.memory_lexical_reading}) is the lexical prior's weight when "
-                     f"reading: give a weight >= 0 with a positive model.memory_lexical_routing, or None")
-        if m.memory_routing_grad and not m.memory_top_k:
+        p += m.reading.problems(prefix="model." + NAME_PREFIX)
+        if m.memory_routing_grad and not m.reading.top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
                      "(e.g. --model.memory_top_k 4), or leave it false")
         if m.encoder_attention not in (None, "causal", "bidirectional"):
@@ -172,7 +131,7 @@ class NeedleConfig:
     value_range: int = 10  # distinct tokens per value position (10: decimal digits; at most 90)
     chunk_len: int = 24  # tokens per memory chunk; facts are packed into fact-sized slots
     distractors: int = 2  # chunks of filler per memory (at the base size)
-    # Training for size and for similar facts (issue 26); each default keeps the task as it was.
+    # Training for size and for similar facts; each is off by default, leaving the base task.
     key_tokens: int = 1  # tokens per key (1 or 2); with 2, a hard distractor's key shares all but one token with an asked key
     hard_distractors: float = 0.0  # share (0-1) of a memory's free fact slots filled with facts near-identical to the asked ones (value one digit off, key one token off) instead of filler
     memory_scale_max: int = 1  # each training micro-batch's memories hold 1x..this many times the base chunks, one size drawn per micro-batch from the seed (each doubling as likely)

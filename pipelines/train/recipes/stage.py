@@ -24,6 +24,7 @@ from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
 from pipelines.format.rows import IGNORE
 from pipelines.format.shards import check_splits
+from pipelines.evaluate.probes import attention_entropy
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
 from pipelines.tracking.tracker import Tracker
 from pipelines.train.configs.stage import StageConfig
@@ -146,6 +147,22 @@ def prepare_paths(config: StageConfig) -> StageConfig:
     return config
 
 
+def with_zero_stage(config: StageConfig) -> StageConfig:
+    """deepspeed.zero_stage none: on GPUs the memory plan's choice (ZeRO-2 where the whole pair fits each GPU,
+    else 3; `jobs/plan.py` and --dry-run say why), on CPU workers 3."""
+    if config.deepspeed.zero_stage is not None:
+        return config
+    stage = plan_for_stage(config).zero_stage if config.scaling.use_gpu else 3
+    return dataclasses.replace(config, deepspeed=dataclasses.replace(config.deepspeed, zero_stage=stage))
+
+
+def compiles_layers(config: StageConfig) -> bool:
+    """model.compile, or by default: on GPU workers whose parameters stay whole (ZeRO 0-2)."""
+    if config.model.compile is not None:
+        return config.model.compile
+    return config.scaling.use_gpu and config.deepspeed.zero_stage != 3
+
+
 def check_memory_plan(config: StageConfig) -> None:
     """A GPU run that cannot fit is refused before any cluster time is spent, with the numbers."""
     if not config.scaling.use_gpu:
@@ -199,13 +216,8 @@ def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dic
     blocks = model.gca_blocks()
     with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.zero_stage == 3):
         gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
-    for b in blocks.values():
-        b.probe_entropy = True
-    with torch.no_grad():
-        model(**{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
-    entropies = torch.tensor([float(b.last_entropy) for b in blocks.values()], dtype=torch.float64)
-    for b in blocks.values():
-        b.probe_entropy, b.last_entropy = False, None
+    entropy = attention_entropy(model, **{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
+    entropies = torch.tensor([entropy[i] for i in blocks], dtype=torch.float64)
     entropies = summed_over_ranks(entropies) / dist.get_world_size()
     state.gate_history.append([state.step, *gates.values()])
     metrics = {f"gate/layer_{i}": v for i, v in gates.items()}

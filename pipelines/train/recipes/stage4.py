@@ -61,7 +61,7 @@ class Stage4Recipe(StageRecipe):
         d = config.distill
         parts = distillation_loss(out.logits, labels, ids, logprobs, d.alpha, d.temperature)  # logits (B, T, V)
         routing = routing_part(out)  # a routing model's own loss, which no teacher gives
-        total = parts.total + engine.module.memory_routing_loss * out.routing_loss if routing else parts.total
+        total = parts.total + engine.module.reading.routing_loss * out.routing_loss if routing else parts.total
         return Loss(total, {"kl": parts.kl.detach(), "ce": parts.ce.detach(), **routing})
 
     def summary(self, config: Stage4Config, metrics: dict[str, Any], export_dir: str | None,

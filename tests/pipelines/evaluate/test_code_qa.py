@@ -21,6 +21,7 @@ from pipelines.corpora import build, tasks
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.streams import prompt_inputs
 from pipelines.data.synthetic_needles import NeedleSpec
+from pipelines.evaluate import probes
 from pipelines.evaluate.code_qa import (CodeQaSuite, chunk_name, code_qa_metrics, evidence_indices, grow_memory,
                                         held_out, read_compliance, score_answer, score_rows, sized_rows, summary_line)
 from pipelines.evaluate.common import System, load_system
@@ -197,8 +198,8 @@ def test_systems_answer_greedily_and_gca_attention_lands_where_the_map_says(rows
     other = next(c for c in range(count) if c not in evidence_indices(row))
     off[other * length : other * length + 5] = 1.0
     for attention, want in ((on, 1.0), (off, 0.0)):
-        monkeypatch.setattr(type(gca.model), "memory_attention",
-                            lambda self, **kw: [attention.expand(1, 2, -1).clone()])  # (1, heads, M)
+        monkeypatch.setattr(probes, "memory_attention",
+                            lambda model, **kw: [attention.expand(1, 2, -1).clone()])  # (1, heads, M)
         (result,) = score_rows(gca, [row], max_new_tokens=1)
         assert result["evidence_mass"] == pytest.approx(want) and result["top_chunk"] == want
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.data.synthetic_needles import NeedleSpec
-from pipelines.cli import field_docs
+from pipelines.cli import field_docs, from_typed_dict
 from pipelines.evaluate.job import SUITES, EvaluateConfig
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
@@ -23,10 +23,11 @@ SPEC = NeedleSpec()
 
 def export_of(tmp_path: Path, checkpoint_root: Path, memory: str = "gca", **model) -> Path:
     """A (random) stage-0 export as the stage job writes it: the added weights and its system.json; `model`: more
-    ModelConfig fields (chunk routing, say)."""
-    config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), memory=memory,
-                                           gca_layers="upper_half", gca_gate_init=0.3, decoder="full", **model),
-                         needle=NeedleConfig())
+    ModelConfig fields by their flags' names (chunk routing's memory_top_k, say)."""
+    fields = dict(pair="tiny", checkpoint_root=str(checkpoint_root), memory=memory, gca_layers="upper_half",
+                  gca_gate_init=0.3, decoder="full", **model)
+    model_config = from_typed_dict(ModelConfig, fields)
+    config = StageConfig(model=model_config, needle=NeedleConfig())
     directory = tmp_path / ("-".join(["export", memory, *(f"{k}-{v}" for k, v in model.items())]))
     build_model(config.model).save_pretrained(directory)
     write_system(directory, config)

@@ -14,6 +14,7 @@ from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.efficiency import efficiency_row
+from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, is_whole_answer, make_probe,
                                        memory_attention, needle_metrics, score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
@@ -177,16 +178,17 @@ def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_pat
     assert len(read) == len(probe.questions)
     assert all(0 <= r["evidence_mass"] <= 1 and r["top_chunk"] in (0.0, 1.0) for r in read)
     block = next(iter(system.model.gca_blocks().values()))
-    assert not block.probe_attention and block.last_attention is None  # the probe is switched off again
+    assert not block._forward_pre_hooks  # the probe's hooks are gone again
 
     torch.manual_seed(0)
     hidden = torch.randn(2, 3, system.model.decoder.config.hidden_size)
     states = torch.randn(2, 5, system.model.decoder.config.hidden_size)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     memory = block.project_memory(states, MemoryPadding.from_mask(mask))
-    block.probe_attention = True
+    with memory_attention_probe({0: block}) as seen:
+        block(hidden, memory)
     attended = block._attend(block.input_norm(hidden), memory)
-    probs = block.last_attention  # (B, H, T, M)
+    probs = seen[0]  # (B, H, T, M)
     assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[:-1]))
     assert float(probs[0, :, :, 3:].abs().max()) == 0.0  # padded memory gets no attention
     value = memory.value.repeat_interleave(block.num_heads // block.num_kv_heads, dim=1)  # (B, H, M, hd)

@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from models import PAIRS, AwarenessModel, build_pair, write_random_checkpoints
+from models import PAIRS, AwarenessModel, MemoryReading, build_pair, write_random_checkpoints
 from pipelines.memory import store as memory_store
 from pipelines.memory.encoding import ChunkEncoder, EncodeMemoryConfig, chunk_rows, finish, list_files
 from pipelines.memory.store import MemoryStore, StoreMismatch, encoder_identity
@@ -136,8 +137,8 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
     from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer
 
     torch.manual_seed(0)
-    model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half", memory_top_k=2,
-                                  memory_lexical_routing=lexical))
+    model = open_gates(build_pair("tiny-text", checkpoint_root=pair_root, gca_layers="upper_half",
+                                  reading=MemoryReading(top_k=2, lexical_routing=lexical)))
     routed_export = model.save_pretrained(tmp_path / "routed")  # the same encoder as the store's: it reads it
     ensure_tokenizer(model.config.decoder)  # the served model's tokenizer.json
     model.eval()
@@ -145,7 +146,7 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
     states, mask = memory_store.read(store, encoder_identity(routed_export, dtype=torch.float32), chunked=True)
     lengths = [c["tokens"] for c in opened.chunks]
     assert states.shape[:3] == (1, len(lengths), max(lengths)) and mask.sum(-1).tolist() == [lengths]
-    assert len(lengths) > model.memory_top_k  # routing selects
+    assert len(lengths) > model.reading.top_k  # routing selects
     ids, chunk_mask = padded(model, opened.texts())
     token_ids = opened.token_ids()
     assert torch.equal(token_ids * mask, ids * chunk_mask)  # the ids the encoder read, padded as the states are
@@ -154,7 +155,7 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
     with torch.no_grad():
         stored = model(input_ids=prompt, memory_states=states, memory_states_mask=mask, **chunk_ids).logits
         fresh = model(input_ids=prompt, memory_input_ids=ids, memory_attention_mask=chunk_mask).logits
-        model.memory_top_k = len(lengths)
+        model.reading = replace(model.reading, top_k=len(lengths))
         every_chunk = model(input_ids=prompt, memory_states=states, memory_states_mask=mask, **chunk_ids).logits
     torch.testing.assert_close(stored, fresh)
     assert (stored - every_chunk).abs().max() > 1e-4  # two chunks of the store read otherwise than all of them

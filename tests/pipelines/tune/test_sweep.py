@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from models import AwarenessModel
+from models import AwarenessModel, MemoryReading
 from pipelines.data.synthetic_needles import BOS, EOS, PROMPT_LEN, NeedleSpec, make_example
 
 FAKE_TOKEN = "hf_FAKEsweepToken0123456789"
@@ -182,18 +182,17 @@ def test_memory_top_k_is_a_choice_of_the_search_space():
     assert SweepConfig(memory_top_ks=[0, 4]).memory_top_k_choices(base) == [0, 4]
     assert "sweep.memory_top_ks" in "\n".join(SweepConfig(memory_top_ks=[-1]).problems(base))
     params = {"lora_rank": 8, "gca_layers": "last:1", "lr": 1e-3, "memory_top_k": 4}
-    assert trial_config(base, {**params, "fusion": "cross"}, "s", "t1").model.memory_top_k == 4
-    assert trial_config(base, {**params, "fusion": "merged"}, "s", "t2").model.memory_top_k == 0
+    assert trial_config(base, {**params, "fusion": "cross"}, "s", "t1").model.reading.top_k == 4
+    assert trial_config(base, {**params, "fusion": "merged"}, "s", "t2").model.reading.top_k == 0
     # a base that routes with the lexical prior and router weights: the k = 0 trial reads without them, validly
-    lexical = dataclasses.replace(base, model=dataclasses.replace(base.model, memory_top_k=2, memory_lexical_routing=1.0,
-                                                                  memory_lexical_reading=10.0,
-                                                                  memory_chunk_weights="router"))
+    reading = MemoryReading(top_k=2, lexical_routing=1.0, lexical_reading=10.0, chunk_weights="router")
+    lexical = dataclasses.replace(base, model=dataclasses.replace(base.model, reading=reading))
     unrouted = trial_config(lexical, {**params, "fusion": "gca", "memory_top_k": 0}, "s", "t3").model
-    assert (unrouted.memory_top_k, unrouted.memory_lexical_routing, unrouted.memory_lexical_reading,
-            unrouted.memory_chunk_weights) == (0, 0.0, None, "attention")
+    assert (unrouted.reading.top_k, unrouted.reading.lexical_routing, unrouted.reading.lexical_reading,
+            unrouted.reading.chunk_weights) == (0, 0.0, None, "attention")
     routed = trial_config(lexical, {**params, "fusion": "gca"}, "s", "t4").model
-    assert (routed.memory_top_k, routed.memory_lexical_routing, routed.memory_lexical_reading,
-            routed.memory_chunk_weights) == (4, 1.0, 10.0, "router")
+    assert (routed.reading.top_k, routed.reading.lexical_routing, routed.reading.lexical_reading,
+            routed.reading.chunk_weights) == (4, 1.0, 10.0, "router")
 
 
 def test_stage_1_and_2_sweeps_start_from_their_jobs_defaults(tmp_path):

@@ -176,14 +176,14 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     for system in (["--model.memory", "rag"], ["--model.fusion", "merged", "--model.decoder", "full"]):
         unrouted = build_model(parse_config([*system, "--model.memory_top_k", "4", "--model.memory_lexical_routing",
                                              "1", "--model.memory_chunk_weights", "router"], DEFAULT).model)
-        assert (unrouted.memory_top_k, unrouted.memory_lexical_routing, unrouted.memory_chunk_weights) == (
+        assert (unrouted.reading.top_k, unrouted.reading.lexical_routing, unrouted.reading.chunk_weights) == (
             0, 0.0, "attention")
     assert all(block.router is None for block in unrouted.memory_readers().values() if hasattr(block, "router"))
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_logn_scale", "512"], DEFAULT)
     model = build_model(config.model)
-    assert (model.memory_top_k, model.memory_logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
+    assert (model.reading.top_k, model.reading.logn_scale) == (2, 512) and model.gca_blocks()[3].router is not None
     loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "export"))
-    assert (loaded.memory_top_k, loaded.memory_logn_scale, loaded.memory_routing_loss) == (2, 512, 1.0)
+    assert (loaded.reading.top_k, loaded.reading.logn_scale, loaded.reading.routing_loss) == (2, 512, 1.0)
     for flags, expected in ((["--model.memory_routing_grad", "true"], "set model.memory_top_k too"),
                             (["--model.memory_top_k", "2", "--model.memory_summaries", "0"],
                              "model.memory_summaries must be >= 1"),
@@ -203,19 +203,19 @@ def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(c
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_summaries", "4", "--model.memory_routing_grad",
                            "true"], DEFAULT)
     model = build_model(config.model)
-    assert (model.memory_summaries, model.routing_trains_summaries) == (4, True)
+    assert (model.reading.summaries, model.routing_trains_summaries) == (4, True)
     loaded = AwarenessModel.from_pretrained(model.save_pretrained(tmp_path / "summaries"))
-    assert (loaded.memory_summaries, loaded.routing_trains_summaries) == (4, False)  # a training choice: not saved
+    assert (loaded.reading.summaries, loaded.routing_trains_summaries) == (4, False)  # a training choice: not saved
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_chunk_weights", "router"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "router"))
-    assert loaded.memory_chunk_weights == "router"
+    assert loaded.reading.chunk_weights == "router"
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_lexical_routing", "1.5"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "lexical"))
-    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (1.5, None)
+    assert (loaded.reading.lexical_routing, loaded.reading.lexical_reading) == (1.5, None)
     config = parse_config(["--model.memory_top_k", "2", "--model.memory_lexical_routing", "3",
                            "--model.memory_lexical_reading", "10"], DEFAULT)
     loaded = AwarenessModel.from_pretrained(build_model(config.model).save_pretrained(tmp_path / "reading"))
-    assert (loaded.memory_lexical_routing, loaded.memory_lexical_reading) == (3.0, 10.0)
+    assert (loaded.reading.lexical_routing, loaded.reading.lexical_reading) == (3.0, 10.0)
 
 
 @pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "./mlruns"])

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -125,11 +126,12 @@ def test_loss_hook_is_todays_loss_at_alpha_0_and_the_kl_at_alpha_1(scored, tiny)
 def test_a_routing_model_adds_and_logs_its_routing_loss(scored, checkpoint_root):
     """memory_top_k > 0 in training: today's loss hook and stage 4's add the weighted routing loss and log it as
     `routing_loss` (packed corpus rows: each token routes within its own example's chunks)."""
-    from models import build_pair
+    from models import MemoryReading, build_pair
 
     split, logits, _ = scored
     torch.manual_seed(0)
-    routed = build_pair("tiny", checkpoint_root=checkpoint_root, memory_top_k=1, memory_routing_loss=0.5).train()
+    routed = build_pair("tiny", checkpoint_root=checkpoint_root,
+                        reading=MemoryReading(top_k=1, routing_loss=0.5)).train()
     engine = Engine(routed)
     batch = first_batch(split, logits)
     batch["memory_input_ids"] %= 496
@@ -139,7 +141,7 @@ def test_a_routing_model_adds_and_logs_its_routing_loss(scored, checkpoint_root)
     ce_only = DISTILLATION.loss(engine, stage4_config(0.0), batch)
     assert set(ce_only.parts) == {"kl", "ce", "routing_loss"}
     torch.testing.assert_close(ce_only.total, ce_only.parts["ce"] + 0.5 * ce_only.parts["routing_loss"])
-    routed.memory_routing_loss = 0.0  # weight 0: the routing loss is neither computed nor logged
+    routed.reading = replace(routed.reading, routing_loss=0.0)  # weight 0: the loss is neither computed nor logged
     lm = model_loss(engine, plain)
     assert lm.parts == {}
     torch.testing.assert_close(today.total, lm.total + 0.5 * today.parts["routing_loss"])

@@ -1,0 +1,103 @@
+"""How a memory-reading layer reads the memory: chunk routing and the length-aware scale (models/gca.py), one value
+handed whole to the builders and modules that read it, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+NAME_PREFIX = "memory_"  # the options' names in configs, flags and saved files: memory_top_k, memory_summaries, ...
+CHUNK_WEIGHTS = ("attention", "router")  # how routing mixes a query's chosen chunks (models/gca.py)
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """The chunk-routing options and the length-aware scale, as a model is built with them."""
+
+    # Chunk routing (gca and cross; models/gca.py): each query reads only the memory chunks its top-k summary keys
+    # score highest, exact attention over their tokens; > 0 adds a small router per block, trained by the routing loss.
+    # 0: the whole memory (full attention)
+    top_k: int = 0
+    # Weight of the routing loss (KL from full attention's chunk mass to the router's), added in training with
+    # memory_top_k > 0; it reaches the routers only. 0: the routers do not learn
+    routing_loss: float = 1.0
+    # With routing: summary keys per chunk, one per block of chunk_len / this tokens, a chunk scoring its best block
+    # (must divide the chunk length): one vector per chunk cannot hold every key of a chunk full of similar facts
+    summaries: int = 1
+    # With routing: how a query's chosen chunks are mixed. attention: one softmax over their tokens (k >= the chunk
+    # count is full attention). router: Grouped Cross Attention's fusion, a softmax inside each chunk and the chunk
+    # outputs weighted by the softmax of their router scores, so the answer loss trains the routers too
+    chunk_weights: str = "attention"
+    # With routing: the weight of the question's lexical prior on the chunk scores (models/lexical.py): a chunk holding
+    # the question's rare tokens is scored up by their idf, as BM25 ranks, so among near-alike chunks the one naming
+    # what is asked is read. 0: the learned router alone. Needs one question a row (no packing)
+    lexical_routing: float = 0.0
+    # With lexical routing: the prior's weight when the model reads in eval mode (evaluation, generate, serving);
+    # None: memory_lexical_routing. A router trained beside a small prior still learns to rank; a larger prior when
+    # reading outvotes it where it misranks
+    lexical_reading: float | None = None
+    # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
+    # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
+    logn_scale: int = 0
+
+    @property
+    def routes(self) -> bool:
+        """Each query reads only its top-k chunks (a model built so has routers)."""
+        return self.top_k > 0
+
+    def with_top_k(self, k: int) -> "MemoryReading":
+        """These options reading k chunks a query; k = 0 (the whole memory) also turns routing's companions off (the
+        router's chunk weights, the lexical prior), which mean nothing without it. The logn scale stays."""
+        if k:
+            return replace(self, top_k=k)
+        return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None)
+
+    def lexical_weight(self, training: bool) -> float:
+        """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
+        return self.lexical_routing if training or self.lexical_reading is None else self.lexical_reading
+
+    def problems(self, fusion: str | None = None, prefix: str = NAME_PREFIX) -> list[str]:
+        """Every problem of these options, each naming its option as `prefix` + field (`memory_top_k`, or a config's
+        `model.memory_top_k`). With a `fusion`: also whether it reads a memory-only attention to route and scale."""
+        p: list[str] = []
+        if self.top_k < 0:
+            p.append(f"{prefix}top_k must be 0 (full attention) or the chunks each query reads, got {self.top_k}")
+        if self.logn_scale < 0 or self.logn_scale == 1:
+            p.append(f"{prefix}logn_scale must be 0 (off) or the memory length trained at (n_train >= 2), got "
+                     f"{self.logn_scale}")
+        if self.routing_loss < 0:
+            p.append(f"{prefix}routing_loss must be >= 0, got {self.routing_loss}")
+        if self.summaries < 1:
+            p.append(f"{prefix}summaries must be >= 1 (summary keys per chunk for routing), got {self.summaries}")
+        if self.chunk_weights not in CHUNK_WEIGHTS:
+            p.append(f"{prefix}chunk_weights must be one of {', '.join(CHUNK_WEIGHTS)}, got {self.chunk_weights!r}")
+        elif self.chunk_weights == "router" and (not self.top_k or self.logn_scale):
+            p.append(f"{prefix}chunk_weights router mixes routing's top-k chunks by their scores, so it needs "
+                     f"{prefix}top_k > 0 and {prefix}logn_scale 0 (one softmax per chunk has no memory length to scale "
+                     f"by): set {prefix}top_k (e.g. 2)")
+        if self.lexical_routing < 0 or (self.lexical_routing and not self.top_k):
+            p.append(f"{prefix}lexical_routing ({self.lexical_routing}) weighs the question's lexical prior on "
+                     f"routing's chunk scores: give a weight >= 0, and {prefix}top_k > 0 with a positive one")
+        if self.lexical_reading is not None and (self.lexical_reading < 0 or not self.lexical_routing):
+            p.append(f"{prefix}lexical_reading ({self.lexical_reading}) is the lexical prior's weight when reading: "
+                     f"give a weight >= 0 with a positive {prefix}lexical_routing (the prior trained with), or None")
+        if fusion == "merged" and (self.top_k or self.logn_scale):
+            # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
+            # nor the scale fits there without changing the pretrained attention
+            p.append(f"{prefix}top_k and {prefix}logn_scale route and scale a memory-only attention (fusion gca or "
+                     f"cross); fusion='merged' reads the memory in the decoder's own softmax: set them to 0 or use "
+                     f"fusion gca or cross")
+        return p
+
+    def check(self, fusion: str | None = None) -> "MemoryReading":
+        """Raises one ValueError naming every problem (models' builders); returns the options."""
+        problems = self.problems(fusion)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @classmethod
+    def from_names(cls, data: dict, prefix: str = NAME_PREFIX) -> "MemoryReading":
+        """The options from prefixed names (`memory_top_k`, ...), as configs and files written before this class
+        hold them; absent names keep their defaults."""
+        names = [name for name in cls.__dataclass_fields__ if prefix + name in data]
+        return cls(**{name: data[prefix + name] for name in names})
