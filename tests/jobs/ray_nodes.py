@@ -20,10 +20,17 @@ from typing import Iterator
 RAY = Path(sys.executable).parent / "ray"
 
 
+WORKER_PORTS = range(20000, 32000)  # below Linux's ephemeral range (32768-60999), where free_port draws from
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside every test cluster's worker range (Ray refuses a component port inside one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in WORKER_PORTS:
+            return port
 
 
 def own_ports(first_worker_port: int) -> list[str]:
@@ -38,23 +45,24 @@ def ray_cluster(nodes: int, cpus_per_node: int, env: dict[str, str]) -> Iterator
     """A head and `nodes - 1` workers on this machine; yields the job server's address once it has run a job."""
     port, dashboard = free_port(), free_port()
     temp_dir = Path("/tmp") / f"ray-test-{secrets.token_hex(3)}"  # short: Ray's socket paths have a length limit
-    worker_ports = 30000 + 1000 * (os.getpid() % 20)  # a range per test process; Ray checks each port it takes
+    worker_ports = WORKER_PORTS.start + 3000 * (os.getpid() % 4)  # a range per test process and node (3 at most)
     head = [str(RAY), "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
             "--dashboard-host=127.0.0.1", "--include-dashboard=true", f"--ray-client-server-port={free_port()}",
             f"--temp-dir={temp_dir}", f"--num-cpus={cpus_per_node}", "--disable-usage-stats",
             *own_ports(worker_ports)]
-    processes = [subprocess.Popen(head, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  start_new_session=True)]
+    logs = Path(f"{temp_dir}.log")  # each `ray start`'s output: a failed start shows it
+    log = logs.open("w")
+    processes = [subprocess.Popen(head, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)]
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        wait_for_jobs(address, env, processes)
+        wait_for_jobs(address, env, processes, logs)
         for n in range(1, nodes):
             # a temp dir per node too: a node's runtime-env agent deletes the job packages it unpacked there
             worker = [str(RAY), "start", "--block", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}",
                       f"--temp-dir={temp_dir}-{n}", "--disable-usage-stats", *own_ports(worker_ports + 1000 * n)]
-            processes.append(subprocess.Popen(worker, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            processes.append(subprocess.Popen(worker, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-        wait_for_nodes(nodes, address, env, processes)
+        wait_for_nodes(nodes, address, env, processes, logs)
         yield address
     finally:
         for process in reversed(processes):
@@ -63,19 +71,27 @@ def ray_cluster(nodes: int, cpus_per_node: int, env: dict[str, str]) -> Iterator
                 process.wait(timeout=60)
         for n in range(nodes):
             shutil.rmtree(f"{temp_dir}-{n}" if n else temp_dir, ignore_errors=True)
+        log.close()
+        logs.unlink(missing_ok=True)
 
 
-def wait_for_jobs(address: str, env: dict[str, str], processes: list[subprocess.Popen], timeout: float = 180) -> None:
+def started(processes: list[subprocess.Popen], logs: Path) -> None:
+    """Every `ray start` still running, else the failure with what they printed."""
+    assert all(p.poll() is None for p in processes), f"a `ray start` process exited:\n{logs.read_text()[-3000:]}"
+
+
+def wait_for_jobs(address: str, env: dict[str, str], processes: list[subprocess.Popen], logs: Path,
+                  timeout: float = 180) -> None:
     """Until a trivial job runs: the job agent comes up after the job server answers."""
     deadline = time.time() + timeout
     while subprocess.run([str(RAY), "job", "submit", "--address", address, "--", "python", "-c", "pass"],
                          env=env, capture_output=True).returncode:
-        assert all(p.poll() is None for p in processes), "a `ray start` process exited"
+        started(processes, logs)
         assert time.time() < deadline, f"the head node's job server did not run a job in {timeout:.0f} s"
         time.sleep(3)
 
 
-def wait_for_nodes(nodes: int, address: str, env: dict[str, str], processes: list[subprocess.Popen],
+def wait_for_nodes(nodes: int, address: str, env: dict[str, str], processes: list[subprocess.Popen], logs: Path,
                    timeout: float = 120) -> None:
     count = "import ray; ray.init(); print('ALIVE', sum(n['Alive'] for n in ray.nodes()))"
     deadline = time.time() + timeout
@@ -84,6 +100,6 @@ def wait_for_nodes(nodes: int, address: str, env: dict[str, str], processes: lis
                              env=env, capture_output=True, text=True)
         if f"ALIVE {nodes}" in run.stdout:
             return
-        assert all(p.poll() is None for p in processes), "a `ray start` process exited"
+        started(processes, logs)
         assert time.time() < deadline, f"{nodes} nodes did not join in {timeout:.0f} s: {run.stdout[-500:]}"
         time.sleep(3)
