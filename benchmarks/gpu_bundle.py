@@ -205,7 +205,7 @@ def main() -> None:
     for requirement in requirements:
         name = requirement.split("==")[0]
         how = "built here from the sdist" if name in SDIST_ONLY else "PyPI wheel"
-        print(f"  {requirement:<44} {how}: {BUNDLE[name]}")
+        print(f"  {requirement:<44} {how}: {BUNDLE.get(name) or CUDA_BUNDLE[name]}")
     if args.export:
         print(f"  and the export {args.export} with its base checkpoints, as {out}/export/")
     if args.dry_run:
