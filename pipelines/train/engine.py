@@ -43,7 +43,7 @@ def quiet_known_warnings() -> None:
 def deepspeed_config(config: StageConfig | Ul2Config, world: int) -> dict[str, Any]:
     t, ds = config.train, config.deepspeed
     bf16 = ds.precision == "bf16" or (ds.precision == "auto" and torch.cuda.is_available())
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    zero: dict[str, Any] = {"stage": ds.stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if ds.offload_params:
@@ -102,7 +102,7 @@ def setup_deepspeed(model: torch.nn.Module, config, groups: dict[str, list[torch
         [{"params": params, "name": name} for name, params in groups.items()], lr=t.lr, weight_decay=t.weight_decay
     )
     scheduler = lr_scheduler(optimizer, t)
-    if config.deepspeed.zero_stage == 3:
+    if config.deepspeed.stage == 3:
         mark_zero3_leaf_modules(model)
     clear_stale_build_lock()  # initialize loads DeepSpeed's CPU comm op; a killed build's lock would hang it
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)

@@ -89,6 +89,12 @@ class DeepSpeedSettings:
     offload_optimizer: bool = False  # ZeRO-Offload of optimizer states to CPU (GPU clusters)
     offload_params: bool = False  # ZeRO-3 parameter offload to CPU (GPU clusters)
 
+    @property
+    def stage(self) -> int:
+        """The stage a run uses: zero_stage, or 3 where none was chosen (the stage recipe's prepare chooses for GPU
+        runs; a config that skipped it runs as CPU workers do)."""
+        return 3 if self.zero_stage is None else self.zero_stage
+
 
 @dataclass
 class ScalingSettings:

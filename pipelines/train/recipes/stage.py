@@ -96,7 +96,7 @@ class StageRecipe:
         shards and written by rank 0 with AwarenessModel.save_pretrained: it reloads without DeepSpeed."""
         model: AwarenessModel = engine.module
         params = [p for n, p in model.named_parameters() if is_added_parameter(n) or p.requires_grad]
-        with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(params, enabled=config.deepspeed.stage == 3):
             if dist.get_rank() == 0:
                 model.save_pretrained(directory)
                 write_system(directory, config)
@@ -160,7 +160,7 @@ def compiles_layers(config: StageConfig) -> bool:
     """model.compile, or by default: on GPU workers whose parameters stay whole (ZeRO 0-2)."""
     if config.model.compile is not None:
         return config.model.compile
-    return config.scaling.use_gpu and config.deepspeed.zero_stage != 3
+    return config.scaling.use_gpu and config.deepspeed.stage != 3
 
 
 def check_memory_plan(config: StageConfig) -> None:
@@ -214,7 +214,7 @@ def probe_metrics(engine, config: StageConfig, state: TrainState, stream) -> dic
     """Per-layer |tanh(gate)| and the attention entropy over the memory, on one training-shaped batch."""
     model: AwarenessModel = engine.module
     blocks = model.gca_blocks()
-    with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.zero_stage == 3):
+    with deepspeed.zero.GatheredParameters([b.gate for b in blocks.values()], enabled=config.deepspeed.stage == 3):
         gates = {i: float(b.gate.detach().float().tanh().abs()) for i, b in blocks.items()}
     entropy = attention_entropy(model, **{k: v.to(engine.device) for k, v in stream.probe_batch().items()})
     entropies = torch.tensor([entropy[i] for i in blocks], dtype=torch.float64)

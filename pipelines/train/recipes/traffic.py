@@ -91,7 +91,7 @@ class TrafficRecipe:
     def export(self, engine, config: TrafficConfig, worker: dict[str, Any], directory: Path) -> None:
         """The whole model (vision/, decoder/, traffic_vlm.json) and tokenizer.json, written by rank 0."""
         vlm: TrafficVLM = engine.module.vlm
-        with deepspeed.zero.GatheredParameters(list(vlm.parameters()), enabled=config.deepspeed.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(list(vlm.parameters()), enabled=config.deepspeed.stage == 3):
             if dist.get_rank() == 0:
                 vlm.save_pretrained(directory)
                 save_traffic_tokenizer(directory)
@@ -101,7 +101,7 @@ class TrafficRecipe:
                world: int) -> None:
         """Rank 0 draws the held-out grid (question, prediction, truth) and the cross-attention maps over patches."""
         vlm: TrafficVLM = engine.module.vlm
-        with deepspeed.zero.GatheredParameters(list(vlm.parameters()), enabled=config.deepspeed.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(list(vlm.parameters()), enabled=config.deepspeed.stage == 3):
             if rank == 0 and tracker.client is not None:
                 d = config.data
                 seeds = scene_seeds("heldout", d.grid_scenes, d.heldout_fraction)

@@ -78,7 +78,7 @@ class Ul2Recipe:
         """export/seq2seq (the whole model) and export/encoder (a plain Qwen3 checkpoint for the Awareness memory
         encoder), each with the tokenizer, gathered from the ZeRO-3 shards and written by rank 0."""
         model = engine.module
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=config.deepspeed.zero_stage == 3):
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=config.deepspeed.stage == 3):
             if dist.get_rank() == 0:
                 model.save_pretrained(directory / "seq2seq")
                 Qwen3EncoderModel.from_seq2seq(model).save_pretrained(directory / "encoder")
