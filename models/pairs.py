@@ -205,6 +205,7 @@ def build_pair(
     encoder_checkpoint: str | Path | None = None,
     random_init: bool = False,
     partitioner: Partitioner = UNPARTITIONED,
+    quantize: str = "none",
 ) -> AwarenessModel:
     """Builds a named pair.
 
@@ -223,6 +224,8 @@ def build_pair(
       memory_lexical_routing, memory_lexical_reading: chunk routing (models/gca.py, models/lexical.py) and the length-aware scale.
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
+    - quantize (checkpoints only): nf4 | int8 loads the decoder's and encoder's linears through bitsandbytes
+      (QLoRA, models/quantization.py); none keeps them as stored.
     """
     spec = get_pair(name)
     reading = dict(memory_top_k=memory_top_k, memory_logn_scale=memory_logn_scale,
@@ -231,8 +234,9 @@ def build_pair(
                    memory_lexical_reading=memory_lexical_reading)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if torch.device(device).type == "meta" or random_init:
-        if partitioner is not UNPARTITIONED:
-            raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")
+        if partitioner is not UNPARTITIONED or quantize != "none":
+            raise ValueError("a partitioner and quantize apply to pairs loaded from checkpoints, not to meta or "
+                             "random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
                                    gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed, reading=reading)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
@@ -249,7 +253,8 @@ def build_pair(
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
-        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner, **reading,
+        gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, device=device, partitioner=partitioner, quantize=quantize,
+        **reading,
     )
 
 
