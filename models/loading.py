@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeForCausalLM
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from models.quantization import compute_dtype, prepare_decoder, quantization_config
+from models.quantization import compute_dtype, quantization_config
 
 DECODER_CLASSES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 ENCODER_CLASSES = {"qwen3": Qwen3Model}
@@ -46,12 +46,11 @@ def load_config(path: str | Path, role: str, supported: dict):
 def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                  quantize: str = "none"):
     """Qwen3ForCausalLM or Qwen3MoeForCausalLM from a local checkpoint, through transformers' own loading;
-    `quantize` nf4 | int8 loads its linears through bitsandbytes, prepared for k-bit training (models.quantization)."""
+    `quantize` nf4 | int8 loads its linears through bitsandbytes (models.quantization)."""
     config = load_config(path, "decoder", DECODER_CLASSES)
     cls = DECODER_CLASSES[config.model_type]
-    decoder = cls.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
-                                  attn_implementation="sdpa", **_placement(dtype, device, quantize))
-    return decoder if quantize == "none" else prepare_decoder(decoder)
+    return cls.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                               attn_implementation="sdpa", **_placement(dtype, device, quantize))
 
 
 def load_encoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",

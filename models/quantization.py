@@ -8,14 +8,19 @@
 
 transformers converts every `nn.Linear` of a base model but its output embeddings (and tied or last modules);
 Qwen3-MoE's experts are 3-D parameters, not `nn.Linear`s, so they stay 16-bit (`quantized_linears` says which).
+
+PEFT's `prepare_model_for_kbit_training` is not applied: of its steps, freezing is `set_trainable`'s, the input-grad
+hook and reentrant checkpointing are not needed (AwarenessModel checkpoints non-reentrantly, and a frozen encoder
+that only reads needs no gradient at its inputs), and its upcast of every 16-bit parameter to fp32 is undone by
+DeepSpeed, which casts the model to its precision at initialize and keeps fp32 masters of what trains; meanwhile the
+upcast would double the load peak of what stays 16-bit (Qwen3-30B-A3B's experts: 55 GiB more per GPU).
 """
 
 from __future__ import annotations
 
 import torch
-from peft import prepare_model_for_kbit_training
 from torch import nn
-from transformers import BitsAndBytesConfig, PreTrainedModel
+from transformers import BitsAndBytesConfig
 from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -47,16 +52,6 @@ def quantization_config(quantize: str, dtype: torch.dtype) -> BitsAndBytesConfig
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
-
-
-def prepare_decoder(decoder: PreTrainedModel) -> PreTrainedModel:
-    """PEFT's k-bit preparation of a quantized decoder: every base parameter frozen, the ones left in 16 bits
-    (embeddings, norms, head) upcast to fp32, so the residual stream, the GCA blocks (created in the embeddings'
-    dtype) and LoRA run in full precision around the 4-bit matmuls. Its gradient checkpointing is left off:
-    AwarenessModel checkpoints non-reentrantly, which needs no inputs that require grad. The encoder is not prepared:
-    a frozen encoder only reads (no gradient flows into it, nothing to upcast for), and one with LoRA trains its
-    adapters in fp32 (PEFT's default) through bitsandbytes' own backward."""
-    return prepare_model_for_kbit_training(decoder, use_gradient_checkpointing=False)
 
 
 def quantized_linears(model: nn.Module) -> list[str]:
