@@ -69,7 +69,8 @@ def _placement(dtype: torch.dtype | None, device: str | torch.device, quantize: 
     if quantize == "none":
         return {"dtype": dtype or "auto", "device_map": _device_map(device)}
     dtype = dtype or compute_dtype(device)
-    return {"dtype": dtype, "device_map": device, "quantization_config": quantization_config(quantize, dtype)}
+    return {"dtype": dtype, "device_map": _device_map(device),  # None under ZeRO-3: bitsandbytes' current device
+            "quantization_config": quantization_config(quantize, dtype)}
 
 
 def _device_map(device: str | torch.device) -> str | torch.device | None:
