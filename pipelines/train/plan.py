@@ -315,7 +315,8 @@ def quantized_load_peak(inputs: PlanInput, params: dict[str, int], model,
 SEED_HARDWARE = {"proto1": (1, 1, 12.0, "1x RTX 3060"), "proto2": (1, 1, 16.0, "1x RTX 4060 Ti"),
                  "dev": (1, 1, 24.0, "1x RTX 4090"), "scale": (1, 1, 40.0, "1x A100-40G"),
                  "prod": (1, 2, 24.0, "2x RTX 4090")}
-SEED_SETTINGS = {"bf16": {}, "nf4": {"quantize": "nf4"}, "nf4 + adamw_8bit": {"quantize": "nf4", "optimizer": "adamw_8bit"},
+SEED_SETTINGS = {"bf16": {}, "nf4": {"quantize": "nf4"},
+                 "nf4 + adamw_8bit": {"quantize": "nf4", "optimizer": "adamw_8bit"},
                  "bf16, parameters offloaded": {"offload_params": True}}
 
 

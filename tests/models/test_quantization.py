@@ -49,8 +49,9 @@ def test_every_base_linear_but_the_head_loads_as_4bit_and_the_plan_names_the_sam
     q_proj = model.decoder.model.layers[0].self_attn.q_proj
     # NF4 with double quantization, packed into the compute dtype's container (what ZeRO-3 partitions)
     assert q_proj.weight.quant_state.quant_type == "nf4" and q_proj.weight.quant_state.nested
-    assert q_proj.weight.dtype == torch.float32 and q_proj.weight.numel() * 4 * 2 == q_proj.in_features * q_proj.out_features
-    assert quantized_bytes(q_proj, "nf4") == pytest.approx(q_proj.in_features * q_proj.out_features * 4.127 / 8, rel=1e-3)
+    weights = q_proj.in_features * q_proj.out_features
+    assert q_proj.weight.dtype == torch.float32 and q_proj.weight.numel() * 4 * 2 == weights  # 8 NF4 codes a float
+    assert quantized_bytes(q_proj, "nf4") == pytest.approx(weights * 4.127 / 8, rel=1e-3)
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if is_added_parameter(n))
 
 
@@ -90,7 +91,8 @@ def test_4bit_forward_is_the_fp32_forward_over_its_dequantized_weights(checkpoin
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, bnb.nn.Linear4bit):
-                reference.get_submodule(name).weight.copy_(dequantize_4bit(module.weight.data, module.weight.quant_state))
+                weight = dequantize_4bit(module.weight.data, module.weight.quant_state)
+                reference.get_submodule(name).weight.copy_(weight)
     assert all(torch.equal(p, reference.state_dict()[n]) for n, p in quantized.state_dict().items()
                if is_added_parameter(n))  # the same seed gave the same GCA blocks
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-4, atol=1e-4)

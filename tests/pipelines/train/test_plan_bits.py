@@ -23,7 +23,8 @@ def test_nf4_counts_the_base_linears_at_4_127_bits_and_the_rest_at_16():
                   and ".cross_attention." not in n)  # Qwen3-8B's head is untied: transformers keeps it 16-bit
     saved = linears * (2 - WEIGHT_BITS["nf4"] / 8)
     assert (bf16.rows[PARAMETER_ROWS["none"]] - nf4.rows[PARAMETER_ROWS["nf4"]]) * GIB == pytest.approx(saved, rel=1e-6)
-    assert nf4.rows["gathered working set (2 largest layers)"] < bf16.rows["gathered working set (2 largest layers)"] / 2
+    working_set = "gathered working set (2 largest layers)"
+    assert nf4.rows[working_set] < bf16.rows[working_set] / 2
 
 
 def test_8bit_adam_halves_the_optimizer_states_and_a_quantized_load_is_whole_on_every_gpu():
