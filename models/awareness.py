@@ -178,14 +178,17 @@ class AwarenessModel(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         partitioner: Partitioner = UNPARTITIONED,
+        quantize: str = "none",
     ) -> "AwarenessModel":
         """Loads both base checkpoints through transformers' own classes and adds GCA blocks at 0.
 
         With a `partitioner` (ZeRO-3) the caller also has transformers' DeepSpeed integration on, so
         `from_pretrained` builds each checkpoint inside zero.Init and loads its shards into the partitions; the
-        blocks and the projection are then created partitioned too."""
-        memory_encoder = MemoryEncoder(load_encoder(encoder, dtype=dtype, device=device), attention=encoder_attention)
-        base = load_decoder(decoder, dtype=dtype, device=device)
+        blocks and the projection are then created partitioned too. `quantize` nf4 | int8 loads both bases' linears
+        in that many bits (models.quantization); what is added is created in full precision beside them."""
+        loading = dict(dtype=dtype, device=device, quantize=quantize)
+        memory_encoder = MemoryEncoder(load_encoder(encoder, **loading), attention=encoder_attention)
+        base = load_decoder(decoder, **loading)
         config = AwarenessConfig(
             decoder=str(Path(decoder).expanduser().resolve()),
             encoder=str(Path(encoder).expanduser().resolve()),
@@ -555,9 +558,11 @@ class AwarenessModel(nn.Module):
         encoder: str | Path | None = None,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        quantize: str = "none",
     ) -> "AwarenessModel":
         """Rebuilds the model from its base checkpoints (override their paths with `decoder=`/`encoder=` when they
-        moved) and loads the saved weights over them."""
+        moved) and loads the saved weights over them. `quantize` nf4 | int8 reloads it onto a base in fewer bits,
+        whichever base it trained on: the saved weights are only what training added."""
         directory = Path(directory)
         config = AwarenessConfig.load(directory)
         lora, trainable = AwarenessConfig.load_training(directory)
@@ -571,6 +576,7 @@ class AwarenessModel(nn.Module):
             reading=config.reading,
             dtype=dtype,
             device=device,
+            quantize=quantize,
         )
         if lora:
             apply_lora(model, lora)

@@ -8,6 +8,8 @@ import torch
 from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeForCausalLM
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from models.quantization import compute_dtype, quantization_config
+
 DECODER_CLASSES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 ENCODER_CLASSES = {"qwen3": Qwen3Model}
 
@@ -41,23 +43,34 @@ def load_config(path: str | Path, role: str, supported: dict):
     return config
 
 
-def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """Qwen3ForCausalLM or Qwen3MoeForCausalLM from a local checkpoint, through transformers' own loading."""
+def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 quantize: str = "none"):
+    """Qwen3ForCausalLM or Qwen3MoeForCausalLM from a local checkpoint, through transformers' own loading;
+    `quantize` nf4 | int8 loads its linears through bitsandbytes (models.quantization)."""
     config = load_config(path, "decoder", DECODER_CLASSES)
     cls = DECODER_CLASSES[config.model_type]
-    return cls.from_pretrained(
-        path, dtype=dtype or "auto", device_map=_device_map(device), use_safetensors=True, local_files_only=True,
-        trust_remote_code=False, attn_implementation="sdpa",
-    )
+    return cls.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                               attn_implementation="sdpa", **_placement(dtype, device, quantize))
 
 
-def load_encoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Qwen3Model:
+def load_encoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                 quantize: str = "none") -> Qwen3Model:
     """Qwen3Model from a Qwen3-Embedding (or any Qwen3) checkpoint; a causal-LM checkpoint loads without its head."""
     load_config(path, "encoder", ENCODER_CLASSES)
-    return Qwen3Model.from_pretrained(
-        path, dtype=dtype or "auto", device_map=_device_map(device), use_safetensors=True, local_files_only=True,
-        trust_remote_code=False, attn_implementation="sdpa",
-    )
+    return Qwen3Model.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                                      attn_implementation="sdpa", **_placement(dtype, device, quantize))
+
+
+def _placement(dtype: torch.dtype | None, device: str | torch.device, quantize: str) -> dict:
+    """from_pretrained's dtype, device map and quantization config. A quantized load names its dtype (the 4-bit
+    matmuls' compute dtype and the packed weights' container, which ZeRO-3 flattens with the other parameters);
+    transformers never builds it inside zero.Init, so each rank loads it whole and deepspeed.initialize partitions
+    it after."""
+    if quantize == "none":
+        return {"dtype": dtype or "auto", "device_map": _device_map(device)}
+    dtype = dtype or compute_dtype(device)
+    return {"dtype": dtype, "device_map": _device_map(device),  # None under ZeRO-3: bitsandbytes' current device
+            "quantization_config": quantization_config(quantize, dtype)}
 
 
 def _device_map(device: str | torch.device) -> str | torch.device | None:

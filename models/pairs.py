@@ -211,6 +211,7 @@ def build_pair(
     random_init: bool = False,
     layers: int | None = None,
     partitioner: Partitioner = UNPARTITIONED,
+    quantize: str = "none",
 ) -> AwarenessModel:
     """Builds a named pair.
 
@@ -230,14 +231,17 @@ def build_pair(
       and experts (`truncated_pair`): the real shapes on a CPU, or the prod pair on one GPU.
     - partitioner (checkpoints only): the GCA blocks and the projection are created partitioned, for a caller that
       has transformers load the checkpoints into ZeRO-3 partitions (pipelines.train.engine.zero3_loading).
+    - quantize (checkpoints only): nf4 | int8 loads the decoder's and encoder's linears through bitsandbytes
+      (QLoRA, models/quantization.py); none keeps them as stored.
     """
     spec = get_pair(name) if layers is None else truncated_pair(name, layers)
     attention = encoder_attention or ("bidirectional" if encoder_checkpoint else spec.encoder_attention)
     if layers is not None and not (random_init or torch.device(device).type == "meta"):
         raise ValueError("layers truncates a pair built from its configs: pass random_init=True or device='meta'")
     if torch.device(device).type == "meta" or random_init:
-        if partitioner is not UNPARTITIONED:
-            raise ValueError("a partitioner applies to pairs loaded from checkpoints, not to meta or random_init")
+        if partitioner is not UNPARTITIONED or quantize != "none":
+            raise ValueError("a partitioner and quantize apply to pairs loaded from checkpoints, not to meta or "
+                             "random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
                                    gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed, reading=reading)
     root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
@@ -255,6 +259,7 @@ def build_pair(
     return AwarenessModel.from_pretrained_pair(
         decoder_dir, encoder_dir, gca_layers=gca_layers, encoder_attention=attention,  # type: ignore[arg-type]
         gca_mlp=gca_mlp, fusion=fusion, reading=reading, dtype=dtype, device=device, partitioner=partitioner,
+        quantize=quantize,
     )
 
 

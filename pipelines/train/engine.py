@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import bitsandbytes as bnb
 import deepspeed
 import ray.train
 import torch
@@ -48,7 +49,9 @@ def deepspeed_config(config: StageConfig | Ul2Config, world: int) -> dict[str, A
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    untested = {"zero_allow_untested_optimizer": True} if t.optimizer != "adamw" else {}  # DeepSpeed lists torch's
     return {
+        **untested,
         "train_micro_batch_size_per_gpu": t.memories_per_step // (world * t.grad_accum),
         "gradient_accumulation_steps": t.grad_accum,
         "gradient_clipping": t.grad_clip,
@@ -98,15 +101,22 @@ def setup_deepspeed(model: torch.nn.Module, config, groups: dict[str, list[torch
     DeepSpeed: no DeepSpeed optimizer op to JIT-build. `ds_config` is deepspeed_config(config, world), the dict the
     model was built with (zero3_loading). Reads only config.train and config.deepspeed."""
     t = config.train
-    optimizer = torch.optim.AdamW(
-        [{"params": params, "name": name} for name, params in groups.items()], lr=t.lr, weight_decay=t.weight_decay
-    )
+    optimizer = build_optimizer([{"params": params, "name": name} for name, params in groups.items()], t)
     scheduler = lr_scheduler(optimizer, t)
     if config.deepspeed.stage == 3:
         mark_zero3_leaf_modules(model)
     clear_stale_build_lock()  # initialize loads DeepSpeed's CPU comm op; a killed build's lock would hang it
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     return engine
+
+
+def build_optimizer(groups: list[dict[str, Any]], t: TrainConfig) -> torch.optim.Optimizer:
+    """train.optimizer over the parameter groups: torch's AdamW, or bitsandbytes' AdamW8bit (its moments in 8 bits,
+    blockwise-quantized; DeepSpeed steps it on the fp32 partitions it hands any client optimizer, and checkpoints its
+    state dict, quantization constants and all, with the engine's)."""
+    if t.optimizer == "adamw_8bit":
+        return bnb.optim.AdamW8bit(groups, lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay)
 
 
 def lr_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from models import (UNPARTITIONED, AwarenessModel, LoraPlan, LoraSettings, MemoryReading, Partitioner, apply_lora,
                     build_pair, set_trainable)
 from models.awareness import WEIGHTS_NAME
@@ -18,8 +20,18 @@ def build_model(cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -
         reading = MemoryReading()
     model = build_pair(cfg.pair, checkpoint_root=cfg.checkpoint_root, gca_layers=cfg.gca_layers,
                        encoder_attention=cfg.encoder_attention, gca_mlp=cfg.gca_mlp, fusion=cfg.fusion,
-                       reading=reading, encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner)
+                       reading=reading, encoder_checkpoint=cfg.encoder_checkpoint, partitioner=partitioner,
+                       **quantized_loading(cfg.quantize))
     return prepare_model(model, cfg, partitioner=partitioner)
+
+
+def quantized_loading(quantize: str) -> dict:
+    """build_pair's arguments for model.quantize: bitsandbytes quantizes as it loads, on the device it loads to, so
+    a quantized base loads straight onto this worker's GPU (a whole bf16 copy never passes through it)."""
+    if quantize == "none":
+        return {}
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return {"quantize": quantize, "device": device}
 
 
 def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
 from models.loss import CHUNK_TOKENS
+from models.quantization import QUANTIZE, quantized_bytes, quantized_linears
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
+from pipelines.train.configs.common import OPTIMIZERS
 
 GIB = 1024**3
 CUDA_CONTEXT_GIB = 2.0  # CUDA context and NCCL buffers, outside the allocator (2.06-2.21 GiB: proto1, H100, Nov 26 2026)
@@ -48,6 +50,8 @@ class PlanInput:
     offload_params: bool = False  # ZeRO-3 parameter offload to CPU memory
     fusion: str = "gca"  # gca | cross | merged: how the decoder reads the memory (cross adds a block to every layer)
     zero_stage: int | None = None  # ZeRO stage 0-3; None: 2 where the whole pair fits each GPU, else 3
+    quantize: str = "none"  # none | nf4 | int8: the frozen base's linears in that many bits (model.quantize)
+    optimizer: str = "adamw"  # adamw | adamw_8bit: Adam's moments in fp32 or 8 bits (train.optimizer)
 
     def problems(self) -> list[str]:
         p = [] if self.nodes > 0 and self.gpus_per_node > 0 else ["nodes and gpus_per_node must be positive"]
@@ -55,6 +59,11 @@ class PlanInput:
             p.append(f"zero_stage must be 0-3 (or omitted: the plan chooses), got {self.zero_stage}")
         if self.offload_params and self.zero_stage not in (None, 3):
             p.append("offload_params needs zero_stage 3")
+        if self.quantize not in QUANTIZE or self.optimizer not in OPTIMIZERS:
+            p.append(f"quantize must be one of {QUANTIZE} and optimizer one of {OPTIMIZERS}, got {self.quantize!r} "
+                     f"and {self.optimizer!r}")
+        elif self.quantize != "none" and "full" in (self.decoder, self.encoder):
+            p.append(f"quantize {self.quantize} freezes the base weights: train them with lora, or quantize none")
         if self.fusion not in FUSIONS:
             p.append(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         if self.pair not in PAIRS:
@@ -98,12 +107,16 @@ class MemoryPlan:
         lines = [f"ZeRO-{self.zero_stage}: {self.zero_reason}",
                  f"pair {i.pair}: {i.nodes} node(s) x {i.gpus_per_node} GPU(s) of {i.gpu_memory_gib:.0f} GiB, "
                  f"decoder {i.decoder}, encoder {i.encoder}, LoRA rank {i.lora_rank}, sequence {i.seq_len}, "
-                 f"memory {i.memory_tokens} tokens, micro-batch {i.micro_batch}",
+                 f"memory {i.memory_tokens} tokens, micro-batch {i.micro_batch}, quantize {i.quantize}, "
+                 f"optimizer {i.optimizer}",
                  "parameters: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in self.params.items()),
                  f"| {'per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.rows.items()]
         lines.append(f"| {'total while training':<44} | {self.total_gib:8.2f} |")
-        building = "zero.Init build" if self.zero_stage == 3 else "whole pair on each GPU"
+        if i.quantize != "none":
+            building = "quantized load"
+        else:
+            building = "zero.Init build" if self.zero_stage == 3 else "whole pair on each GPU"
         lines += [f"| {f'loading ({building}), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.load_rows.items()]
         lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
@@ -136,7 +149,8 @@ def plan_for_stage(config) -> MemoryPlan:
         memories=per_gpu_memories, seq_len=seq_len, memory_tokens=memory_tokens,
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
-        fusion=config.model.fusion, zero_stage=config.deepspeed.zero_stage,
+        fusion=config.model.fusion, zero_stage=config.deepspeed.zero_stage, quantize=config.model.quantize,
+        optimizer=config.train.optimizer,
     ))
 
 
@@ -169,7 +183,7 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
         return _plan_at(inputs, 3, counted, "chosen: parameter offload needs ZeRO-3")
     whole = _plan_at(inputs, 2, counted, "")
     if whole.fits:
-        whole.zero_reason = (f"chosen: the whole pair ({whole.rows[PARAMETER_ROWS[2]]:.1f} GiB bf16) fits each GPU, "
+        whole.zero_reason = (f"chosen: the whole pair ({whole.rows[parameter_row(inputs.quantize, 2)]:.1f} GiB) fits each GPU, "
                              f"so only gradients and optimizer states are partitioned (peak {whole.peak_gib:.1f} of "
                              f"{inputs.gpu_memory_gib:.0f} GiB)")
         return whole
@@ -177,8 +191,6 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
                                         f"{inputs.gpu_memory_gib:.0f}, so parameters are partitioned too")
 
 
-PARAMETER_ROWS = {0: "parameters (bf16, whole on each GPU)", 1: "parameters (bf16, whole on each GPU)",
-                  2: "parameters (bf16, whole on each GPU)", 3: "parameters (bf16, ZeRO-3 partitioned)"}
 
 
 def _plan_at(inputs: PlanInput, stage: int, counted: tuple[dict[str, int], int, object], reason: str) -> MemoryPlan:
@@ -189,28 +201,33 @@ def _plan_at(inputs: PlanInput, stage: int, counted: tuple[dict[str, int], int, 
     trained += params["encoder"] if inputs.encoder == "full" else 0
     total = sum(params.values())
     plan = MemoryPlan(inputs, params, zero_stage=stage, zero_reason=reason)
-    on_gpu_param_bytes = 0 if inputs.offload_params else 2 * total
-    plan.rows[PARAMETER_ROWS[stage]] = on_gpu_param_bytes / (n_gpus if stage == 3 else 1) / GIB
+    sizes = parameter_bytes(model, inputs.quantize)
+    weight_bytes = sum(sizes.values())  # 2 * total in bf16
+    on_gpu_param_bytes = 0 if inputs.offload_params else weight_bytes
+    plan.rows[parameter_row(inputs.quantize, stage)] = on_gpu_param_bytes / (n_gpus if stage == 3 else 1) / GIB
     plan.rows["gradients of trained parameters (bf16)"] = 2 * trained / (n_gpus if stage >= 2 else 1) / GIB
-    optimizer_bytes = 12 * trained / (n_gpus if stage >= 1 else 1)
+    optimizer_bytes = OPTIMIZER_BYTES[inputs.optimizer] * trained / (n_gpus if stage >= 1 else 1)
     if inputs.offload_optimizer:
         plan.cpu_gib_per_node = 12 * trained / inputs.nodes / GIB
     else:
-        plan.rows["fp32 master + Adam moments (partitioned)" if stage else "fp32 master + Adam moments"] = (
-            optimizer_bytes / GIB)
+        plan.rows[OPTIMIZER_ROWS[inputs.optimizer]] = optimizer_bytes / GIB
     if inputs.offload_params:
-        plan.cpu_gib_per_node += 2 * total / inputs.nodes / GIB
+        plan.cpu_gib_per_node += weight_bytes / inputs.nodes / GIB
     if stage == 3:
-        plan.rows["gathered working set (2 largest layers)"] = 2 * 2 * largest / GIB
+        largest_bytes = max(sum(sizes[id(p)] for p in layer.parameters()) for layer in model.decoder.model.layers)
+        plan.rows["gathered working set (2 largest layers)"] = 2 * largest_bytes / GIB
     if inputs.decoder == "lora" and EXPERTS in inputs.lora_targets:
         plan.rows["expert weights with LoRA folded in"] = expert_lora_bytes(inputs, model) / GIB
     plan.rows |= activation_rows(inputs, model)
     plan.rows["allocator's cached slack (12% of the above)"] = ALLOCATOR_SLACK * sum(plan.rows.values())
     plan.rows["CUDA context, NCCL"] = CUDA_CONTEXT_GIB
-    plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
-    if stage < 3:  # every rank builds the whole pair and moves it to its GPU
-        plan.load_rows = {"the whole pair (bf16)": 2 * (total - params.get("decoder LoRA", 0)) / GIB,
-                          "CUDA context, NCCL": CUDA_CONTEXT_GIB}
+    if inputs.quantize != "none":
+        plan.load_rows, plan.load_host_gib = quantized_load_peak(inputs, params, model, sizes)
+    else:
+        plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
+        if stage < 3:  # every rank builds the whole pair and moves it to its GPU
+            plan.load_rows = {"the whole pair (bf16)": 2 * (total - params.get("decoder LoRA", 0)) / GIB,
+                              "CUDA context, NCCL": CUDA_CONTEXT_GIB}
     if inputs.decoder == "full" and inputs.encoder == "full" and stage == 3:
         # lazy: DeepSpeed; every stage job's --dry-run prints this plan, and only this row needs it
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -294,3 +311,77 @@ def activation_rows(inputs: PlanInput, model) -> dict[str, float]:
         "memory encoder states": encoder / GIB,
         "logits and loss (one chunk, fp32 upcast)": logits / GIB,
     }
+
+
+# Bytes per trained parameter in the optimizer: DeepSpeed's fp32 master copy (4 B) and Adam's two moments, in fp32
+# (8 B) or blockwise-quantized to 8 bits (2 B; one fp32 absmax per 2,048 values is below the rounding here).
+OPTIMIZER_BYTES = {"adamw": 12, "adamw_8bit": 6}
+OPTIMIZER_ROWS = {"adamw": "fp32 master + Adam moments (partitioned)",
+                  "adamw_8bit": "fp32 master + 8-bit Adam moments"}
+WEIGHTS = {"none": "bf16", "nf4": "NF4 base linears", "int8": "int8 base linears"}
+
+
+def parameter_row(quantize: str, stage: int) -> str:
+    """The parameters' row: their precision, and whether ZeRO-3 partitions them or each GPU holds them whole."""
+    return f"parameters ({WEIGHTS[quantize]}, {'ZeRO-3 partitioned' if stage == 3 else 'whole on each GPU'})"
+
+
+def parameter_bytes(model, quantize: str) -> dict[int, float]:
+    """Bytes each parameter of the meta model takes on a GPU, by id: bf16, except the base linears bitsandbytes
+    converts (transformers' rule, models.quantization.quantized_linears), at their quantized size. Qwen3-MoE's experts
+    are not linears and stay bf16."""
+    sizes = {id(p): 2.0 * p.numel() for p in model.parameters()}
+    if quantize != "none":
+        for base in (model.decoder, model.memory_encoder.encoder):
+            for name in quantized_linears(base):
+                if ".cross_attention." not in name:  # added after loading, in full precision
+                    linear = base.get_submodule(name)
+                    sizes[id(linear.weight)] = quantized_bytes(linear, quantize)
+    return sizes
+
+
+def quantized_load_peak(inputs: PlanInput, params: dict[str, int], model,
+                        sizes: dict[int, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Memory while a worker loads a quantized pair (pipelines.train.model.quantized_loading). transformers does not
+    build a quantized model inside zero.Init, so every rank loads the whole pair onto its GPU, each tensor read in
+    bf16 and quantized as it arrives; deepspeed.initialize partitions it after (ZeRO-3). Every rank reads the
+    checkpoints itself: page cache of the larger checkpoint on each node, shared by the node's ranks."""
+    whole = sum(sizes[id(p)] for n, p in model.named_parameters() if "lora_" not in n)  # LoRA comes after the load
+    modules = [m for m in model.modules() if not type(m).__name__.startswith("Lora")]
+    largest = max(sum(p.numel() for n, p in m.named_parameters(recurse=False) if "lora_" not in n) for m in modules)
+    rows = {f"the whole pair, base linears {inputs.quantize} (every GPU)": whole / GIB,
+            "largest tensor in bf16 before quantizing": 2 * largest / GIB,
+            "CUDA context, NCCL": CUDA_CONTEXT_GIB}
+    checkpoint = 2 * max(params["decoder"], params["encoder"])
+    return rows, {"every node (mapped checkpoint shards, shared by its ranks)": checkpoint / GIB}
+
+
+# The seed plan's hardware for each real pair (qwen3-gca-plan.md, 3.1): (nodes, GPUs per node, GiB each, the GPUs).
+SEED_HARDWARE = {"proto1": (1, 1, 12.0, "1x RTX 3060"), "proto2": (1, 1, 16.0, "1x RTX 4060 Ti"),
+                 "dev": (1, 1, 24.0, "1x RTX 4090"), "scale": (1, 1, 40.0, "1x A100-40G"),
+                 "prod": (1, 2, 24.0, "2x RTX 4090")}
+SEED_SETTINGS = {"bf16": {}, "nf4": {"quantize": "nf4"},
+                 "nf4 + adamw_8bit": {"quantize": "nf4", "optimizer": "adamw_8bit"},
+                 "bf16, parameters offloaded": {"offload_params": True}}
+
+
+def seed_hardware_plans(**overrides) -> dict[str, dict[str, MemoryPlan]]:
+    """Each seed pair's plan on its seed hardware (ZeRO-3, decoder LoRA, frozen encoder, PlanInput's sequence and
+    memory lengths unless overridden) in each of SEED_SETTINGS: 16-bit, NF4, NF4 with 8-bit Adam, and 16-bit with
+    ZeRO-3's parameter offload to CPU memory."""
+    overrides = {"zero_stage": 3, **overrides}
+    return {pair: {label: plan_memory(PlanInput(pair=pair, nodes=nodes, gpus_per_node=gpus, gpu_memory_gib=gib,
+                                                **setting, **overrides))
+                   for label, setting in SEED_SETTINGS.items()}
+            for pair, (nodes, gpus, gib, _) in SEED_HARDWARE.items()}
+
+
+def seed_hardware_table(**overrides) -> str:
+    """docs/pairs.md's table: peak GiB per GPU (the larger of training and loading) and whether it fits."""
+    plans = seed_hardware_plans(**overrides)
+    lines = ["| pair | seed hardware | " + " | ".join(SEED_SETTINGS) + " |",
+             "|---|---|" + "---:|" * len(SEED_SETTINGS)]
+    for pair, by_setting in plans.items():
+        cells = [f"{plan.peak_gib:.1f} {'fits' if plan.fits else 'does not fit'}" for plan in by_setting.values()]
+        lines.append(f"| {pair} | {SEED_HARDWARE[pair][3]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

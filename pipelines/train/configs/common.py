@@ -11,6 +11,9 @@ from typing import Any, ClassVar
 from pipelines.cli import ConfigError, from_typed_dict, to_dict
 
 
+OPTIMIZERS = ("adamw", "adamw_8bit")
+
+
 class JobConfig:
     """What every training job's typed config shares: the dict it crosses the Ray Train boundary as, its parsing,
     and a validation that raises every problem at once (each subclass lists its own in `problems`)."""
@@ -40,6 +43,11 @@ def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepS
     p = tracking.problems() + [f"train.{name} must be positive, got {getattr(t, name)}" for name in
          ("max_steps", "memories_per_step", "grad_accum", "log_every", "eval_every", "checkpoint_every")
          if getattr(t, name) <= 0]
+    if t.optimizer not in OPTIMIZERS:
+        p.append(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
+    elif t.optimizer != "adamw" and deepspeed.offload_optimizer:
+        p.append(f"train.optimizer {t.optimizer} shrinks the optimizer states on the GPU, and "
+                 f"deepspeed.offload_optimizer moves them to CPU memory: use one of the two")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
     if scaling.num_workers <= 0:
@@ -78,6 +86,9 @@ class TrainConfig:
     eval_every: int = 200  # steps between validation evaluations (and one at the end)
     checkpoint_every: int = 200  # steps between checkpoints (and one at the end); a resumed run starts from the last
     seed: int = 0  # model initialisation and data order
+    # adamw (torch's) | adamw_8bit (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized; 2 bytes
+    # per trained parameter instead of 8), handed to DeepSpeed as its client optimizer either way
+    optimizer: str = "adamw"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pathlib import Path
 from models import PAIRS
 from models.fusion import FUSIONS, Fusion
 from models.placement import resolve_gca_layers
+from models.quantization import QUANTIZE
 from models.reading import NAME_PREFIX, MemoryReading
 from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
 from pipelines.cli import inline
@@ -62,6 +63,10 @@ class ModelConfig:
     memory: MemoryKind = "gca"
     context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
     rag_k: int = 2  # chunks retrieved per question (rag)
+    # The frozen decoder and encoder in fewer bits (QLoRA, models/quantization.py): nf4 (4-bit NormalFloat, double
+    # quantization) | int8 (LLM.int8) | none. What trains (LoRA, the GCA blocks, routers, the projection) stays in
+    # full precision, so a quantized base trains with decoder and encoder lora or frozen
+    quantize: str = "none"
 
     def memory_mode(self) -> MemoryMode:
         return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k)
@@ -118,6 +123,22 @@ class ModelConfig:
             p.append(f"model.init_from {m.init_from} holds no awareness.safetensors: pass a finished stage's "
                      f"export directory (the `export` path in its summary line)")
         p += m.memory_mode().problems()
+        p += m.quantize_problems()
+        return p
+
+    def quantize_problems(self) -> list[str]:
+        """A quantized base cannot train its own weights, and something else must train."""
+        m = self
+        if m.quantize not in QUANTIZE:
+            return [f"model.quantize must be one of {', '.join(QUANTIZE)}, got {m.quantize!r}"]
+        if m.quantize == "none":
+            return []
+        p = [f"model.{part} full trains the {part}'s own weights, and model.quantize {m.quantize} freezes them in "
+             f"fewer bits: use model.{part} lora (QLoRA) or frozen, or model.quantize none"
+             for part in ("decoder", "encoder") if getattr(m, part) == "full"]
+        if m.memory != "gca" and m.decoder == "frozen":
+            p.append(f"model.memory {m.memory} trains only the decoder, and model.quantize {m.quantize} freezes it: "
+                     f"use model.decoder lora")
         return p
 
 
