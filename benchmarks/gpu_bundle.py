@@ -60,6 +60,7 @@ BUNDLE = {
     "grpcio": "grpcio-reflection's generated code refuses the box's 1.84 (H100, 2026-11-26)",
     "protobuf": "at the version the lock's grpcio and Ray are used with here",
     "tree-sitter": "the app's repository chunker (pipelines.corpora.syntax)",
+    "bitsandbytes": "QLoRA's 4- and 8-bit base weights and 8-bit Adam (models/quantization.py)",
     "dashscope": "Qwen's BPE ranks for a random-weight Qwen3-vocabulary pair's tokenizer (found, not imported: the "
                  "proto1 serving step stopped on it, H100, 2026-11-26)",
 }
