@@ -44,7 +44,9 @@ def test_the_locks_agree_on_everything_but_torch_and_its_cuda_libraries():
     shared = [name for name in cpu if name != "torch"]
     assert {name: cpu[name] for name in shared} == {name: cuda.get(name) for name in shared}
     only_cuda = set(cuda) - set(cpu)
-    assert only_cuda and all(n.startswith(("nvidia-", "cuda-")) or n == "triton" for n in only_cuda), only_cuda
+    cuda_extra = {canonicalize_name(Requirement(r).name) for r in EXTRAS["cuda"]}  # Liger-Kernel: Triton kernels
+    assert cuda_extra <= only_cuda, "the cuda extra is in the CUDA lock: run make lock"
+    assert all(n.startswith(("nvidia-", "cuda-")) or n in {"triton", *cuda_extra} for n in only_cuda), only_cuda
 
 
 def test_this_environment_is_the_cpu_lock():
