@@ -45,7 +45,7 @@ def test_each_job_names_its_recipe():
 def test_dry_run_lines():
     header, plan = job_for(STAGE0).dry_run(STAGE0)
     assert header == "# memory plan (scaling.use_gpu is false: the same workers as GPUs)"
-    assert plan.startswith("pair tiny-shared: 1 node(s) x 2 GPU(s)") and "\nfits: " in plan
+    assert plan.startswith("ZeRO-2: as configured\npair tiny-shared: 1 node(s) x 2 GPU(s)") and "\nfits: " in plan
     on_gpus = dataclasses.replace(STAGE0, scaling=dataclasses.replace(STAGE0.scaling, use_gpu=True))
     assert job_for(on_gpus).dry_run(on_gpus)[0] == "# memory plan"
     assert job_for(ENCODER_UL2).dry_run(ENCODER_UL2) == []
