@@ -681,7 +681,7 @@ class AwarenessServer:
     # ------------------------------------------------------------------------------------------------- questions
     def _prompt_ids(self, prompt: str, memory, index: int) -> list[int]:
         ids = self.pyfunc.tokenizer.encode(prompt).ids
-        if not ids:
+        if not self.pyfunc.tokenizer.encode(prompt, add_special_tokens=False).ids:  # a <bos> alone is no question
             raise ApiError(422, f"prompt {index} is empty (no tokens): send the question to answer", "empty_prompt",
                            "prompt")
         vocab = self.pyfunc.model.decoder.config.vocab_size
