@@ -61,6 +61,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 import ray
 from ray import serve
+from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -445,7 +446,9 @@ class _Until(StoppingCriteria):
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64)
+# overload past max_ongoing_requests + max_queued_requests: Serve answers 503 with Retry-After itself
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64,
+                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
 @serve.ingress(app)
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
