@@ -745,6 +745,13 @@ def test_the_official_openai_client_completes_batches_streams_lists_models_and_r
     first = api.completions.create(**sampled, seed=7, n=3)
     again = api.completions.create(**sampled, seed=7, n=3)
     assert len(first.choices) == 3 and [c.text for c in first.choices] == [c.text for c in again.choices]
+    prompts = ["k1 =", "k2 ="]  # several prompts, n each: choice p * n + j is prompt p alone with seed + j
+    several = api.completions.create(**(sampled | {"prompt": prompts}), seed=7, n=2)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    alone = [api.completions.create(**(sampled | {"prompt": p}), seed=7 + j).choices[0].text
+             for p in prompts for j in range(2)]
+    assert [c.text for c in several.choices] == alone
+    assert alone[:2] == [c.text for c in first.choices[:2]]
     narrow = api.completions.create(**sampled, top_p=1e-9)  # only the likeliest token survives: the greedy answer
     assert narrow.choices[0].text == api.completions.create(model=card.id, prompt="k1 =", max_tokens=6).choices[0].text
 
