@@ -1,17 +1,31 @@
 """The Ray Serve application: a registered model (`models:/NAME@ALIAS` through MLflow, or an export directory) behind
-an HTTP API with memories as resources (pipelines.serving.memories) and batched, streamable completions.
+an HTTP API with memories as resources (pipelines.serving.memories) and batched, streamable completions in OpenAI's
+wire format.
 
     serve run pipelines/serving/awareness.yaml          (docs/serving.md)
 
 Routes: POST /v1/memories {"chunks": [text, ...]} or {"files": [{path, text}, ...]} (a repository, chunked here) ->
-{id, chunks, tokens, encoder, ...}; GET / DELETE /v1/memories/{id}; POST /v1/completions {prompt, memory, max_tokens,
-temperature, stop, stream}.
+{id, chunks, tokens, encoder, ...}; GET / DELETE /v1/memories/{id}; POST /v1/completions (OpenAI's legacy completions:
+prompt, max_tokens, temperature, top_p, n, seed, stop, stream, stream_options, plus this server's `memory`);
+GET /v1/models; GET /v1/stats (an admin key); GET /openapi.json.
+
+Access: every route answers to an API key (`Authorization: Bearer KEY`), read at start from a file or an environment
+variable the Serve config names (`api_keys_file`, `api_keys_env`; never from the repository). Each key names its owner
+and may be an admin key (GET /v1/stats). A memory belongs to the owner whose key made it: to every other key it is
+absent (404, the same answer as for an id nobody made). With no keys configured the server answers loopback clients
+only, says so in its log at start, and refuses to start when Serve's HTTP host is not a loopback address.
 
 Answers are the pyfunc's: the replica loads the very AwarenessPyfunc that `mlflow models serve` runs (its tokenizer,
 end-of-answer token and decoding) and reads the memory the way the pyfunc reads a memory store, so a greedy answer here
 equals `predict` for the same question over the same memory. A baseline (in_context, rag, none) is served the same
 way: its memories are the chunk texts (pipelines.serving.memories.TextMemories) and each question's prompt holds them
 as the pyfunc puts them there (all, the BM25 top-k, or none).
+
+Bounds: a request body over `max_request_mb` is refused (413) before it is read; request fields are strict (no "4" for
+4, no 0 for false) and finite; a memory's chunks are checked against the encoder's positions before encoding; every
+owner's memories on disk have a budget; every generate stops at the request's time limit (`request_timeout_s`) or
+when a streaming client leaves; a stream that fails sends an error event and ends; Serve's `max_ongoing_requests` and
+`max_queued_requests` answer overload with 503 and Retry-After.
 
 Batching: `@serve.batch` gathers the questions that arrive within `batch_wait_timeout_s` (up to `max_batch_size`)
 from every client, and each group of them over one memory with one prompt length and the same decoding settings
@@ -25,29 +39,37 @@ batching at request granularity with Serve's own queueing, backpressure and metr
 
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import threading
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any
 
 import mlflow.pyfunc
 import torch
-from fastapi import FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 import ray
 from ray import serve
+from ray.serve.config import BackpressureConfig
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, allowing_memory_keyword
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
-from pipelines.serving.memories import ID, MemoryCache, StoreMismatch, TextMemories, UnknownMemory
+from pipelines.serving.memories import ID, MemoryCache, OverDiskBudget, StoreMismatch, TextMemories, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
 from pipelines.tracking.tracker import for_other_nodes
 # (no `from __future__ import annotations` here: FastAPI reads the route bodies' types from the annotations)
@@ -56,17 +78,227 @@ logger = logging.getLogger("ray.serve")
 CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]} or {"files": [{"path": ..., "text": ...}]}'
 MAX_CHARS_PER_TOKEN = 16  # files larger than this many characters a memory token are refused before tokenizing
 IN_CONTEXT_QUESTION_ROOM = 256  # decoder positions an in_context memory leaves for the question and its answer
+MIN_TEMPERATURE = 1e-4  # a temperature below this decodes greedily (its limit): dividing logits by less overflows
+LOCAL_OWNER = "local"  # the owner of every memory on a server without keys (loopback clients only)
+KEYS_FIX = "set api_keys_file or api_keys_env in the Serve config's args (docs/serving.md)"
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 503: "server_error", 504: "timeout_error"}
+
+
+# --------------------------------------------------------------------------------------------------------- keys
+@dataclass(frozen=True)
+class ApiKey:
+    owner: str
+    secret: str = field(repr=False)
+    admin: bool = False
+
+
+def parse_keys(text: str, where: str) -> list[ApiKey]:
+    """Entries `OWNER:KEY` or `OWNER:KEY:admin`, separated by newlines, commas or spaces (`#` starts a comment to the
+    end of its line). A key has at least 16 characters; an owner names whose memories a key reaches (two keys of one
+    owner share them, so a key can be replaced without losing them)."""
+    keys = []
+    for line in text.splitlines():
+        for entry in line.split("#", 1)[0].replace(",", " ").split():
+            parts = entry.split(":")
+            if len(parts) not in (2, 3) or not parts[0] or (len(parts) == 3 and parts[2] != "admin"):
+                raise ValueError(f"{where}: an entry is not OWNER:KEY or OWNER:KEY:admin")
+            if len(parts[1]) < 16:
+                raise ValueError(f"{where}: the key of {parts[0]!r} has {len(parts[1])} characters; use 16 or more "
+                                 f"(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+            keys.append(ApiKey(parts[0], parts[1], len(parts) == 3))
+    if len({k.secret for k in keys}) != len(keys):
+        raise ValueError(f"{where}: a key is listed twice")
+    return keys
+
+
+def load_keys(api_keys_file: str | None, api_keys_env: str | None) -> list[ApiKey] | None:
+    """The keys of the file and the environment variable the config names; None when it names neither."""
+    if not api_keys_file and not api_keys_env:
+        return None
+    keys = []
+    if api_keys_file:
+        path = Path(api_keys_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"api_keys_file {api_keys_file}: no such file on this node; create it (OWNER:KEY a line)")
+        keys += parse_keys(path.read_text(), f"api_keys_file {api_keys_file}")
+    if api_keys_env:
+        if api_keys_env not in os.environ:
+            raise ValueError(f"api_keys_env names {api_keys_env}, which the replica's environment does not set: "
+                             f"export it where `serve run` / `ray start` runs (OWNER:KEY,...)")
+        keys += parse_keys(os.environ[api_keys_env], f"environment variable {api_keys_env}")
+    if not keys:
+        raise ValueError(f"the configured API keys ({api_keys_file or ''} {api_keys_env or ''}) hold no key")
+    return keys
+
+
+def find_key(keys: list[ApiKey], presented: str) -> ApiKey | None:
+    """The key equal to `presented`, compared in constant time against every key (no early exit)."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(key.secret.encode(), presented.encode()):
+            found = key
+    return found
+
+
+def is_loopback(host: str | None) -> bool:
+    if host in ("localhost", "testclient"):
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def check_open_host(host: str | None, keys: list[ApiKey] | None) -> None:
+    """A server without keys may listen on loopback only."""
+    if keys is None and host is not None and not is_loopback(host):
+        raise ValueError(f"no API keys are configured and Serve's HTTP host is {host}, not loopback: {KEYS_FIX}, "
+                         f"or serve on http_options.host 127.0.0.1")
+
+
+def serve_http_host() -> str | None:
+    """The HTTP host Serve's proxies listen on, as its controller has it (None where there is no controller)."""
+    from ray.serve.context import _get_global_client  # Serve's own client to its controller; no public accessor
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.http_config.host if client is not None else None
+
+
+@dataclass(frozen=True)
+class Caller:
+    owner: str
+    admin: bool
+
+
+def caller(request: Request) -> Caller:
+    """The key's owner (a FastAPI dependency: it runs before the body is read or validated)."""
+    return serve.get_replica_context().servable_object.authorize(request)
+
+
+def admin_caller(who: Caller = Depends(caller)) -> Caller:
+    if not who.admin:
+        raise ApiError(403, "this route answers to an admin key (OWNER:KEY:admin in the configured keys)",
+                       "admin_key_required")
+    return who
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+class ApiError(HTTPException):
+    """An error in OpenAI's shape: {"error": {"message", "type", "code", "param"}}."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(status, message, headers)
+        self.code, self.param = code, param
+
+
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "code": code,
+                      "param": param}}
+
+
+def _count(status: int, code: str | None) -> None:
+    """A 4xx/5xx by reason, in GET /v1/stats' `errors` (nothing outside a replica)."""
+    try:
+        server = serve.get_replica_context().servable_object
+    except Exception:  # noqa: BLE001 - no replica context (the app without Serve)
+        return
+    server.errors[f"{status} {code}"] += 1
+
+
+class BodyLimit:
+    """Refuses a request body over the replica's `max_request_bytes` with 413: by its Content-Length before reading
+    it, and by counting what arrives when there is none (chunked)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = serve.get_replica_context().servable_object.max_request_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        message = f"the request body is over this server's {limit} bytes (max_request_mb): send less"
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return await self._refuse(send, message)
+        received = 0
+
+        async def counted():  # read by the route's body parsing: its 413 is answered as any HTTPException
+            nonlocal received
+            got = await receive()
+            received += len(got.get("body", b""))
+            if received > limit:
+                raise ApiError(413, message, "request_too_large")
+            return got
+
+        await self.app(scope, counted, send)
+
+    @staticmethod
+    async def _refuse(send, message: str) -> None:
+        _count(413, "request_too_large")
+        response = JSONResponse(error_body(413, message, "request_too_large"), status_code=413)
+        await response({"type": "http"}, None, send)
+
+
+app = FastAPI(title="Awareness", docs_url=None, redoc_url=None, openapi_url=None,
+              description="Completions over memories (OpenAI's legacy completions wire format, plus `memory`: the "
+                          "id of a memory made with POST /v1/memories). Every route takes `Authorization: Bearer "
+                          "KEY`.")
+app.add_middleware(BodyLimit)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException):
+    code = getattr(exc, "code", None) or {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    _count(exc.status_code, code)
+    return JSONResponse(error_body(exc.status_code, str(exc.detail), code, getattr(exc, "param", None)),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(RequestValidationError)
+async def invalid_request(request: Request, exc: RequestValidationError):
+    """422 naming each bad field and what it needs; the input is not echoed (it may be NaN, or not text)."""
+    errors = exc.errors()
+    where = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
+    message = "; ".join(f"{w or 'body'}: {e.get('msg', 'invalid')}" for w, e in zip(where, errors))
+    _count(422, "invalid_request")
+    return JSONResponse(error_body(422, message, "invalid_request", where[0] if where else None), status_code=422)
+
+
+@app.exception_handler(Exception)
+async def server_error(request: Request, exc: Exception):
+    _count(500, "internal_error")
+    return JSONResponse(error_body(500, "the server failed on this request (its log says why); it was not kept",
+                                   "internal_error"), status_code=500)
+
+
+# ------------------------------------------------------------------------------------------------------ requests
+def _valid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds {text[e.start]!r} at {e.start}, a lone surrogate, which is not text: send valid "
+                         f"UTF-8") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class SourceFile(BaseModel):
-    path: str = Field(min_length=1, max_length=1024)  # a label: it heads the file's chunks, nothing is opened by it
-    text: str
+    model_config = STRICT
+    path: Text = Field(min_length=1, max_length=1024)  # a label: it heads the file's chunks, nothing is opened by it
+    text: Text
 
 
 class MemoryRequest(BaseModel):
     """Chunk texts, or a repository's files, chunked as the corpora chunk them (pipelines.corpora.tasks.text_chunks:
     code at tree-sitter nodes, each chunk headed by its path) into chunks of at most `chunk_tokens` tokens."""
-    chunks: list[str] | None = Field(default=None, min_length=1)
+    model_config = STRICT
+    chunks: list[Text] | None = Field(default=None, min_length=1)
     files: list[SourceFile] | None = Field(default=None, min_length=1)
     chunk_tokens: int = Field(default=512, ge=16, le=8192)
 
@@ -78,16 +310,46 @@ class MemoryRequest(BaseModel):
         return self
 
 
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
 class CompletionRequest(BaseModel):
-    prompt: str
-    memory: str | None = None
-    max_tokens: int = Field(default=0, ge=0, le=4096)  # 0: the registered model's max_new_tokens
-    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    stop: str | list[str] | None = None
+    """OpenAI's completion request, the fields this server honours; any other field is refused (422 naming it)."""
+    model_config = STRICT
+    model: Text | None = None  # GET /v1/models names the one served; another name is 404
+    prompt: Text | list[Text] = Field(description="a prompt, or a list of prompts answered as one batch")
+    memory: Text | None = Field(default=None, description="this server's extension: the id of a memory to read")
+    max_tokens: int | None = Field(default=None, ge=1, le=4096, description="default: the registered model's")
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0, allow_inf_nan=False,
+                               description=f"0 (default) or below {MIN_TEMPERATURE}: greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: int = Field(default=1, ge=1, le=8)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="choice j of a seeded request samples with "
+                                                                          "seed + j: the same seed, the same answer")
+    stop: Text | list[Text] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
 
+    @field_validator("logprobs")
+    @classmethod
+    def no_logprobs(cls, value):
+        if value is not None:
+            raise ValueError("this server returns no log probabilities: leave logprobs out")
+        return value
 
-app = FastAPI(title="Awareness")
+    @model_validator(mode="after")
+    def consistent(self):
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not prompts:
+            raise ValueError("prompt: give a prompt, or a non-empty list of prompts")
+        if self.stream and (len(prompts) > 1 or self.n > 1):
+            raise ValueError("a stream answers one prompt with one choice: send n=1 and one prompt, or stream=false")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only for stream=true")
+        return self
 
 
 def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto"):
@@ -113,6 +375,22 @@ def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto
     return pyfunc
 
 
+def served_model_name(model: str, configured: str | None = None) -> str:
+    """The name responses give the model: the configured one, else a registered model's NAME/VERSION (an alias
+    resolved in the registry the pyfunc was loaded from), else an export directory's own name (never its path)."""
+    if configured:
+        return configured
+    if model.startswith("models:/"):
+        ref = model[len("models:/"):].strip("/")
+        name, _, alias = ref.partition("@")
+        if alias:
+            return f"{name}/{mlflow.MlflowClient().get_model_version_by_alias(name, alias).version}"
+        return ref
+    if model.startswith("runs:/"):
+        return "run-" + model[len("runs:/"):].strip("/").split("/")[0]
+    return Path(model).resolve().name
+
+
 def replica_tracking_uri(tracking_uri: str | None) -> str | None:
     """The tracking URI as this replica reaches it. A loopback URI names the MLflow server on the cluster's head
     (cluster.yaml runs it there, and `serve deploy` is run there): a replica on another node reaches it at the head's
@@ -133,8 +411,10 @@ class Pending:
     ids: list[int]
     memory: Any  # Memory | None
     max_tokens: int
-    temperature: float
-    first_token_at: list[float] = field(default_factory=list)
+    temperature: float  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    deadline: float = float("inf")  # time.monotonic() by which its generate stops
 
 
 class _Timing:
@@ -151,18 +431,45 @@ class _Timing:
             self.on_token(value)
 
     def end(self):
-        if self.on_token:
-            self.on_token(None)
+        pass
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+class _Until(StoppingCriteria):
+    """Stops a generate at a deadline (time.monotonic()) or when `cancelled` is set (a streaming client left)."""
+
+    def __init__(self, deadline: float, cancelled: threading.Event | None = None):
+        self.deadline, self.cancelled, self.expired = deadline, cancelled, False
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.expired = self.expired or time.monotonic() > self.deadline
+        stop = self.expired or (self.cancelled is not None and self.cancelled.is_set())
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+# overload past max_ongoing_requests + max_queued_requests: Serve answers 503 with Retry-After itself
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64,
+                  backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
 @serve.ingress(app)
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto"):
+                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto",
+                 api_keys_file: str | None = None, api_keys_env: str | None = None, model_name: str | None = None,
+                 memory_disk_mb_per_owner: float = 4096.0, max_request_mb: float = 8.0,
+                 request_timeout_s: float = 60.0):
+        self.keys = load_keys(api_keys_file, api_keys_env)  # before the model: a bad key file fails at once
+        check_open_host(serve_http_host(), self.keys)
+        if self.keys is None:
+            logger.warning(f"no API keys configured: answering loopback clients only, without keys ({KEYS_FIX})")
+        else:
+            logger.info(f"{len(self.keys)} API keys of {len({k.owner for k in self.keys})} owners "
+                        f"({sum(k.admin for k in self.keys)} admin)")
+        self.max_request_bytes = int(max_request_mb * 2**20)
+        self.request_timeout_s = float(request_timeout_s)
+        self.errors: Counter = Counter()
         self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype)
-        self.model_name = model
+        self.model_name = served_model_name(model, model_name)
+        self.created = int(time.time())
         self.reads = self.pyfunc.mode.kind  # gca: through the encoder; in_context / rag / none: in the prompt
         decoder = Path(self.pyfunc.model.config.decoder)
         # source files are chunked over the model's own tokenizer, which only a Qwen-vocabulary model has
@@ -170,12 +477,13 @@ class AwarenessServer:
                                      else None)
         self.max_chunk_tokens = int(self.pyfunc.model.memory_encoder.encoder.config.max_position_embeddings)
         self.max_memory_tokens, self.max_memory_chunks = int(max_memory_tokens), int(max_memory_chunks)
-        budget = int(memory_budget_mb * 2**20)
+        budget, disk = int(memory_budget_mb * 2**20), int(memory_disk_mb_per_owner * 2**20)
         if self.reads == "gca":
-            self.memories = MemoryCache(memory_dir, budget, self.pyfunc.encoder_identity(),
-                                        encode=self._encode_chunks, prepare=self._prepare)
+            self.memories = MemoryCache(memory_dir, budget, self.pyfunc.encoder_identity(), encode=self._encode_chunks,
+                                        prepare=self._prepare, disk_budget_bytes=disk)
         else:
-            self.memories = TextMemories(memory_dir, budget, self.reads, tokenize=self.pyfunc.chunk_token_ids)
+            self.memories = TextMemories(memory_dir, budget, self.reads, tokenize=self.pyfunc.chunk_token_ids,
+                                         disk_budget_bytes=disk)
         if self.reads == "in_context":  # the whole memory goes in the prompt: the decoder's positions bound it
             positions = int(self.pyfunc.model.decoder.config.max_position_embeddings)
             self.max_memory_tokens = min(self.max_memory_tokens, positions - IN_CONTEXT_QUESTION_ROOM)
@@ -184,6 +492,25 @@ class AwarenessServer:
         self.model_lock = threading.Lock()  # one generate at a time per replica (torch uses every core it has)
         # where the time goes (GET /v1/stats): questions per serve.batch call, generate calls and seconds inside them
         self.batching = {"batches": 0, "questions": 0, "sizes": {}, "generates": 0, "generate_s": 0.0}
+
+    def authorize(self, request: Request) -> Caller:
+        """The caller of a request: its key's owner; without keys configured, any loopback client (as LOCAL_OWNER,
+        an admin). 401 otherwise."""
+        challenge = {"WWW-Authenticate": "Bearer"}
+        if self.keys is None:
+            if is_loopback(request.client.host if request.client else None):
+                return Caller(LOCAL_OWNER, True)
+            raise ApiError(401, f"this server has no API keys and answers loopback clients only: {KEYS_FIX}",
+                           "no_keys_configured", headers=challenge)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "no API key: send the header 'Authorization: Bearer YOUR_KEY'", "missing_api_key",
+                           headers=challenge)
+        key = find_key(self.keys, token.strip())
+        if key is None:
+            raise ApiError(401, "that API key is not valid here: check it with whoever runs this server",
+                           "invalid_api_key", headers=challenge)
+        return Caller(key.owner, key.admin)
 
     # ------------------------------------------------------------------------------------------------- model
     def _encode_chunks(self, chunk_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -199,142 +526,218 @@ class AwarenessServer:
         with self.model_lock:
             return model.prepare_memory(**inputs)
 
-    def _generate(self, ids: list[list[int]], memory, max_tokens: int, temperature: float, streamer=None):
+    def _generate(self, ids: list[list[int]], memory, settings: Pending, until: _Until, streamer=None):
+        """One generate over the group's rows (one memory, prompt length and settings): their new tokens."""
         model = self.pyfunc.model
         input_ids = torch.tensor(ids, device=model.device)
-        sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+        sampling = ({"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
+                    if settings.temperature > 0 else {"do_sample": False})
         with self.model_lock, torch.no_grad(), allowing_memory_keyword(model.decoder):
             began = time.perf_counter()
+            if settings.seed is not None and settings.temperature > 0:
+                torch.manual_seed(settings.seed)  # under the lock: no other generate draws from the generator now
             # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory);
             # with lexical routing each row's question prior on a copy, the cached memory left as it was
             gca_memory = (model.with_question(memory.gca_memory, input_ids, torch.ones_like(input_ids))
                           if memory and memory.gca_memory is not None else None)
             out = model.decoder.generate(input_ids=input_ids, gca_memory=gca_memory,
-                                         max_new_tokens=max_tokens, eos_token_id=self.pyfunc.eos_token_id,
-                                         pad_token_id=self.pyfunc.pad_token_id, streamer=streamer, **sampling)
+                                         max_new_tokens=settings.max_tokens, eos_token_id=self.pyfunc.eos_token_id,
+                                         pad_token_id=self.pyfunc.pad_token_id, streamer=streamer,
+                                         stopping_criteria=StoppingCriteriaList([until]), **sampling)
             self.batching["generates"] += 1
             self.batching["generate_s"] += time.perf_counter() - began
         return out[:, input_ids.shape[1]:].tolist()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def generate_batch(self, requests: list[Pending]) -> list[tuple[list[int], float | None]]:
+    async def generate_batch(self, requests: list[Pending]) -> list[tuple[list[int], float | None, bool]]:
+        """(new tokens, when the first existed, whether the request's time ran out) for each question."""
         sizes = self.batching["sizes"]
         self.batching["batches"] += 1
         self.batching["questions"] += len(requests)
         sizes[str(len(requests))] = sizes.get(str(len(requests)), 0) + 1
         groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            key = (r.memory.id if r.memory else None, len(r.ids), r.max_tokens, r.temperature)
+        for i, r in enumerate(requests):  # a seeded sample decodes alone: its draws are its own
+            alone = i if r.seed is not None and r.temperature > 0 else None
+            key = (r.memory.id if r.memory else None, len(r.ids), r.max_tokens, r.temperature, r.top_p, alone)
             groups.setdefault(key, []).append(i)
         results: list[Any] = [None] * len(requests)
-        for (_, _, max_tokens, temperature), members in groups.items():
-            timing = _Timing()
-            outs = await asyncio.to_thread(self._generate, [requests[i].ids for i in members],
-                                           requests[members[0]].memory, max_tokens, temperature, timing)
+        for members in groups.values():
+            timing, first = _Timing(), requests[members[0]]
+            until = _Until(min(requests[i].deadline for i in members))
+            try:
+                outs = await asyncio.to_thread(self._generate, [requests[i].ids for i in members], first.memory,
+                                               first, until, timing)
+            except Exception as e:  # noqa: BLE001 - this group's requests fail; the batch's others are answered
+                logger.exception("generate failed")
+                outs = [e] * len(members)
             for i, out in zip(members, outs):
-                results[i] = (out, timing.first)
+                results[i] = (out, timing.first, until.expired)
         return results
 
     # ------------------------------------------------------------------------------------------------- memories
-    def _memory(self, id: str):
+    def _memory(self, owner: str, id: str):
         if not ID.match(id):
-            raise HTTPException(404, f"no memory {id!r} (ids are 64 hex digits): {CREATE}")
+            raise ApiError(404, f"no such memory (ids are 64 hex digits): {CREATE}", "memory_not_found", "memory")
         try:
-            return self.memories.get(id)
-        except UnknownMemory:
-            raise HTTPException(404, f"no memory {id!r} on this server: {CREATE}") from None
-        except StoreMismatch as e:
-            raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
+            return self.memories.get(owner, id)
+        except UnknownMemory:  # absent, or another owner's: one answer
+            raise ApiError(404, f"no memory {id} for this key: {CREATE}", "memory_not_found", "memory") from None
+        except StoreMismatch:
+            raise ApiError(409, f"memory {id} on this server was encoded by another encoder than this model's: "
+                                f"{CREATE} again", "encoder_mismatch", "memory") from None
 
     def _chunk_files(self, files: list[SourceFile], chunk_tokens: int) -> list[str]:
         """A repository's files as memory chunks, the corpora's chunker over the model's own tokenizer."""
         if self.repository_tokenizer is None:
-            raise HTTPException(422, "this model reads the needle vocabulary (stage 0's synthetic task), which has "
-                                     'no tokens for source files: send "chunks" instead of "files"')
+            raise ApiError(422, "this model reads the needle vocabulary (stage 0's synthetic task), which has "
+                                'no tokens for source files: send "chunks" instead of "files"', "files_unsupported",
+                           "files")
         if chunk_tokens > self.max_chunk_tokens:
-            raise HTTPException(422, f"chunk_tokens {chunk_tokens}: this model's encoder reads chunks of at most "
-                                     f"{self.max_chunk_tokens} tokens")
+            raise ApiError(422, f"chunk_tokens {chunk_tokens}: this model's encoder reads chunks of at most "
+                                f"{self.max_chunk_tokens} tokens", "chunk_too_long", "chunk_tokens")
         return [chunk.text for f in files for chunk in text_chunks(f.path, readable_text(f.path, f.text),
                                                                    self.repository_tokenizer, chunk_tokens)]
 
-    @app.post("/v1/memories")
-    async def create_memory(self, body: MemoryRequest):
+    @app.post("/v1/memories", status_code=201, responses={200: {"description": "already held for this key"},
+                                                           413: {"description": "over a size limit"},
+                                                           409: {"description": "another encoder's store"}})
+    async def create_memory(self, body: MemoryRequest, who: Caller = Depends(caller)):
         chunks = body.chunks
         if body.files is not None:
             size = sum(len(f.text) for f in body.files)
             if size > MAX_CHARS_PER_TOKEN * self.max_memory_tokens:  # refused before any tokenizing
-                raise HTTPException(413, f"{size} characters of files: this server takes at most "
-                                         f"{self.max_memory_tokens} tokens a memory")
+                raise ApiError(413, f"{size} characters of files: this server takes at most "
+                                    f"{self.max_memory_tokens} tokens a memory", "memory_too_large", "files")
             chunks = await asyncio.to_thread(self._chunk_files, body.files, body.chunk_tokens)
             if not chunks:
-                raise HTTPException(422, "the files hold no text to remember")
+                raise ApiError(422, "the files hold no text to remember", "empty_memory", "files")
         if len(chunks) > self.max_memory_chunks:
-            raise HTTPException(413, f"{len(chunks)} chunks: this server takes at most "
-                                     f"{self.max_memory_chunks} chunks and {self.max_memory_tokens} tokens a memory")
+            raise ApiError(413, f"{len(chunks)} chunks: this server takes at most {self.max_memory_chunks} chunks "
+                                f"and {self.max_memory_tokens} tokens a memory", "memory_too_large", "chunks")
+        size = sum(len(c) for c in chunks)
+        if size > MAX_CHARS_PER_TOKEN * self.max_memory_tokens:  # refused before any tokenizing
+            raise ApiError(413, f"{size} characters of chunks: this server takes at most {self.max_memory_tokens} "
+                                f"tokens a memory", "memory_too_large", "chunks")
         token_ids = self.pyfunc.chunk_token_ids(chunks)
         tokens = sum(len(c) for c in token_ids)
         if tokens > self.max_memory_tokens:
-            raise HTTPException(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
-                                     f"(and {self.max_memory_chunks} chunks) a memory")
+            raise ApiError(413, f"{tokens} tokens: this server takes at most {self.max_memory_tokens} tokens "
+                                f"(and {self.max_memory_chunks} chunks) a memory", "memory_too_large", "chunks")
         if any(not c for c in token_ids):
-            raise HTTPException(422, "every chunk needs at least one token")
+            raise ApiError(422, "every chunk needs at least one token", "empty_chunk", "chunks")
+        longest = max(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        if self.reads == "gca" and len(token_ids[longest]) > self.max_chunk_tokens:  # checked before encoding
+            raise ApiError(413, f"chunk {longest} has {len(token_ids[longest])} tokens; this model's encoder reads "
+                                f"at most {self.max_chunk_tokens} a chunk: split it", "chunk_too_long", "chunks")
         try:
-            memory, how = await asyncio.to_thread(self.memories.create, chunks, token_ids)
-        except StoreMismatch as e:
-            raise HTTPException(409, str(e).replace(str(self.memories.directory), "MEMORY_DIR")) from None
+            memory, how = await asyncio.to_thread(self.memories.create, who.owner, chunks, token_ids)
+        except StoreMismatch:
+            raise ApiError(409, "a memory of these chunks on this server was encoded by another encoder than this "
+                                "model's", "encoder_mismatch") from None
+        except OverDiskBudget as e:
+            raise ApiError(413, f"{e}: delete memories you no longer need (DELETE /v1/memories/ID)",
+                           "memory_disk_budget", "chunks") from None
         return JSONResponse(memory.describe() | {"source": how}, status_code=201 if how == "encoded" else 200)
 
     @app.get("/v1/memories/{id}")
-    async def get_memory(self, id: str):
-        memory, how = await asyncio.to_thread(self._memory, id)
+    async def get_memory(self, id: str, who: Caller = Depends(caller)):
+        memory, how = await asyncio.to_thread(self._memory, who.owner, id)
         return memory.describe() | {"source": how}
 
     @app.delete("/v1/memories/{id}")
-    async def delete_memory(self, id: str):
+    async def delete_memory(self, id: str, who: Caller = Depends(caller)):
         if not ID.match(id):
-            raise HTTPException(404, f"no memory {id!r}: {CREATE}")
+            raise ApiError(404, f"no such memory (ids are 64 hex digits): {CREATE}", "memory_not_found")
         try:
-            self.memories.delete(id)
+            self.memories.delete(who.owner, id)
         except UnknownMemory:
-            raise HTTPException(404, f"no memory {id!r} on this server: {CREATE}") from None
-        return {"id": id, "deleted": True}
+            raise ApiError(404, f"no memory {id} for this key: {CREATE}", "memory_not_found") from None
+        return {"id": id, "object": "memory", "deleted": True}
 
     @app.get("/v1/stats")
-    async def stats(self):
+    async def stats(self, who: Caller = Depends(admin_caller)):
         with self.memories.lock:
-            held = {"memories": len(self.memories.entries), "bytes": sum(m.nbytes for m in self.memories.entries.values())}
+            held = {"memories": len(self.memories.entries),
+                    "bytes": sum(m.nbytes for m in self.memories.entries.values())}
         return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts,
-                "batching": self.batching}
+                "batching": self.batching, "errors": dict(self.errors)}
+
+    @app.get("/v1/models")
+    async def models(self, who: Caller = Depends(caller)):
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(self, name: str, who: Caller = Depends(caller)):
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} is not served here; GET /v1/models lists the one that is",
+                           "model_not_found", "model")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "awareness",
+                "reads": self.reads}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request, who: Caller = Depends(caller)):
+        return request.app.openapi()
 
     # ------------------------------------------------------------------------------------------------- questions
-    @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        start = time.perf_counter()
-        memory = (await asyncio.to_thread(self._memory, body.memory))[0] if body.memory else None
-        ids = self.pyfunc.tokenizer.encode(body.prompt).ids
-        if not ids:
-            raise HTTPException(422, "the prompt has no tokens")
+    def _prompt_ids(self, prompt: str, memory, index: int) -> list[int]:
+        ids = self.pyfunc.tokenizer.encode(prompt).ids
+        if not self.pyfunc.tokenizer.encode(prompt, add_special_tokens=False).ids:  # a <bos> alone is no question
+            raise ApiError(422, f"prompt {index} is empty (no tokens): send the question to answer", "empty_prompt",
+                           "prompt")
         vocab = self.pyfunc.model.decoder.config.vocab_size
         if max(ids) >= vocab:
-            raise HTTPException(422, f"the prompt holds token ids >= the decoder's vocabulary ({vocab})")
+            raise ApiError(422, f"the prompt holds token ids >= the decoder's vocabulary ({vocab})", "bad_tokens",
+                           "prompt")
         if self.reads != "gca":  # a baseline reads its memory in the prompt (all of it, its BM25 top-k, or none)
             ids = self.pyfunc.prompt_with_memory(ids, memory.chunk_ids if memory else [])
-        max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
         positions = self.pyfunc.model.decoder.config.max_position_embeddings
         if len(ids) > positions:  # the answer may run past them (rotary positions extrapolate), the prompt may not
-            raise HTTPException(422, f"{len(ids)} prompt tokens{' with the memory' if self.reads != 'gca' else ''} "
-                                     f"exceed the decoder's {positions} positions")
+            raise ApiError(422, f"{len(ids)} prompt tokens{' with the memory' if self.reads != 'gca' else ''} "
+                                f"exceed the decoder's {positions} positions", "prompt_too_long", "prompt")
+        return ids
+
+    @app.post("/v1/completions", responses={200: {"content": {"text/event-stream": {}},
+                                                  "description": "a completion, or its server-sent events"}})
+    async def completions(self, body: CompletionRequest, who: Caller = Depends(caller)):
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.request_timeout_s
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} is not served here; GET /v1/models lists the one that is",
+                           "model_not_found", "model")
+        memory = (await asyncio.to_thread(self._memory, who.owner, body.memory))[0] if body.memory else None
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        prompt_ids = [self._prompt_ids(p, memory, i) for i, p in enumerate(prompts)]
+        max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
+        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
         if body.stream:
-            return StreamingResponse(self._stream(body, ids, memory, max_tokens, stops, start),
-                                     media_type="text/event-stream")
-        out, first = await self.generate_batch(Pending(ids, memory, max_tokens, body.temperature))
-        text, reason = self._finish(out, stops, max_tokens)
-        self._log(memory, len(ids), len(out), first, start)
-        return {"object": "text_completion", "model": self.model_name, "memory": memory.id if memory else None,
-                "choices": [{"index": 0, "text": text, "finish_reason": reason}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                          "total_tokens": len(ids) + len(out)}}
+            settings = Pending(prompt_ids[0], memory, max_tokens, temperature, body.top_p, body.seed, deadline)
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(head, settings, stops, usage, start), media_type="text/event-stream")
+        asked = [Pending(ids, memory, max_tokens, temperature, body.top_p,
+                         None if body.seed is None else body.seed + j, deadline)
+                 for ids in prompt_ids for j in range(body.n)]
+        answers = await asyncio.gather(*(self.generate_batch(p) for p in asked))
+        choices, completion_tokens = [], 0
+        for index, (out, first, expired) in enumerate(answers):
+            if isinstance(out, Exception):
+                raise out
+            if expired:
+                raise ApiError(504, f"the request ran past this server's {self.request_timeout_s:g} s limit "
+                                    f"(request_timeout_s): ask for fewer max_tokens", "timeout")
+            text, reason = self._finish(out, stops, max_tokens)
+            choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": None})
+            completion_tokens += len(out)
+            self._log(memory, len(asked[index].ids), len(out), first, start)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        return head | {"memory": memory.id if memory else None, "choices": choices,
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                 "total_tokens": prompt_tokens + completion_tokens}}
 
     def _answer_ids(self, out: list[int]) -> tuple[list[int], bool]:
         eos = self.pyfunc.eos_token_id if isinstance(self.pyfunc.eos_token_id, list) else [self.pyfunc.eos_token_id]
@@ -349,39 +752,68 @@ class AwarenessServer:
             return text[:cut], "stop"
         return text, "stop" if ended or len(out) < max_tokens else "length"
 
-    async def _stream(self, body: CompletionRequest, ids, memory, max_tokens: int, stops: list[str], start: float):
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        timing = _Timing(lambda value: loop.call_soon_threadsafe(
-            queue.put_nowait, None if value is None else value.reshape(-1).tolist()))
-        task = asyncio.ensure_future(asyncio.to_thread(self._generate, [ids], memory, max_tokens, body.temperature,
-                                                       timing))
-        out, sent, done = [], "", False
-        while not done:
-            step = await queue.get()
-            if step is None:
-                break
-            out += step
-            answer, ended = self._answer_ids(out)
-            text = self.pyfunc.decode(answer)
-            cut = min((text.index(s) for s in stops if s and s in text), default=None)
-            if cut is not None:
-                text, done = text[:cut], True
-            if ended:
-                done = True
-            if len(text) > len(sent) and text.startswith(sent):
-                yield self._event({"choices": [{"index": 0, "text": text[len(sent):], "finish_reason": None}]})
-                sent = text
-        await task
-        final, reason = self._finish(out, stops, max_tokens)
-        if final.startswith(sent) and len(final) > len(sent):
-            yield self._event({"choices": [{"index": 0, "text": final[len(sent):], "finish_reason": None}]})
-        yield self._event({"choices": [{"index": 0, "text": "", "finish_reason": reason}]})
-        yield "data: [DONE]\n\n"
-        self._log(memory, len(ids), len(out), timing.first, start)
+    async def _stream(self, head: dict[str, Any], settings: Pending, stops: list[str], usage: bool, start: float):
+        """The completion's server-sent events: its text as it grows, the finish reason, `usage` when asked, then
+        [DONE]; an error event (and no [DONE]) when the generate fails or runs out of time. A client that leaves
+        stops the generate at its next token."""
+        loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        timing = _Timing(lambda value: loop.call_soon_threadsafe(queue.put_nowait, value.reshape(-1).tolist()))
+        until = _Until(settings.deadline, cancelled)
 
-    @staticmethod
-    def _event(data: dict[str, Any]) -> str:
-        return f"data: {json.dumps(data)}\n\n"
+        def run():
+            try:
+                return self._generate([settings.ids], settings.memory, settings, until, timing)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        def event(choice: dict[str, Any] | None, **more) -> str:
+            data = head | {"choices": [] if choice is None else [{"index": 0, "logprobs": None} | choice]}
+            return f"data: {json.dumps(data | ({'usage': None} if usage else {}) | more)}\n\n"
+
+        task = asyncio.ensure_future(asyncio.to_thread(run))
+        out, sent, done = [], "", False
+        try:
+            while not done:
+                step = await queue.get()
+                if step is None:
+                    break
+                out += step
+                answer, ended = self._answer_ids(out)
+                text = self.pyfunc.decode(answer)
+                cut = min((text.index(s) for s in stops if s and s in text), default=None)
+                if cut is not None:
+                    text, done = text[:cut], True
+                if ended:
+                    done = True
+                if len(text) > len(sent) and text.startswith(sent):
+                    yield event({"text": text[len(sent):], "finish_reason": None})
+                    sent = text
+            cancelled.set()  # an answer cut at a stop string needs no more tokens
+            try:
+                await task
+            except Exception as e:  # noqa: BLE001 - the client gets an error event, the log the traceback
+                logger.exception("streamed generate failed")
+                _count(500, "stream_failed")
+                failed = error_body(500, f"the generate failed ({type(e).__name__}); the log says why", "stream_failed")
+                yield f"data: {json.dumps(failed)}\n\n"
+                return
+            if until.expired:
+                _count(504, "timeout")
+                message = (f"the request ran past this server's {self.request_timeout_s:g} s limit "
+                           f"(request_timeout_s): ask for fewer max_tokens")
+                yield f"data: {json.dumps(error_body(504, message, 'timeout'))}\n\n"
+                return
+            final, reason = self._finish(out, stops, settings.max_tokens)
+            if final.startswith(sent) and len(final) > len(sent):
+                yield event({"text": final[len(sent):], "finish_reason": None})
+            yield event({"text": "", "finish_reason": reason})
+            if usage:
+                yield event(None, usage={"prompt_tokens": len(settings.ids), "completion_tokens": len(out),
+                                         "total_tokens": len(settings.ids) + len(out)})
+            yield "data: [DONE]\n\n"
+            self._log(settings.memory, len(settings.ids), len(out), timing.first, start)
+        finally:
+            cancelled.set()  # a client that left stops the generate at its next token
 
     def _log(self, memory, tokens_in: int, tokens_out: int, first: float | None, start: float) -> None:
         now = time.perf_counter()
@@ -392,8 +824,10 @@ class AwarenessServer:
 
 def build(args: dict[str, Any]):
     """The application for `serve run` / `serve deploy` (import_path: pipelines.serving.app:build): `args` are
-    AwarenessServer's keyword arguments (model, memory_dir, memory_budget_mb, max_memory_tokens, ...); the tracking
-    server comes from `tracking_uri` or MLFLOW_TRACKING_URI."""
+    AwarenessServer's keyword arguments (model, memory_dir, api_keys_file / api_keys_env, memory_budget_mb,
+    max_memory_tokens, ...), and `max_ongoing_requests` / `max_queued_requests` the deployment's own (the config's
+    `deployments:` section sets them too); the tracking server comes from `tracking_uri` or MLFLOW_TRACKING_URI."""
     args = dict(args)
     args.setdefault("tracking_uri", os.environ.get("MLFLOW_TRACKING_URI"))
-    return AwarenessServer.bind(**args)
+    options = {k: int(args.pop(k)) for k in ("max_ongoing_requests", "max_queued_requests") if k in args}
+    return (AwarenessServer.options(**options) if options else AwarenessServer).bind(**args)

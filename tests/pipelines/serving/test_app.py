@@ -1,7 +1,8 @@
 """The Ray Serve application over real HTTP on loopback: a tiny export registered in a real `mlflow server`, served
-from `models:/NAME@candidate`; memories created, deduplicated, evicted and reloaded from disk; every 4xx; streaming;
-answers equal to the pyfunc's; a replica killed mid-request (the requests end at once, the next replica reads the
-memory from disk)."""
+from `models:/NAME@candidate` behind API keys (read from an environment variable the config names); memories created,
+deduplicated, evicted and reloaded from disk, each its owner's alone; every 4xx; streaming; answers equal to the
+pyfunc's; no server path in any response; a replica killed mid-request (the requests end at once, the next replica
+reads the memory from disk)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,13 +21,32 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from pipelines.memory.store import write
-from pipelines.serving.app import AwarenessServer
+from pipelines.serving.app import ApiKey, AwarenessServer, check_open_host, load_keys
 from pipelines.serving.loopback import free_port
+from pipelines.serving.memories import owner_directory
 from pipelines.serving.tiny import needle_questions, register_tiny_export
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[3]
 NAME = "awareness-serve-test"
+KEYS_ENV = "AWARENESS_TEST_API_KEYS"
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef", "root": "root-key-0123456789abcdef"}
+ALICE = {"Authorization": f"Bearer {KEYS['alice']}"}
+BOB = {"Authorization": f"Bearer {KEYS['bob']}"}
+ADMIN = {"Authorization": f"Bearer {KEYS['root']}"}
+DISK_MB_PER_OWNER = 0.5
+
+
+def stored(memory_dir: Path, id: str, owner: str = "alice") -> Path:
+    """Where a memory of `owner` lives on the server's disk."""
+    return memory_dir / owner_directory(owner) / id
+
+
+def message(response) -> str:
+    """The message of an error in OpenAI's shape ({"error": {"message", "type", "code"}})."""
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    return body["error"]["message"]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +66,15 @@ def server(registered, mlflow_server, tmp_path_factory):
 
     memory_dir = tmp_path_factory.mktemp("memories")
     port = free_port()
+    keys = f"alice:{KEYS['alice']},bob:{KEYS['bob']} root:{KEYS['root']}:admin"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", KEYS_ENV: keys}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"model": registered, "memory_dir": str(memory_dir), "tracking_uri": mlflow_server.uri,
-            "max_memory_tokens": 400, "memory_budget_mb": 0.001}  # ~1 KB: one warm memory
+            "max_memory_tokens": 400, "memory_budget_mb": 0.001,  # ~1 KB: one warm memory
+            "api_keys_env": KEYS_ENV, "memory_disk_mb_per_owner": DISK_MB_PER_OWNER, "max_request_mb": 1}
     serve.run(build(args), name="awareness", route_prefix="/")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=ALICE)
 
     def restart(**changes):  # new replicas (a restart): the cache starts empty, the disk store stays
         serve.run(build(args | changes), name="awareness", route_prefix="/")
@@ -84,11 +107,11 @@ def test_memory_create_dedup_get_delete(server):
     again = client.post("/v1/memories", json={"chunks": rows[0]["memory"]})
     assert again.status_code == 200 and again.json()["id"] == body["id"] and again.json()["source"] == "cache"
     assert client.get(f"/v1/memories/{body['id']}").json()["tokens"] == body["tokens"]
-    assert (memory_dir / body["id"] / "store.json").is_file()
+    assert (stored(memory_dir, body["id"]) / "store.json").is_file()
     assert client.delete(f"/v1/memories/{body['id']}").status_code == 200
-    assert not (memory_dir / body["id"]).exists()
+    assert not stored(memory_dir, body["id"]).exists()
     missing = client.get(f"/v1/memories/{body['id']}")
-    assert missing.status_code == 404 and "POST /v1/memories" in missing.json()["detail"]
+    assert missing.status_code == 404 and "POST /v1/memories" in message(missing)
     assert client.delete(f"/v1/memories/{body['id']}").status_code == 404
 
 
@@ -104,9 +127,9 @@ def test_answers_equal_the_pyfunc_batched_and_streamed(server, pyfunc):
             ids[key] = client.post("/v1/memories", json={"chunks": row["memory"]}).json()["id"]
     rows = rows[:8]
     expected = [pyfunc.predict(row)[0] for row in rows]
-    stored = [pyfunc.predict({"question": r["question"], "memory_store": str(memory_dir / ids[tuple(r["memory"])])})[0]
-              for r in rows]
-    assert stored == expected  # the store's memory reads as the chunk texts do
+    from_store = [pyfunc.predict({"question": r["question"],
+                                  "memory_store": str(stored(memory_dir, ids[tuple(r["memory"])]))})[0] for r in rows]
+    assert from_store == expected  # the store's memory reads as the chunk texts do
 
     def ask(row):
         response = client.post("/v1/completions", json={"prompt": row["question"], "memory": ids[tuple(row["memory"])]})
@@ -130,11 +153,11 @@ def test_answers_equal_the_pyfunc_batched_and_streamed(server, pyfunc):
 def test_bad_input_gets_a_clear_4xx(server, checkpoint_root):
     client, memory_dir, _, _ = server
     unknown = client.post("/v1/completions", json={"prompt": "k1 =", "memory": "0" * 64})
-    assert unknown.status_code == 404 and "POST /v1/memories" in unknown.json()["detail"]
+    assert unknown.status_code == 404 and "POST /v1/memories" in message(unknown)
     for bad in ["../../etc", "%2e%2e%2fetc", str(memory_dir)]:  # never a path
         assert client.post("/v1/completions", json={"prompt": "k1 =", "memory": bad}).status_code == 404
     big = client.post("/v1/memories", json={"chunks": ["k1 = 2 ;" * 200]})
-    assert big.status_code == 413 and "400 tokens" in big.json()["detail"]
+    assert big.status_code == 413 and "400 tokens" in message(big)
     assert client.post("/v1/memories", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
     assert client.post("/v1/memories", json={"chunks": "one string"}).status_code == 422
     assert client.post("/v1/memories", json={"chunks": []}).status_code == 422
@@ -144,10 +167,10 @@ def test_bad_input_gets_a_clear_4xx(server, checkpoint_root):
     from pipelines.memory.store import EncoderIdentity
 
     other = EncoderIdentity("elsewhere", "c" * 64, "w" * 64, None, "causal", 64, "float32")
-    write(memory_dir / ("e" * 64), [("m", 0, "k1 = 2 ;")], [torch.zeros(3, 64)], [[5, 6, 7]], other)
+    write(stored(memory_dir, "e" * 64), [("m", 0, "k1 = 2 ;")], [torch.zeros(3, 64)], [[5, 6, 7]], other)
     conflict = client.post("/v1/completions", json={"prompt": "k1 =", "memory": "e" * 64})
-    assert conflict.status_code == 409 and "another encoder" in conflict.json()["detail"]
-    assert str(memory_dir) not in conflict.json()["detail"]
+    assert conflict.status_code == 409 and "another encoder" in message(conflict)
+    assert str(memory_dir) not in conflict.text and "elsewhere" not in conflict.text
 
 
 def test_lru_evicts_under_a_tiny_budget_and_a_restart_reloads_from_disk(server):
@@ -157,25 +180,26 @@ def test_lru_evicts_under_a_tiny_budget_and_a_restart_reloads_from_disk(server):
     a = client.post("/v1/memories", json={"chunks": first}).json()
     b = client.post("/v1/memories", json={"chunks": second}).json()
     assert a["source"] == b["source"] == "encoded"
-    stats = client.get("/v1/stats").json()
+    stats = client.get("/v1/stats", headers=ADMIN).json()
     assert stats["memories"] == 1 and stats["evicted"] >= 1 and stats["bytes"] == b["bytes"]
     assert client.get(f"/v1/memories/{a['id']}").json()["source"] == "disk"  # evicted, reloaded, not re-encoded
     restart(memory_budget_mb=1024)
     assert client.get(f"/v1/memories/{b['id']}").json()["source"] == "disk"
     again = client.post("/v1/memories", json={"chunks": first}).json()
     assert again["id"] == a["id"] and again["source"] == "disk"
-    assert client.get("/v1/stats").json()["encoded"] == 0
+    assert client.get("/v1/stats", headers=ADMIN).json()["encoded"] == 0
 
 
 def test_documented_curl_commands_run(server):
-    """docs/serving.md's curl commands, against this server (its port; MEMORY_ID from the create command)."""
+    """docs/serving.md's curl commands, against this server (its port; MEMORY from the create command, AWARENESS_KEY
+    a key)."""
     client, _, _, port = server
     text = (ROOT / "docs" / "serving.md").read_text().replace("\\\n", " ")
     commands = re.findall(r"^(curl [^\n]+)$", text, flags=re.M)
     assert len(commands) >= 4, commands
     memory = None
     for command in commands:
-        command = command.replace("localhost:8000", f"127.0.0.1:{port}")
+        command = command.replace("localhost:8000", f"127.0.0.1:{port}").replace("$AWARENESS_KEY", KEYS["alice"])
         if memory:
             command = command.replace("$MEMORY", memory)
         elif "$MEMORY" in command:
@@ -211,7 +235,6 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     gets the same answer, and the new replica's GET /v1/stats counters say it read that memory from MEMORY_DIR
     (loaded 1, encoded 0) into an empty cache, not re-encoded it."""
     import threading
-    import time
 
     import httpx
     import ray
@@ -234,7 +257,8 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     def ask(kind: str):  # its own client and timeout: a hang fails the join below, it does not stall the suite
         outcome, events = outcomes[kind], []
         try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=90 if kind == "gap" else 60) as own:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=90 if kind == "gap" else 60,
+                              headers=ALICE) as own:
                 if kind != "stream":
                     r = own.post("/v1/completions", json=requests[kind])
                     outcome["status"], outcome["body"] = r.status_code, r.text
@@ -297,12 +321,12 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
         if outcome["status"] == 200:
             assert json.loads(outcome["body"])["choices"][0]["finish_reason"] in ("stop", "length")
 
-    stats = client.get("/v1/stats").json()
+    stats = client.get("/v1/stats", headers=ADMIN).json()
     assert stats["encoded"] == stats["loaded"] == stats["memories"] == 0, stats  # a new replica: an empty cache
     after = client.post("/v1/completions", json=question)  # the same id, not created again
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["text"] == answer
-    stats = client.get("/v1/stats").json()
+    stats = client.get("/v1/stats", headers=ADMIN).json()
     assert stats["loaded"] == 1 and stats["encoded"] == 0, stats  # read back from MEMORY_DIR, not re-encoded
     assert client.get(f"/v1/memories/{memory}").json()["source"] == "cache"
 
@@ -343,7 +367,7 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
     client, _, restart, _ = server
     files = [{"path": "shapes/geometry.py", "text": SHAPES_PY}, {"path": "/etc/passwd", "text": "not this file"}]
     refused = client.post("/v1/memories", json={"files": files})
-    assert refused.status_code == 422 and 'send "chunks"' in refused.json()["detail"]
+    assert refused.status_code == 422 and 'send "chunks"' in message(refused)
     both = client.post("/v1/memories", json={"files": files, "chunks": ["x"]})
     assert both.status_code == 422 and "one of the two" in both.text
 
@@ -366,7 +390,7 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
                                                      "max_tokens": 3})
         assert asked.status_code == 200, asked.text
         too_long = client.post("/v1/memories", json={"files": files, "chunk_tokens": 4096})
-        assert too_long.status_code == 422 and "1024 tokens" in too_long.json()["detail"]
+        assert too_long.status_code == 422 and "1024 tokens" in message(too_long)
     finally:
         restart()
 
@@ -390,7 +414,7 @@ def test_a_baseline_is_served_with_its_memory_in_the_prompt(server, tmp_path, ch
         memory = created.json()
         assert memory["encoder"] is None and memory["chunks"] == len(rows[0]["memory"])
         assert memory["tokens"] == sum(len(ids) for ids in reference.chunk_token_ids(rows[0]["memory"]))
-        assert (memory_dir / memory["id"] / "chunks.json").is_file()
+        assert (stored(memory_dir, memory["id"]) / "chunks.json").is_file()
         again = client.post("/v1/memories", json={"chunks": rows[0]["memory"]})
         assert again.status_code == 200 and again.json()["id"] == memory["id"]
         expected = reference.predict(None, rows[:3], {"max_new_tokens": 4})
@@ -448,3 +472,298 @@ def test_a_replica_on_a_gpu_node_reaches_the_heads_mlflow_server(monkeypatch):
     assert replica_tracking_uri(None) is None
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.5")
     assert replica_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+# ------------------------------------------------------------------------------------------- keys and owners
+def test_every_route_answers_only_to_a_valid_key_and_stats_only_to_an_admin_key(server):
+    import httpx
+
+    client, _, _, port = server
+    routes = [("POST", "/v1/memories", {"chunks": ["k1 = 2 ;"]}), ("GET", "/v1/memories/" + "0" * 64, None),
+              ("DELETE", "/v1/memories/" + "0" * 64, None), ("POST", "/v1/completions", {"prompt": "k1 ="}),
+              ("GET", "/v1/models", None), ("GET", "/v1/stats", None), ("GET", "/openapi.json", None)]
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anonymous:
+        for method, path, body in routes:
+            for headers in ({}, {"Authorization": "Bearer " + KEYS["alice"][:-1] + "X"}, {"Authorization": "alice"},
+                            {"Authorization": KEYS["alice"]}):
+                refused = anonymous.request(method, path, json=body, headers=headers)
+                assert refused.status_code == 401, (method, path, headers, refused.text)
+                assert refused.headers["www-authenticate"] == "Bearer" and "API key" in message(refused)
+        # the key is checked before the body: a bad body without a key is 401, not a 422 that describes the schema
+        assert anonymous.post("/v1/completions", json={"max_tokens": "x"}).status_code == 401
+        assert anonymous.get("/docs").status_code == 404  # off: the schema is /openapi.json, behind a key
+    assert client.get("/openapi.json").json()["paths"]["/v1/completions"]
+    assert client.get("/v1/models").status_code == 200
+    forbidden = client.get("/v1/stats")
+    assert forbidden.status_code == 403 and "admin key" in message(forbidden)
+    stats = client.get("/v1/stats", headers=ADMIN).json()
+    assert stats["errors"]["401 invalid_api_key"] >= 7 and stats["errors"]["401 missing_api_key"] >= 7
+
+
+def test_a_memory_is_its_owners_alone_and_nobody_learns_what_another_stored(server):
+    client, memory_dir, _, _ = server
+    rows, _ = needle_questions(seed=21, memories=1)
+    chunks = rows[0]["memory"]
+    created = client.post("/v1/memories", json={"chunks": chunks})
+    assert created.status_code == 201, created.text
+    id = created.json()["id"]
+    absent = "f" * 64
+    for method, path, body in [("GET", "/v1/memories/{}", None), ("DELETE", "/v1/memories/{}", None),
+                               ("POST", "/v1/completions", {"prompt": rows[0]["question"], "memory": "{}"})]:
+        answers = []
+        for target in (id, absent):
+            sent = json.loads(json.dumps(body).replace("{}", target)) if body else None
+            response = client.request(method, path.format(target), json=sent, headers=BOB)
+            assert response.status_code == 404, (method, response.text)
+            answers.append(message(response).replace(target, "ID"))
+        assert answers[0] == answers[1]  # Alice's memory and no memory read the same to Bob
+    # Bob sending Alice's text gets his own memory, with the status of a text never seen: nothing tells him she has it
+    bobs = client.post("/v1/memories", json={"chunks": chunks}, headers=BOB)
+    assert bobs.status_code == 201 and bobs.json()["source"] == "encoded" and bobs.json()["id"] != id
+    assert client.get(f"/v1/memories/{id}").status_code == 200  # Bob's DELETE did not touch Alice's memory
+    asked = client.post("/v1/completions", json={"prompt": rows[0]["question"], "memory": id, "max_tokens": 4})
+    assert asked.status_code == 200, asked.text
+    assert client.delete(f"/v1/memories/{bobs.json()['id']}", headers=BOB).status_code == 200
+    assert client.get(f"/v1/memories/{id}").status_code == 200
+
+
+def test_an_owners_memories_on_disk_have_a_budget(server):
+    """Each key's memories on disk are bounded (memory_disk_mb_per_owner): past it, 413 naming the fix; another
+    owner is not affected, and deleting makes room."""
+    client, memory_dir, _, _ = server
+    made, refused = [], None
+    for i in range(40):
+        response = client.post("/v1/memories", headers=BOB, json={"chunks": [f"k{i} = {i % 10} 1 2 ; " * 12,
+                                                                      f"k{i + 50} = 3 {i % 10} 4 ; " * 12]})
+        if response.status_code == 413:
+            refused = response
+            break
+        assert response.status_code == 201, response.text
+        made.append(response.json()["id"])
+    assert refused is not None and made, "no memory was refused"
+    assert "bytes each key may keep" in message(refused) and "DELETE /v1/memories" in message(refused)
+    used = sum(f.stat().st_size for f in (memory_dir / owner_directory("bob")).rglob("*") if f.is_file())
+    assert used <= DISK_MB_PER_OWNER * 2**20
+    assert client.post("/v1/memories", json={"chunks": ["k1 = 5 5 5 ;"]}).status_code in (200, 201)  # Alice
+    for id in made:
+        assert client.delete(f"/v1/memories/{id}", headers=BOB).status_code == 200
+
+
+def test_no_response_names_a_server_path(server, registered, checkpoint_root, mlflow_server):
+    """Every response body and header, successes and errors alike: no memory directory, checkpoint or registry
+    path; `model` is the registered name and version."""
+    client, memory_dir, _, _ = server
+    rows, _ = needle_questions(seed=23, memories=1)
+    responses = [client.post("/v1/memories", json={"chunks": rows[0]["memory"]})]
+    id = responses[0].json()["id"]
+    question = {"prompt": rows[0]["question"], "memory": id, "max_tokens": 4}
+    responses += [client.get(f"/v1/memories/{id}"), client.post("/v1/completions", json=question),
+                  client.post("/v1/completions", json=question | {"stream": True}), client.get("/v1/models"),
+                  client.get("/v1/stats", headers=ADMIN), client.get("/openapi.json"),
+                  client.post("/v1/completions", json={"prompt": "k1 =", "memory": str(memory_dir)}),
+                  client.post("/v1/completions", json={"prompt": "k1 =", "memory": "e" * 64}),
+                  client.post("/v1/memories", json={"chunks": ["k1 = 2 ;" * 200]})]
+    completion = responses[2].json()
+    assert completion["model"] == f"{NAME}/1" and responses[4].json()["data"][0]["id"] == f"{NAME}/1"
+    assert "checkpoint" not in responses[1].json()["encoder"] and responses[1].json()["encoder"]["hidden_size"] > 0
+    paths = {str(memory_dir), str(checkpoint_root), str(Path(checkpoint_root).parent), "/tmp/", str(ROOT),
+             mlflow_server.uri}
+    for response in responses:
+        seen = response.text + json.dumps(dict(response.headers))
+        assert not [p for p in paths if p in seen], (response.request.url, seen[:500])
+
+
+def test_without_keys_the_server_answers_loopback_only_and_refuses_to_listen_elsewhere(server, tmp_path,
+                                                                                          monkeypatch):
+    """No keys configured: `serve run` on loopback answers without a key and logs that it does; a server on any
+    other host refuses to start, naming the fix. Keys from a file are read as from the environment."""
+    import httpx
+
+    client, _, restart, port = server
+    with pytest.raises(ValueError, match="no API keys are configured and Serve's HTTP host is 0.0.0.0.*api_keys_file"):
+        check_open_host("0.0.0.0", None)
+    check_open_host("127.0.0.1", None)
+    assert load_keys(None, None) is None
+    check_open_host("0.0.0.0", [ApiKey("carol", "carol-key-0123456789abcdef")])
+    key_file = tmp_path / "keys"
+    key_file.write_text("# owner:key[:admin]\ncarol:carol-key-0123456789abcdef\nroot:root-key-0123456789abcdef:admin\n")
+    keys = load_keys(str(key_file), None)
+    assert [(k.owner, k.admin) for k in keys] == [("carol", False), ("root", True)]
+    monkeypatch.setenv("SHORT_KEYS", "dave:short")
+    with pytest.raises(ValueError, match="16 or more"):
+        load_keys(None, "SHORT_KEYS")
+    with pytest.raises(ValueError, match="does not set"):
+        load_keys(None, "NOT_SET_ANYWHERE_42")
+    assert KEYS["alice"] not in repr(keys) and "carol-key" not in repr(keys)  # keys never in a log line
+
+    log_dir = Path("/tmp/ray/session_latest/logs/serve")
+    restart(api_keys_env=None)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anonymous:
+            assert anonymous.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 2}).status_code == 200
+            assert anonymous.get("/v1/stats").status_code == 200
+        logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("replica_awareness_*.log"))
+        assert "no API keys configured: answering loopback clients only" in logs
+    finally:
+        restart()
+
+
+# ------------------------------------------------------------------------------------------- bad input, bounds
+def _greedy(client, prompt: str = "k1 =") -> str:
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_every_bad_input_gets_a_clear_4xx_and_the_next_request_is_answered(server):
+    """Each input that made a 500 (or was coerced, or unbounded) gets its 4xx with a message naming the problem,
+    nothing is kept, and a normal request right after is answered as before."""
+    client, _, _, _ = server
+    expected = _greedy(client)
+    encoded = client.get("/v1/stats", headers=ADMIN).json()["encoded"]
+    cases = [  # (route, body, status, words in the message)
+        ("/v1/memories", {"chunks": ["k1 = 2 ; " * 75]}, 413, "256 a chunk"),  # ~300 tokens: over the positions
+        ("/v1/memories", {"chunks": ["k1 = \ud800 ;"]}, 422, "lone surrogate"),
+        ("/v1/memories", {"files": [{"path": "a.py", "text": "x = '\ud800'"}]}, 422, "lone surrogate"),
+        ("/v1/completions", {"prompt": "k1 \ud800"}, 422, "lone surrogate"),
+        ("/v1/completions", {"prompt": "k1 \ud800", "stream": True}, 422, "lone surrogate"),
+        ("/v1/completions", {"prompt": "k1 =", "stop": ["\udfff"]}, 422, "lone surrogate"),
+        ("/v1/completions", {"prompt": "k1 =", "temperature": float("nan")}, 422, "temperature"),
+        ("/v1/completions", {"prompt": "k1 =", "temperature": float("inf")}, 422, "temperature"),
+        ("/v1/completions", {"prompt": "k1 =", "max_tokens": float("nan")}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "k1 =", "top_p": float("-inf")}, 422, "top_p"),
+        ("/v1/memories", {"chunks": ["k1 = 2 ;"], "chunk_tokens": float("inf")}, 422, "chunk_tokens"),
+        ("/v1/completions", {"prompt": "k1 =", "max_tokens": "4"}, 422, "max_tokens: Input should be a valid integer"),
+        ("/v1/completions", {"prompt": "k1 =", "stream": 0}, 422, "stream: Input should be a valid boolean"),
+        ("/v1/completions", {"prompt": "k1 =", "n": True}, 422, "n: Input should be a valid integer"),
+        ("/v1/completions", {"prompt": ""}, 422, "prompt 0 is empty"),
+        ("/v1/completions", {"prompt": "k1 =", "max_tokens": 0}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "k1 =", "logprobs": 2}, 422, "logprobs"),
+        ("/v1/completions", {"prompt": "k1 =", "echo": True}, 422, "echo: Extra inputs are not permitted"),
+        ("/v1/completions", {"prompt": "k1 =", "best_of": 2}, 422, "best_of"),
+        ("/v1/completions", {"prompt": "k1 =", "logit_bias": {"5": 100}}, 422, "logit_bias"),
+        ("/v1/completions", {"prompt": "k1 =", "user": "x"}, 422, "user"),
+        ("/v1/completions", {"prompt": ["k1 =", "k2 ="], "stream": True}, 422, "one prompt with one choice"),
+        ("/v1/completions", {"prompt": "k1 =", "model": "another"}, 404, "GET /v1/models"),
+    ]
+    for route, body, status, words in cases:
+        response = client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert response.status_code == status, (body, response.text)
+        assert words in message(response), (body, response.text)
+        assert _greedy(client) == expected
+    assert client.get("/v1/stats", headers=ADMIN).json()["encoded"] == encoded  # nothing was encoded for them
+
+    for body in ({"prompt": "k1 =", "max_tokens": 4, "temperature": 5e-324},  # below MIN_TEMPERATURE: greedy
+                 {"prompt": "k1 =", "max_tokens": 4, "temperature": 1e-30, "top_p": 1e-9}):
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
+            events = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+
+    big = client.post("/v1/memories", json={"chunks": ["k1 = 2 ;" * 150_000]})  # ~1.2 MB: over max_request_mb
+    assert big.status_code == 413 and "max_request_mb" in message(big)
+
+    def chunked():  # no Content-Length: the body is counted as it arrives
+        yield b'{"chunks": ["'
+        for _ in range(300):
+            yield b"k1 = 2 ;" * 512
+        yield b'"]}'
+
+    streamed_big = client.post("/v1/memories", content=chunked(), headers={"content-type": "application/json"})
+    assert streamed_big.status_code == 413 and "max_request_mb" in message(streamed_big)
+    assert _greedy(client) == expected
+
+
+def test_a_request_past_its_time_limit_ends_and_overload_answers_503_with_retry_after(server):
+    """request_timeout_s bounds every generate: a plain request past it gets 504, a stream an error event and its
+    end (no [DONE]); with max_ongoing_requests 1 and max_queued_requests 1 the requests beyond get Serve's 503 with
+    Retry-After at once, and a normal request is answered after."""
+    import concurrent.futures
+
+    import httpx
+
+    client, _, restart, port = server
+    restart(request_timeout_s=1.5, max_ongoing_requests=1, max_queued_requests=1)
+    try:
+        slow = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 1.0, "seed": 3}
+        began = time.monotonic()
+        plain = client.post("/v1/completions", json=slow)
+        assert plain.status_code == 504 and "request_timeout_s" in message(plain), plain.text
+        assert time.monotonic() - began < 30
+        with client.stream("POST", "/v1/completions", json=slow | {"stream": True}) as streamed:
+            events = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert "[DONE]" not in events and json.loads(events[-1])["error"]["code"] == "timeout"
+
+        def ask(_):
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=ALICE) as own:
+                response = own.post("/v1/completions", json=slow)
+                return response.status_code, response.headers.get("retry-after")
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(ask, range(6)))
+        assert any(status == 503 and retry for status, retry in outcomes), outcomes
+        assert all(status in (503, 504) for status, _ in outcomes), outcomes
+        assert client.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 2}).status_code == 200
+    finally:
+        restart()
+
+
+# ------------------------------------------------------------------------------------------- OpenAI's wire format
+def test_the_official_openai_client_completes_batches_streams_lists_models_and_reads_the_errors(server, pyfunc):
+    """The `openai` package against the app as an OpenAI-speaking tool uses it: `memory` goes in extra_body (this
+    server's extension); answers equal the pyfunc's; every response and stream event carries id, object, created
+    and model; usage ends a stream when asked; a list of prompts is answered as a batch; seed, n and top_p are
+    honoured; errors are OpenAI's shape, so the client's exception carries the server's message, code and field."""
+    import openai
+
+    client, _, _, port = server
+    api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEYS["alice"], max_retries=0, timeout=60)
+    (card,) = api.models.list().data
+    assert card.id == f"{NAME}/1" and card.object == "model"
+    rows, _ = needle_questions(seed=5, memories=1)
+    memory = client.post("/v1/memories", json={"chunks": rows[0]["memory"]}).json()["id"]
+    expected = [pyfunc.predict(row)[0] for row in rows[:3]]
+    extra = {"memory": memory}
+
+    done = api.completions.create(model=card.id, prompt=rows[0]["question"], extra_body=extra)
+    assert done.id.startswith("cmpl-") and done.object == "text_completion" and done.model == card.id
+    assert abs(done.created - time.time()) < 120 and done.choices[0].text == expected[0]
+    assert done.usage.completion_tokens > 0 and done.usage.total_tokens == done.usage.prompt_tokens + \
+        done.usage.completion_tokens
+    batch = api.completions.create(model=card.id, prompt=[row["question"] for row in rows[:3]], extra_body=extra)
+    assert [c.index for c in batch.choices] == [0, 1, 2] and [c.text for c in batch.choices] == expected
+
+    events = list(api.completions.create(model=card.id, prompt=rows[0]["question"], stream=True,
+                                         stream_options={"include_usage": True}, extra_body=extra))
+    assert {(e.id, e.object, e.model, e.created) for e in events} == {(events[0].id, "text_completion", card.id,
+                                                                      events[0].created)}
+    assert "".join(e.choices[0].text for e in events if e.choices) == expected[0]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens > 0
+    assert all(e.usage is None for e in events[:-1])
+
+    sampled = {"model": card.id, "prompt": "k1 =", "max_tokens": 6, "temperature": 1.0}
+    first = api.completions.create(**sampled, seed=7, n=3)
+    again = api.completions.create(**sampled, seed=7, n=3)
+    assert len(first.choices) == 3 and [c.text for c in first.choices] == [c.text for c in again.choices]
+    prompts = ["k1 =", "k2 ="]  # several prompts, n each: choice p * n + j is prompt p alone with seed + j
+    several = api.completions.create(**(sampled | {"prompt": prompts}), seed=7, n=2)
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    alone = [api.completions.create(**(sampled | {"prompt": p}), seed=7 + j).choices[0].text
+             for p in prompts for j in range(2)]
+    assert [c.text for c in several.choices] == alone
+    assert alone[:2] == [c.text for c in first.choices[:2]]
+    narrow = api.completions.create(**sampled, top_p=1e-9)  # only the likeliest token survives: the greedy answer
+    assert narrow.choices[0].text == api.completions.create(model=card.id, prompt="k1 =", max_tokens=6).choices[0].text
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.completions.create(model=card.id, prompt="k1 =", extra_body={"memory": "0" * 64})
+    assert missing.value.code == "memory_not_found" and "POST /v1/memories" in missing.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as refused:
+        api.completions.create(model=card.id, prompt="k1 =", logprobs=2)
+    assert refused.value.param == "logprobs" and "log probabilities" in refused.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.completions.create(model="gpt-4o", prompt="k1 =")
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError) as denied:
+        openai.OpenAI(base_url=api.base_url, api_key="not-a-key-0123456789", max_retries=0).models.list()
+    assert denied.value.code == "invalid_api_key"
