@@ -55,7 +55,7 @@ TrainedVariant = Literal["single", "multi_key", "multi_value", "multi_query", "v
 ScoredOnlyVariant = Literal["three_hop"]  # never trained: does a read learned on two hops follow a third?
 Variant = Literal[TrainedVariant, ScoredOnlyVariant]
 TRAINED_VARIANTS: tuple[str, ...] = get_args(TrainedVariant)  # the training mixture's choices
-VARIANTS: tuple[str, ...] = get_args(Variant)  # the evaluation's; a task's place seeds its probes: append, never reorder
+VARIANTS: tuple[str, ...] = get_args(Variant)  # the evaluation's; a task's place seeds its probes: append only
 ALIAS_VARIANTS = ("alias", "alias_multi_key")  # asked by ALIAS_OF, else single and multi_key
 CHAIN_HOPS = {"two_hop": 2, "three_hop": 3}  # chains with every link in a chunk of its own
 # Aliases are the top of the filler range: an alias memory's keys come from ALIASED_KEYS and its filler from
@@ -297,7 +297,7 @@ class DrawnFacts(NamedTuple):
 
 
 def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generator, digits) -> DrawnFacts:
-    """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: as many as the slots hold, up to spec.questions."""
+    """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: up to spec.questions, as many as fit."""
     questions = min(spec.questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
     keys = draw_keys(rng, spec, questions * hops)
     chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
