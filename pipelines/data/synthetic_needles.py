@@ -24,7 +24,8 @@ Training for size and for similar facts, each off by default, so the default tas
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
   token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own). `three_hop` is
-  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third.
+  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. Alias keys come
+  from the len(ALIASES) key tokens that have an alias, so alias_multi_key holds at most that many one-token keys.
 - `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 - `base_steps`: the first N training steps ask the base task alone (single, 1x, no hard distractors: the examples
