@@ -263,8 +263,10 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
     chunks = spec.chunks * scale
     slots = chunks * spec.facts_per_chunk
     questions = spec.questions
-    digits = lambda n: [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist()
-                        for _ in range(n)]  # noqa: E731
+
+    def digits(n: int) -> list[list[int]]:
+        return [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist() for _ in range(n)]
+
     if variant == "variable_tracking":
         questions = min(questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
         keys = draw_keys(rng, spec, questions * hops)
@@ -315,11 +317,13 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
                for refs_q, facts_needed in zip(refs, needed, strict=True)]
     return NeedleMemory(memory=memory, questions=asked, references=refs,
                         depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact],
-                        evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed],
+                        evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed})
+                                  for facts_needed in needed],
                         answers=answers)
 
 
-def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+def place(facts: list[list[int]], spec: NeedleSpec, chunks: int,
+          rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
     """As make_example builds a memory: the facts shuffled and packed slot after slot into randomly chosen chunks
     among `chunks`, filler everywhere else; each fact's start position."""
     fact_chunks = -(-len(facts) // spec.facts_per_chunk)
