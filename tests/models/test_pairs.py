@@ -102,7 +102,8 @@ def test_tiny_shared_encoder_starts_from_its_decoder(tmp_path):
     assert isinstance(model.memory_projection, torch.nn.Identity)  # same width: no projection
     # the plain tiny pair's encoder is independent of the decoder
     plain = build_pair("tiny", checkpoint_root=tmp_path)
-    assert not torch.equal(plain.memory_encoder.encoder.embed_tokens.weight, plain.decoder.model.embed_tokens.weight[:496])
+    assert not torch.equal(plain.memory_encoder.encoder.embed_tokens.weight,
+                           plain.decoder.model.embed_tokens.weight[:496])
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])

@@ -85,7 +85,8 @@ def test_shards_split_by_repository_with_the_schema(built):
         checked = check_split(out / split)  # what a stage job checks before it trains on them
         assert checked.rows == table.num_rows and len(checked.paths()) == len(list((out / split).glob("*.parquet")))
         for name, record in checked.shards.items():
-            assert record["row_groups"] and max(record["row_groups"]) <= 16 and sum(record["row_groups"]) == record["rows"]
+            groups = record["row_groups"]
+            assert groups and max(groups) <= 16 and sum(groups) == record["rows"]
     assert sorted(manifest["shards"]) == sorted(str(p.relative_to(out)) for p in out.glob("[tv]*/*.parquet"))
     tasks = {t for split in manifest["rows"].values() for t in split}
     assert tasks == {"code_qa", "doc_qa", "needle"}
