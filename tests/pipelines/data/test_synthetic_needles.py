@@ -4,7 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.data.synthetic_needles import BOS, EOS, EQ, PROMPT_LEN, SEP, NeedleSpec, make_batch, make_example
+from pipelines.data.memory_modes import MemoryMode
+from pipelines.data.streams import NeedleStream
+from pipelines.data.synthetic_needles import (BOS, EOS, EQ, KEYS, PAD, PROMPT_LEN, SEP, VALUES, VARIANTS, NeedleSpec,
+                                              draw_variant, generate_memory, make_batch, make_example, memory_scale,
+                                              needle_batch)
 from pipelines.format.rows import IGNORE
 
 
@@ -50,8 +54,6 @@ def test_bad_specs_are_explained(spec, message):
 
 
 def test_value_range_sets_the_value_vocabulary():
-    from pipelines.data.synthetic_needles import VALUES
-
     spec = NeedleSpec(value_digits=1, value_range=90)
     values = {int(q[PROMPT_LEN]) for i in range(40) for q in make_example(spec, seed=3, index=i)["input_ids"]}
     assert values <= set(VALUES) and len(values) > 60  # one token from 90: far beyond the 10 digits
@@ -59,8 +61,6 @@ def test_value_range_sets_the_value_vocabulary():
 
 
 # ------------------------------------------------------------------ issue 26: sizes, similar facts, the mixture
-from pipelines.data.synthetic_needles import (KEYS, PAD, VALUES, VARIANTS, draw_variant, generate_memory,  # noqa: E402
-                                              memory_scale, needle_batch)
 
 
 def facts_in(memory: np.ndarray) -> dict[tuple[int, ...], list[list[int]]]:
@@ -156,8 +156,6 @@ def test_drawn_memory_sizes_cover_the_range_once_per_micro_batch():
 
 
 def test_the_stream_gives_every_rank_one_size_per_micro_batch():
-    from pipelines.data.streams import NeedleStream
-
     spec = NeedleSpec(memory_scale_max=6)
     ranks = [NeedleStream(spec, 3, memories_per_step=8, grad_accum=2, rank=r, world=2) for r in range(2)]
     seen = set()
@@ -171,8 +169,6 @@ def test_the_stream_gives_every_rank_one_size_per_micro_batch():
 
 
 def test_base_steps_ask_the_default_task_first_then_the_mixture():
-    from pipelines.data.streams import NeedleStream
-
     mixed = NeedleSpec(memory_scale_max=8, hard_distractors=0.5, variants=("single", "multi_key", "multi_query"),
                        base_steps=5)
     default = NeedleStream(NeedleSpec(), 3, memories_per_step=4, grad_accum=1, rank=0, world=1)
@@ -235,8 +231,6 @@ def test_batches_of_mixed_tasks_stack_and_say_where_each_answer_is():
                                           == IGNORE).all()
     assert q == len(batch["answer_rows"]) == len(batch["depth"])
     for mode in ("in_context", "rag", "none"):
-        from pipelines.data.memory_modes import MemoryMode
-
         other = needle_batch(spec, 9, indices, MemoryMode(mode), scale=2)
         assert torch.equal(other["input_ids"][other["answer_rows"][:, None], other["answer_positions"]], got)
 
