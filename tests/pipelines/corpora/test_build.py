@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus
+from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus, task_groups
 from pipelines.corpora.sources import Limits
 from pipelines.corpora.tasks import Stage0Settings, split_of
 from pipelines.format.shards import check_split
@@ -122,8 +122,6 @@ def test_job_stage2_prints_a_json_summary(tmp_path):
 
 def test_task_groups_cover_every_repository_once_heaviest_first():
     """Small repositories share a Ray task, a heavy one is a task alone and never split, the heaviest go first."""
-    from pipelines.corpora.build import task_groups
-
     def repo(name, *sizes):
         return [{"unit": name, "path": f"f{i}", "bytes": b} for i, b in enumerate(sizes)]
 
