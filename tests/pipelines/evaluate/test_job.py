@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.cli import field_docs, from_typed_dict
@@ -54,8 +55,6 @@ def test_config_errors_name_the_field():
 def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root):
     """The issue's command on a stage-0 export and a baseline's, through Ray Data actors; the training run gets the
     metrics too when the model is named by run id."""
-    from mlflow.tracking import MlflowClient
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     gca = export_of(tmp_path, checkpoint_root, "gca")
     client = MlflowClient(uri)
