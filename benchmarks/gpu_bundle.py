@@ -80,7 +80,9 @@ def locked_versions(lock: Path = LOCK) -> dict[str, str]:
 
 
 # CUDA-only dependencies (pyproject's `cuda` extra): at the CUDA lock's versions; the box has Triton
-CUDA_BUNDLE = {"liger-kernel": "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (models/kernels.py, models/loss.py)"}
+CUDA_BUNDLE = {
+    "liger-kernel": "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy (models/kernels.py, models/loss.py)",
+}
 CUDA_LOCK = ROOT / "requirements-cuda.txt"
 
 
@@ -131,7 +133,8 @@ def restored(wheel: Path, into: Path) -> Path:
             data = source.read(info.filename)
             if dropped and info.filename.endswith(".dist-info/RECORD"):
                 lines = data.decode().splitlines()
-                data = ("\n".join(l for l in lines if not any(p.match(l.split(",")[0]) for p in dropped)) + "\n").encode()
+                kept = [line for line in lines if not any(p.match(line.split(",")[0]) for p in dropped)]
+                data = ("\n".join(kept) + "\n").encode()
             info.compress_type = zipfile.ZIP_STORED
             out.writestr(info, data)
     return target
@@ -202,7 +205,8 @@ def main() -> None:
                      f"checkpoint's export/)")
     requirements = plan(args.python)
     out = args.out.resolve()
-    print(f"bundle for CPython {args.python}, manylinux x86_64, at {LOCK.name}'s versions ({len(requirements)} wheels):")
+    print(f"bundle for CPython {args.python}, manylinux x86_64, at {LOCK.name}'s versions "
+          f"({len(requirements)} wheels):")
     for requirement in requirements:
         name = requirement.split("==")[0]
         how = "built here from the sdist" if name in SDIST_ONLY else "PyPI wheel"
@@ -226,7 +230,8 @@ def main() -> None:
     tree = travelling_mib()
     print(f"wheels as downloaded: {downloaded:.1f} MiB; bundle: {total:.1f} MiB in {len(parts)} part(s)")
     for part in parts:
-        print(f"  {part.relative_to(ROOT) if part.is_relative_to(ROOT) else part}: {part.stat().st_size / 2**20:.1f} MiB")
+        shown = part.relative_to(ROOT) if part.is_relative_to(ROOT) else part
+        print(f"  {shown}: {part.stat().st_size / 2**20:.1f} MiB")
     if exported:
         size = sum(f.stat().st_size for f in exported) / 2**20
         print(f"  {out / 'export'}: {size:.1f} MiB (the export, its checkpoints)")

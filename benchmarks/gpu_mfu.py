@@ -105,7 +105,8 @@ def largest_fitting_micro_batch(model, params, optimizer, args, device) -> int:
             torch.cuda.empty_cache()
         micro_batch *= 2
     if not fitting:
-        raise SystemExit("a micro-batch of 1 does not fit: shorten --seq or the memory, or pass --gradient-checkpointing")
+        raise SystemExit("a micro-batch of 1 does not fit: shorten --seq or the memory, "
+                         "or pass --gradient-checkpointing")
     return fitting
 
 
@@ -224,7 +225,8 @@ def table(args, rows: list[dict], micro_batch: int) -> None:
     decoder_tokens = micro_batch * args.seq
     print(f"\n| {'step':<56} | {'s/step':>8} | {'decoder tok/s':>13} | {'memory tok/s':>12} | {'TFLOP/step':>10} "
           f"| {'TFLOP/s':>8} | {'MFU':>6} | {'6NT MFU':>7} | {'peak GiB':>8} | {'vs eager':>8} |")
-    print(f"|{'-' * 58}|{'-' * 10}|{'-' * 15}|{'-' * 14}|{'-' * 12}|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 10}|{'-' * 10}|")
+    print(f"|{'-' * 58}|{'-' * 10}|{'-' * 15}|{'-' * 14}|{'-' * 12}"
+          f"|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 10}|{'-' * 10}|")
     first = rows[0]["time"]
     for row in rows:
         t, f = row["time"], row["flops"]

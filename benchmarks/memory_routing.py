@@ -27,7 +27,7 @@ from timing import timed_side_by_side
 
 def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0):
     torch.manual_seed(0)
-    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, 
+    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers,
                        reading=MemoryReading(top_k=top_k, chunk_weights=chunk_weights, lexical_routing=lexical)).eval()
     if fusion == "gca":
         model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)

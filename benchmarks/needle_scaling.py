@@ -134,7 +134,8 @@ def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, f
                 mass = probs.view(1, h, b * t, routing.num_chunks, -1).sum(-1).mean(1)  # (1, b*t, C)
                 teacher = mass.topk(k, dim=-1).indices.view(b, t, k)
                 for q, evidence in enumerate(drawn.evidence):
-                    hits[str(i)] = hits.get(str(i), 0) + bool(set(evidence) & set(chosen[0, :, q, -1].flatten().tolist()))
+                    routed = set(chosen[0, :, q, -1].flatten().tolist())
+                    hits[str(i)] = hits.get(str(i), 0) + bool(set(evidence) & routed)
                     hits[f"{i}/full"] = hits.get(f"{i}/full", 0) + bool(set(evidence) & set(teacher[q, -1].tolist()))
             total += len(drawn.questions)
     finally:

@@ -23,7 +23,8 @@ from pipelines.evaluate.needle import NeedleSuite, make_probe
 from pipelines.train.presets import STAGE0
 
 
-def recall(variant: str, spec: NeedleSpec, multiplier: int, suite: NeedleSuite, k: int, hops: int = 2) -> tuple[int, int]:
+def recall(variant: str, spec: NeedleSpec, multiplier: int, suite: NeedleSuite, k: int,
+           hops: int = 2) -> tuple[int, int]:
     """(questions whose evidence chunks are all in the top k, questions) over the suite's probes of one cell."""
     held = asked = 0
     for index in range(suite.memories):

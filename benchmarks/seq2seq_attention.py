@@ -170,14 +170,16 @@ def main() -> None:
     merged = rows[0]
     print(f"| {'decoder layers':<36} | {'params (M)':>10} | {'step (s)':>8} | {'time ratio':>10} | "
           f"{'saved activations (MiB)':>23} | {'ratio':>5} |" + (" CUDA peak (MiB) |" if merged["peak"] else ""))
-    print(f"|{'-' * 38}|{'-' * 12}|{'-' * 10}|{'-' * 12}|{'-' * 25}|{'-' * 7}|" + ("-" * 18 + "|" if merged["peak"] else ""))
+    print(f"|{'-' * 38}|{'-' * 12}|{'-' * 10}|{'-' * 12}|{'-' * 25}|{'-' * 7}|"
+          + ("-" * 18 + "|" if merged["peak"] else ""))
     for row in rows:
         peak = f" {row['peak'] / 2**20:15.0f} |" if row["peak"] else ""
         print(f"| {row['name']:<36} | {row['params'] / 1e6:10.2f} | {row['seconds']:8.3f} | "
               f"{row['seconds'] / merged['seconds']:10.2f} | {row['saved'] / 2**20:23.1f} | "
               f"{row['saved'] / merged['saved']:5.2f} |{peak}")
     print("\nDecoding per token (batch 1), merged attention: encoder K/V cached vs re-projected every step")
-    print(f"| {'encoder tokens':>14} | {'cached (ms)':>11} | {'re-projected (ms)':>17} | {'re-projected / cached':>21} |")
+    print(f"| {'encoder tokens':>14} | {'cached (ms)':>11} | {'re-projected (ms)':>17} "
+          f"| {'re-projected / cached':>21} |")
     print(f"|{'-' * 16}|{'-' * 13}|{'-' * 19}|{'-' * 23}|")
     for length in encoder_lengths:
         cached, reprojected = decode_latency(length, steps=8 if args.quick else 16)

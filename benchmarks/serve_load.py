@@ -166,7 +166,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                                    f"MLFLOW_PYFUNC_INFERENCE_CONFIG='{json.dumps(placement_config(plan))}' "
                                    + shlex.join(served.command))
     plan.commands["serve"] = (" ".join(f"{k}={v}" for k, v in direct_ingress_env(plan).items())
-                              + ("; " if plan.direct_port else "") + f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
+                              + ("; " if plan.direct_port else "")
+                              + f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
                               f"{{'host': '127.0.0.1', 'port': {plan.serve_port}}}); serve.run(AwarenessServer.options("
                               f"ray_actor_options={replica_options(plan)}).bind(model='{model}', memory_dir="
                               f"'{workdir}/memories', max_batch_size={args.max_batch_size}, batch_wait_timeout_s="
@@ -512,7 +513,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         s, t, m = row["serve"], row["serve_stream"], row.get("mlflow", absent)  # absent: --serve-only
         lines.append(f"| {row['concurrency']} | {s['rps']} | {m['rps']} | {row['rps_ratio']} | "
                      f"{pair(s, 'p50_ms', 'p99_ms')} | {pair(m, 'p50_ms', 'p99_ms')} | "
-                     f"{pair(t, 'ttft_p50_ms', 'ttft_p99_ms')} | {pair(m, 'ttft_p50_ms', 'ttft_p99_ms')} | {t['rps']} | "
+                     f"{pair(t, 'ttft_p50_ms', 'ttft_p99_ms')} | {pair(m, 'ttft_p50_ms', 'ttft_p99_ms')} | "
+                     f"{t['rps']} | "
                      f"{s['batching']['mean_batch']} | {s['errors']} / {t['errors']} / {m['errors']} |")
     return "\n".join(lines)
 
@@ -596,7 +598,8 @@ def run(plan: Plan) -> dict[str, Any]:
                  **{f"generate_batch_{b}": generate_ms(pyfunc, store, questions, b)
                     for b in sorted({1, plan.max_batch_size})}}
         if stored != [expected[q] for q in questions]:
-            raise AssertionError(f"the pyfunc answers differently over the store: {stored} vs {list(expected.values())}")
+            raise AssertionError(f"the pyfunc answers differently over the store: {stored} "
+                                 f"vs {list(expected.values())}")
         import httpx
 
         created = httpx.post(f"{serve_url(plan)}/v1/memories", json={"chunks": chunks}, timeout=120)

@@ -47,7 +47,8 @@ def plain_pytorch(config: StageConfig, warmup: int = 5) -> float:
     for step in range(config.train.max_steps):
         batch = make_batch(spec, 0, list(range(step * m, (step + 1) * m)))
         start = time.perf_counter()
-        loss = model(input_ids=batch["input_ids"], labels=batch["labels"], memory_input_ids=batch["memory_input_ids"]).loss
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"],
+                     memory_input_ids=batch["memory_input_ids"]).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

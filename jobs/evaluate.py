@@ -1,7 +1,8 @@
 """Evaluate trained systems on the evaluation suites: the GCA model and its baselines, side by side.
 
     python jobs/evaluate.py --model outputs/ray/stage0-tiny/checkpoint_X/export --suite needle --out eval/
-    python jobs/evaluate.py --model EXPORT_GCA EXPORT_IN_CONTEXT EXPORT_RAG EXPORT_NONE --suite needle,efficiency --out eval/
+    python jobs/evaluate.py --model EXPORT_GCA EXPORT_IN_CONTEXT EXPORT_RAG EXPORT_NONE --suite needle,efficiency \\
+        --out eval/
     python jobs/evaluate.py --model models:/awareness@candidate --suite needle --out eval/
     python jobs/evaluate.py --model EXPORT --suite code_qa --code_qa.corpus DIR --out eval/
 

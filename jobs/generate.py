@@ -35,8 +35,8 @@ class GenerateArgs:
 
     def problems(self) -> list[str]:
         p = [] if self.pair in PAIRS else [f"pair {self.pair!r} is not one of {sorted(PAIRS)}"]
-        return p + [f"{name} must be positive" for name in ("memories", "chunks", "chunk_len", "prompt_len",
-                                                              "max_new_tokens", "num_beams") if getattr(self, name) <= 0]
+        counts = ("memories", "chunks", "chunk_len", "prompt_len", "max_new_tokens", "num_beams")
+        return p + [f"{name} must be positive" for name in counts if getattr(self, name) <= 0]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,7 +1,8 @@
 """Per-GPU memory plan for training a pair, before spending cluster time.
 
     python jobs/plan.py --pair prod --nodes 2 --gpus_per_node 8 [--lora_rank 64] [--offload_optimizer true]
-    python jobs/plan.py --pair prod --nodes 2 --gpus_per_node 8 --lora_targets q_proj k_proj v_proj o_proj experts --gradient_checkpointing true
+    python jobs/plan.py --pair prod --nodes 2 --gpus_per_node 8 --lora_targets q_proj k_proj v_proj o_proj experts \\
+        --gradient_checkpointing true
     python jobs/plan.py --pair scale --gpus_per_node 1 --gpu_memory_gib 40 --quantize nf4 --optimizer adamw_8bit
 
 Prints the plan, then a one-line JSON summary; exits 1 when it does not fit.

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     except (FileNotFoundError, MlflowException) as error:  # an unknown run or version: the user's to fix
         print(f"register.py: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    summary = {"job": "register", **describe(version), "alias": args.alias or ("candidate" if args.run_id else "production")}
+    summary = {"job": "register", **describe(version),
+               "alias": args.alias or ("candidate" if args.run_id else "production")}
     print(summary_json(summary), flush=True)
     return summary
 

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
                        on_dry_run=lambda config: "# resolved config\n" + json.dumps(asdict(config), indent=1))
     config = Stage3Config(**{k: v for k, v in asdict(job).items() if k != "num_cpus"})
     try:
-        commit_split(config.corpus, config.split)  # the corpus, checked before Ray starts: the user fixes it, not our code
+        # the corpus, checked before Ray starts: the user fixes it, not our code
+        commit_split(config.corpus, config.split)
     except CorpusError as error:
         print(f"stage3_data: {error}", file=sys.stderr)
         print(json.dumps({"error": str(error).splitlines()[0], "out": config.out}), flush=True)

@@ -1,11 +1,12 @@
 """Sweep LoRA rank x GCA placement x learning rate with Ray Tune (ASHA on validation loss); register the best.
 
     python jobs/sweep.py --stage 0 --sweep.num_samples 8
-    python jobs/sweep.py --sweep.num_samples 2 --sweep.lora_ranks 8 16 --sweep.placements upper_half 1,3 --train.max_steps 40 \\
-        --train.eval_every 20
+    python jobs/sweep.py --sweep.num_samples 2 --sweep.lora_ranks 8 16 --sweep.placements upper_half 1,3 \\
+        --train.max_steps 40 --train.eval_every 20
     python jobs/sweep.py --stage 1 --data.train_path corpus/train --data.val_path corpus/val --sweep.num_samples 4
     python jobs/sweep.py --stage 1 --data.train_path corpus/train --data.val_path corpus/val --dry-run
-    ray job submit --working-dir . -- python jobs/sweep.py --model.pair proto1 --scaling.use_gpu true --scaling.num_workers 2
+    ray job submit --working-dir . -- python jobs/sweep.py --model.pair proto1 --scaling.use_gpu true \\
+        --scaling.num_workers 2
 
 `--stage` picks the trials' preset: stage 0 the tiny pair on needles; stages 1-2 jobs/stage1.py / stage2.py's
 defaults (pair tiny-text), trained on the commit shards jobs/build_corpus.py --stage 2 writes, ranked on val_loss.

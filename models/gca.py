@@ -102,7 +102,8 @@ class ChunkRouting:
 class MemoryPadding:
     """The memory's padding in the form attention needs it, derived once and shared by every GCA layer."""
 
-    attn_mask: torch.Tensor | None  # (B_mem, 1, 1 or T, M) bool, True = attend; None when nothing is padded (fastest SDPA)
+    # (B_mem, 1, 1 or T, M) bool, True = attend; None when nothing is padded (fastest SDPA)
+    attn_mask: torch.Tensor | None
     has_memory: torch.Tensor | None  # (B_mem, 1, 1 or T, 1) 0/1; None when every row has at least one real token
 
     @classmethod

@@ -24,7 +24,8 @@ def check_checkpoint_dir(path: str | Path, role: str) -> Path:
             f"AWARENESS_CHECKPOINT_ROOT for the pairs; this pipeline never downloads"
         )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{role} checkpoint {str(path)!r} has no config.json: is it a Hugging Face checkpoint directory?")
+        raise FileNotFoundError(f"{role} checkpoint {str(path)!r} has no config.json: "
+                                "is it a Hugging Face checkpoint directory?")
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(
             f"{role} checkpoint {str(path)!r} has no *.safetensors weights; convert .bin/.pt weights to safetensors "

@@ -45,13 +45,15 @@ class MemoryEncoder(nn.Module):
         _check_vocabulary(memory_input_ids, config.vocab_size, "memory_input_ids", "encoder")
 
     def forward(self, memory_input_ids: torch.Tensor, memory_attention_mask: torch.Tensor | None = None):
-        """memory_input_ids (B, C, L) or (B, L) -> states (B, C*L, H_enc) with padded positions zeroed, mask (B, C*L)."""
+        """memory_input_ids (B, C, L) or (B, L) -> states (B, C*L, H_enc) with padded positions zeroed,
+        mask (B, C*L)."""
         if memory_input_ids.dim() == 2:
             memory_input_ids = memory_input_ids[:, None, :]  # (B, 1, L): one chunk
             if memory_attention_mask is not None:
                 memory_attention_mask = memory_attention_mask[:, None, :]
         if memory_input_ids.dim() != 3:
-            raise ValueError(f"memory_input_ids must be [batch, chunks, chunk_len], got shape {tuple(memory_input_ids.shape)}")
+            raise ValueError("memory_input_ids must be [batch, chunks, chunk_len], "
+                             f"got shape {tuple(memory_input_ids.shape)}")
         self.validate(memory_input_ids)
         b, c, length = memory_input_ids.shape
         if memory_attention_mask is None:
@@ -82,10 +84,12 @@ class MemoryEncoder(nn.Module):
         if self.attention == "causal":
             out = self.encoder(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids)
         else:
-            full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=embeds, attention_mask=mask.long())
+            full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=embeds,
+                                             attention_mask=mask.long())
             # is_causal=False reaches SDPA through transformers' kwargs, so a skipped (None) mask stays bidirectional.
             out = self.encoder(
-                inputs_embeds=embeds, attention_mask={"full_attention": full}, position_ids=position_ids, is_causal=False
+                inputs_embeds=embeds, attention_mask={"full_attention": full}, position_ids=position_ids,
+                is_causal=False,
             )
         return out.last_hidden_state
 

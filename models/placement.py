@@ -21,7 +21,8 @@ def resolve_gca_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
         raise ValueError(f"decoder depth must be positive, got {num_layers}")
     layers = _parse(spec, num_layers)
     if not layers:
-        raise ValueError(f"GCA placement {spec!r} selects no layer of a {num_layers}-layer decoder; use {PLACEMENT_HELP}")
+        raise ValueError(f"GCA placement {spec!r} selects no layer of a {num_layers}-layer decoder; "
+                         f"use {PLACEMENT_HELP}")
     bad = [i for i in layers if not 0 <= i < num_layers]
     if bad:
         raise ValueError(

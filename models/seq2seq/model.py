@@ -205,7 +205,8 @@ def self_queries_keys_values(attention: nn.Module, hidden_states: torch.Tensor,
 
 
 def merged_attention(attention: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     mask: torch.Tensor, *, output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     mask: torch.Tensor, *,
+                     output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One attention of the decoder's queries (B, nh, T, hd) over its own and the other model's keys/values
     (B, nkv, P+T+S, hd) under one bool mask (B, 1, T, P+T+S), True = attend, then the attention's o_proj
     -> (B, T, H), weights (B, nh, T, P+T+S) when `output_attentions` (eager), else None (SDPA)."""

@@ -49,7 +49,8 @@ class BuildConfig:
     stage: int = 0  # 0: code/document Q&A + needles; 2: commit reproduction
     sources: list[str] = field(default_factory=list)  # directories, files or git repositories
     out: str = "outputs/corpus"  # the corpus directory: OUT/train, OUT/val and OUT/manifest.json
-    tokenizer: str | None = None  # a local Qwen3 checkpoint directory (tokenizer.json); None: the offline one (Qwen ranks)
+    # a local Qwen3 checkpoint directory (tokenizer.json); None: the offline one (Qwen ranks)
+    tokenizer: str | None = None
     per_subdir: bool = False  # each first-level directory of a source is its own repository (e.g. site-packages)
     stage0: tasks.Stage0Settings = field(default_factory=tasks.Stage0Settings)
     max_commits: int | None = None  # stage 2: newest commits per repository
@@ -106,7 +107,8 @@ def write_unit(records: list[dict], *, out: str, make_rows: Callable, settings, 
         "rows": dict(counts), "variants": dict(variants),
         "dropped_facts": {k: n for k, n in (dropped[0] if dropped else {}).items() if n},
         "input_tokens": input_tokens, "memory_tokens": memory_tokens,
-        "source_tokens": sum(r.get("tokens", 0) for r in records), "source_bytes": sum(r.get("bytes", 0) for r in records),
+        "source_tokens": sum(r.get("tokens", 0) for r in records),
+        "source_bytes": sum(r.get("bytes", 0) for r in records),
         "hash": digest.hexdigest(), "shards": shards,
     }
     return json.dumps(stats)
@@ -241,9 +243,9 @@ def build_corpus(config: BuildConfig, progress: Callable[[str], None] = print) -
     if config.stage == 2:
         items = commits.commit_items(config)
         progress(f"[corpus] stage 2: {len(items)} commits from {len(config.sources)} repository(ies)")
+        settings = commits.CommitSettings(seed=config.stage0.seed, chunk_tokens=config.stage0.chunk_tokens,
+                                          max_chunks=config.stage0.max_chunks,
+                                          val_fraction=config.stage0.val_fraction)
         return run_build(config, items=items, make_records=commits.commit_records, make_rows=commits.unit_rows,
-                         settings=commits.CommitSettings(seed=config.stage0.seed, chunk_tokens=config.stage0.chunk_tokens,
-                                                         max_chunks=config.stage0.max_chunks,
-                                                         val_fraction=config.stage0.val_fraction),
-                         progress=progress)
+                         settings=settings, progress=progress)
     raise ValueError(f"--stage must be 0 or 2, got {config.stage}")

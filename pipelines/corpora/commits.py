@@ -11,7 +11,8 @@ file (`multi_file`, `empty_commit`), the file is text (`binary`), not vendored/g
 Unreadable objects: `broken_git_object`. Each qualifying commit gives one row per prompt variant: raw (the
 message), hinted (message + path + hunk headers), imperative (a template over the subject), planning
 (`<plan>` → `<read>` → `<edit>`). Memory: the repository's chunks at the parent commit (the changed file's hunk
-chunks first, distractors from other files); target: the new file content; `diff` keeps the unified diff, `origin` the repository and the commit's and parent's shas.
+chunks first, distractors from other files); target: the new file content; `diff` keeps the unified diff, `origin`
+the repository and the commit's and parent's shas.
 """
 
 from __future__ import annotations

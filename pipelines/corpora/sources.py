@@ -1,7 +1,8 @@
 """Reading source files safely: every file is either text we use or a reject with a reason.
 
 Reasons (the manifest counts them; `rejects/` holds one row each): `unreadable`, `symlink_loop`,
-`symlink_outside_source`, `empty`, `huge`, `binary`, `non_utf8`, `malformed_jsonl`, `broken_git_object`, plus the commit filter's reasons (pipelines.corpora.commits).
+`symlink_outside_source`, `empty`, `huge`, `binary`, `non_utf8`, `malformed_jsonl`, `broken_git_object`, plus the
+commit filter's reasons (pipelines.corpora.commits).
 Nothing here executes or imports anything from a source tree.
 """
 

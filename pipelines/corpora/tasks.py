@@ -106,11 +106,14 @@ def readable_text(path: str, text: str) -> str:
     return docs.html_to_text(text) if sources.kind_of(path) == "html" else text
 
 
-def text_chunks(path: str, text: str, tokenizer, chunk_tokens: int, *, syntax_cuts: bool = True) -> list[chunking.Chunk]:
+def text_chunks(path: str, text: str, tokenizer, chunk_tokens: int, *,
+                syntax_cuts: bool = True) -> list[chunking.Chunk]:
     """A file's memory chunks from its readable text, its kind read from the path (code cut at tree-sitter nodes):
     what a repository's memory holds, whether the file was read from disk or sent to the server."""
     kind = sources.kind_of(path)
-    cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8"))) if syntax_cuts and kind in syntax.GRAMMARS else None
+    cuts = None
+    if syntax_cuts and kind in syntax.GRAMMARS:
+        cuts = syntax.boundaries(syntax.parse(kind, text.encode("utf-8")))
     return chunking.chunk_file(path, text, tokenizer, chunk_tokens=chunk_tokens, boundaries=cuts)
 
 

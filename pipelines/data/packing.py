@@ -76,7 +76,8 @@ def _fit(example: dict, spec: PackingSpec, stats: PackStats) -> dict:
     return kept | ({"id": example["id"]} if "id" in example else {})  # the row id joins stage 4's teacher entries
 
 
-def collate_packed(rows: list[list[dict]], spec: PackingSpec, stats: PackStats | None = None) -> dict[str, torch.Tensor]:
+def collate_packed(rows: list[list[dict]], spec: PackingSpec,
+                   stats: PackStats | None = None) -> dict[str, torch.Tensor]:
     """Packed rows -> the tensors AwarenessModel.forward takes (padding: segment -1, label -100, masked chunks)."""
     b = max(len(rows), 1)
     t = max((sum(len(e["input_ids"]) for e in row) for row in rows), default=1)

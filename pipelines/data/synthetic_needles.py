@@ -350,8 +350,10 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         raise ValueError(f"unknown needle variant {variant!r}; choose from {VARIANTS}")
     chunks = spec.chunks * scale
     slots = chunks * spec.facts_per_chunk
-    digits = lambda n: [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist()
-                        for _ in range(n)]  # noqa: E731
+
+    def digits(n: int) -> list[list[int]]:
+        return [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist() for _ in range(n)]
+
     if variant == "variable_tracking" or variant in CHAIN_HOPS:
         drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits)
     else:
@@ -370,7 +372,8 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
                for refs_q, facts_needed in zip(refs, needed, strict=True)]
     return NeedleMemory(memory=memory, questions=drawn.asked, references=refs,
                         depth=[starts[f] / (chunks * spec.chunk_len) for f in drawn.answer_fact],
-                        evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed],
+                        evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed})
+                                  for facts_needed in needed],
                         answers=answers)
 
 

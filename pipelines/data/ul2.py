@@ -22,8 +22,11 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 
 @dataclass
 class Ul2DataConfig:
-    paths: list[str] = field(default_factory=list)  # files or directories of text/code; empty: this repository's own sources
-    suffixes: list[str] = field(default_factory=lambda: [".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh"])  # which files a directory contributes
+    # files or directories of text/code; empty: this repository's own sources
+    paths: list[str] = field(default_factory=list)
+    # which files a directory contributes
+    suffixes: list[str] = field(
+        default_factory=lambda: [".py", ".md", ".txt", ".toml", ".yaml", ".yml", ".json", ".sh"])
     seq_len: int = 128  # tokens per sequence before denoising
     max_files: int = 10_000  # files read at most (in sorted order), so a huge path stays a bounded job
     mixture: str = "ul2"  # a name from MIXTURES

@@ -133,7 +133,8 @@ def grow_memory(row: dict[str, Any], pool: list[tuple[str, list[int]]], multipli
     names = {chunk_name(text) for text, _ in own}
     others = [chunk for chunk in pool if chunk_name(chunk[0]) not in names]
     drawn = [others[i] for i in rng.permutation(len(others))[: (multiplier - 1) * len(own)]]
-    slots = set(rng.choice(len(own) + len(drawn), size=len(own), replace=False).tolist())  # the row's own chunks' places
+    # the row's own chunks' places
+    slots = set(rng.choice(len(own) + len(drawn), size=len(own), replace=False).tolist())
     own_iter, drawn_iter = iter(own), iter(drawn)
     memory = [next(own_iter) if position in slots else next(drawn_iter) for position in range(len(own) + len(drawn))]
     return {**row, "memory": [text for text, _ in memory], "memory_input_ids": [ids for _, ids in memory],

@@ -131,7 +131,8 @@ def efficiency_row(system: System, memory_tokens: int, *, decode_tokens: int = 1
     return row
 
 
-def write_filler_store(system: System, memory: np.ndarray, directory: str) -> tuple[float, memory_store.EncoderIdentity]:
+def write_filler_store(system: System, memory: np.ndarray,
+                       directory: str) -> tuple[float, memory_store.EncoderIdentity]:
     """Encodes the memory's chunks (C, L) with the system's encoder and writes them as a store; returns the encoding
     seconds (one timed call after a warm-up) and the export's encoder identity, which the store carries and a reader
     is checked against."""

@@ -46,7 +46,8 @@ def generate_with_memories(
                     pad_token_id=0)
     start = time.perf_counter()
     out = model.generate(prompts, memory_input_ids=memories.to(model.device),
-                         memory_attention_mask=None if memory_mask is None else memory_mask.to(model.device), **settings)
+                         memory_attention_mask=None if memory_mask is None else memory_mask.to(model.device),
+                         **settings)
     bare = model.generate(prompts[:1], **settings)
     seconds = time.perf_counter() - start
     with_logits = model(input_ids=prompts, memory_input_ids=memories.to(model.device),

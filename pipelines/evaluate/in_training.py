@@ -83,7 +83,8 @@ def score_needles(
         memory = batch["memory_input_ids"].to(device) if "memory_input_ids" in batch else None
         # labels say which tokens are the question (lexical routing's prior reads the question, not the answer)
         logits = model(input_ids=ids, memory_input_ids=memory, labels=labels).logits.float()  # (rows, T, V)
-        rows, positions = batch["answer_rows"].to(device)[:, None], batch["answer_positions"].to(device)  # (Q, 1), (Q, D)
+        rows = batch["answer_rows"].to(device)[:, None]  # (Q, 1)
+        positions = batch["answer_positions"].to(device)  # (Q, D)
         predicted = logits[rows, positions - 1].argmax(-1)  # the logits before each token predict it: (Q, D)
         exact = (predicted == ids[rows, positions]).all(-1).cpu()
         missed = ~exact
@@ -187,8 +188,8 @@ def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memor
 @torch.no_grad()
 def evaluate_corpus(model, rows: list[dict] | None, spec: PackingSpec, mode: MemoryMode = GCA) -> dict[str, float]:
     """Validation loss and next-token accuracy on the targets of `rows` (the same on every rank), with the memory (read
-    as `mode` says) and with it withheld: the gap is what reading the memory is worth. Without a process group (a reloaded export,
-    outside DeepSpeed) one process evaluates them all."""
+    as `mode` says) and with it withheld: the gap is what reading the memory is worth. Without a process group (a
+    reloaded export, outside DeepSpeed) one process evaluates them all."""
     if rows is None:
         return {}
     distributed = dist.is_initialized()

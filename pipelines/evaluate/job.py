@@ -42,7 +42,8 @@ class EvaluateConfig:
     # (models:/NAME@ALIAS or models:/NAME/VERSION); each names how it reads memory in its export's system.json
     model: list[str] = field(default_factory=list)
     names: list[str] | None = None  # labels in results.json; None: each export's memory mode (gca, rag, ...)
-    suite: list[str] = field(default_factory=lambda: ["needle"])  # needle, code_qa, efficiency, commits (comma/space-separated)
+    # needle, code_qa, efficiency, commits (comma/space-separated)
+    suite: list[str] = field(default_factory=lambda: ["needle"])
     out: str = "outputs/evaluate"  # results.json and plots go here
     actors: int = 1  # Ray Data actors per system for the needle and commits suites, each holding the model
     cpus_per_actor: float = 1.0  # CPUs Ray reserves for each evaluation actor
@@ -125,7 +126,8 @@ def start_ray() -> None:
 
 def evaluate_system(source: Source, suites: list[Suite], results: dict[str, Any]) -> dict[str, Any]:
     """One system through the suites: its results.json entry; each suite's sections go under results[section]."""
-    entry: dict[str, Any] = {"metrics": {}, "counts": {}, "export": source.export, "memory": source.system.get("memory")}
+    entry: dict[str, Any] = {"metrics": {}, "counts": {}, "export": source.export,
+                             "memory": source.system.get("memory")}
     for suite in suites:
         result = suite.run(source)
         entry["metrics"] |= result.metrics

@@ -48,7 +48,9 @@ class NeedleSuite:
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths
     seed: int = 20261123  # probes come from their own seed, never from training's or validation's
     depth_bins: int = 4  # accuracy by where the fact sits in the memory, in this many equal bins
-    hard_distractors: float = 0.0  # share (0-1) of each probe's free fact slots holding facts near-identical to the asked ones (stage 0's needle.hard_distractors), the same for every system
+    # share (0-1) of each probe's free fact slots holding facts near-identical to the asked ones (stage 0's
+    # needle.hard_distractors), the same for every system
+    hard_distractors: float = 0.0
 
     def problems(self) -> list[str]:
         p = []
@@ -163,9 +165,11 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
     for answer, refs, depth, read, end_loss in zip(answers, probe.references, probe.depth, reading, end_losses,
                                                    strict=True):
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
-        rows.append({"system": system.name, "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
+        rows.append({"system": system.name,
+                     "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
                      "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
-                     "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs), "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
+                     "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs),
+                     "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
                      "end_loss": end_loss, "evidence_mass": read.get("evidence_mass", float("nan")),
                      "top_chunk": read.get("top_chunk", float("nan"))})
     return rows
@@ -272,7 +276,8 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
             metrics[f"{name}/end_loss"] = sum(ends) / len(ends)
         read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
         if read:
-            metrics[f"attention/{variant}/{multiplier}x/evidence_mass"] = sum(r["evidence_mass"] for r in read) / len(read)
+            mass = sum(r["evidence_mass"] for r in read) / len(read)
+            metrics[f"attention/{variant}/{multiplier}x/evidence_mass"] = mass
             top = sum(int(r["top_chunk"]) for r in read)
             metrics[f"attention/{variant}/{multiplier}x/top_chunk"] = top / len(read)
             metrics[f"attention/{variant}/{multiplier}x/top_chunk/ci95"] = list(rate_interval(top, len(read)))
@@ -299,8 +304,8 @@ class NeedleEvaluation:
         rows = run_needles(self.settings, source, self.workers)
         metrics, counts, heatmap = needle_metrics(rows, needle_spec(source.system), self.settings.depth_bins)
         single = {k: v for k, v in metrics.items() if k.startswith("needle/single/") and k.endswith("x")}
-        line = f"{source.name}: needle " + "  ".join(f"{k.split('/')[-1]} {v:.2f} (whole {metrics[f'{k}/whole_answer']:.2f})"
-                                                     for k, v in single.items())
+        line = f"{source.name}: needle " + "  ".join(
+            f"{k.split('/')[-1]} {v:.2f} (whole {metrics[f'{k}/whole_answer']:.2f})" for k, v in single.items())
         return SuiteResult(metrics, counts, {"heatmaps": heatmap}, line)
 
     def close(self) -> None:

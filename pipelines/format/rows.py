@@ -3,8 +3,9 @@
 `input_ids` = prompt tokens + target tokens + `<|im_end|>`; `labels` = -100 over the prompt, the target ids (and
 `<|im_end|>`) after it; `memory_input_ids` = one unpadded token list per memory chunk, each exactly the tokenizer's
 encoding of the matching `memory` text. `origin` (commits only): where the row comes from, {repository, commit,
-parent}, so an evaluation can rebuild the parent tree and run the repository's tests against a generated edit. Prompts and targets are lists of parts: a part that is exactly a special
-token string (`<read>`) becomes that token; everything else is text.
+parent}, so an evaluation can rebuild the parent tree and run the repository's tests against a generated edit.
+Prompts and targets are lists of parts: a part that is exactly a special token string (`<read>`) becomes that token;
+everything else is text.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from tokenizers.models import BPE
 
 # Qwen's pre-tokenizer (transformers/models/qwen2/tokenization_qwen2.py PRETOKENIZE_REGEX): single digits.
 QWEN_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 N_RANKS = 151_643
 
@@ -55,8 +56,8 @@ def dashscope_ranks_path() -> Path:
     """Where dashscope's copy of Qwen's BPE ranks lies (found without importing dashscope, which is an API client)."""
     spec = importlib.util.find_spec("dashscope")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the offline Qwen3 tokenizer needs the BPE ranks shipped by `dashscope`: pip install dashscope "
-                           "(or pass a local Qwen3 checkpoint directory holding tokenizer.json)")
+        raise RuntimeError("the offline Qwen3 tokenizer needs the BPE ranks shipped by `dashscope`: "
+                           "pip install dashscope (or pass a local Qwen3 checkpoint directory holding tokenizer.json)")
     path = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: reinstall dashscope, or pass a Qwen3 checkpoint directory")

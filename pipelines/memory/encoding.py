@@ -34,7 +34,8 @@ class EncodeMemoryConfig:
     sources: list[str] = field(default_factory=list)  # the repository: directories or files, chunked together
     out: str = "outputs/memory_store"  # the store directory (replaced if it holds a store)
     encoder_attention: str = "causal"  # an encoder checkpoint's attention (an export names its own)
-    tokenizer: str | None = None  # a directory with tokenizer.json; None: the export's decoder's or the encoder's, else the offline Qwen3 one
+    # a directory with tokenizer.json; None: the export's decoder's or the encoder's, else the offline Qwen3 one
+    tokenizer: str | None = None
     chunk_tokens: int = 512  # memory chunk size (tokens, header included), as the corpus builder's
     syntax_cuts: bool = True  # cut code at tree-sitter nodes (False: at paragraph breaks, no parse)
     batch_size: int = 16  # chunks per encoder call (one safetensors shard each)

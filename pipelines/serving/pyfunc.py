@@ -102,7 +102,8 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text
         self.max_new_tokens = int(settings.get("max_new_tokens", 32))
         eos = settings.get("eos_token")
-        self.eos_token_id = self.tokenizer.token_to_id(eos) if eos else self.model.decoder.generation_config.eos_token_id
+        self.eos_token_id = (self.tokenizer.token_to_id(eos) if eos
+                             else self.model.decoder.generation_config.eos_token_id)
         self.pad_token_id = self.tokenizer.token_to_id(settings.get("pad_token") or "<pad>") or 0
         # False for corpus-trained models: their answers may be made of agentic tokens (<plan>, <read>, <edit>)
         self.skip_special_tokens = bool(settings.get("skip_special_tokens", True))

@@ -115,9 +115,9 @@ class Tracker:
                 run_id = client.create_run(experiment_id, run_name=run_name, tags=tags or {}).info.run_id
             except Exception as error:  # noqa: BLE001 - re-raised with what to do
                 raise RuntimeError(
-                    f"cannot open an MLflow run at {_strip_userinfo(tracking_uri)} ({_short(error)}): start the tracking "
-                    f"server, point MLFLOW_TRACKING_URI (or --tracking.tracking_uri) at a running one, or pass "
-                    f"--tracking.enabled false; nothing has been trained yet"
+                    f"cannot open an MLflow run at {_strip_userinfo(tracking_uri)} ({_short(error)}): "
+                    f"start the tracking server, point MLFLOW_TRACKING_URI (or --tracking.tracking_uri) at a running "
+                    f"one, or pass --tracking.enabled false; nothing has been trained yet"
                 ) from error
             tracker = cls(tracking_uri, run_id)
             tracker.log_params(redact(flatten(config)))

@@ -72,7 +72,8 @@ def closing_sentence(summary: dict[str, Any], tracking_uri: str | None) -> str:
         learned = f"The loss went from {summary.get('loss_first') or 0:.3f} to {summary.get('loss_last') or 0:.3f}."
     export = summary.get("export") or summary.get("encoder")
     where = f" The export is in {export}." if export else ""
-    look = f" Look at the run with: mlflow ui --backend-store-uri {tracking_uri}" if summary.get("mlflow_run_id") else ""
+    look = (f" Look at the run with: mlflow ui --backend-store-uri {tracking_uri}" if summary.get("mlflow_run_id")
+            else "")
     return learned + where + look
 
 

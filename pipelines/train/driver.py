@@ -1,5 +1,6 @@
 """The driver side of every training job: the recipe's preparation, the MLflow run, the one TorchTrainer, fit,
-the summary. The stage jobs, the UL2 job and the traffic VLM job differ only in their recipe (pipelines.train.recipes)."""
+the summary. The stage jobs, the UL2 job and the traffic VLM job differ only in their recipe
+(pipelines.train.recipes)."""
 
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ def summarise(job: str, recipe: Recipe, config, result, tracker: Tracker, *,
         **recipe.summary(config, metrics, export_dir, tracker),
         "steps": metrics.get("examples_seen", 0) // config.train.memories_per_step,
         "seconds_per_step": metrics.get("step_seconds_median"),
-        "seconds": round(seconds, 1) if seconds is not None else None,  # data, Ray start, training and evaluation, up to the summary
+        # data, Ray start, training and evaluation, up to the summary
+        "seconds": round(seconds, 1) if seconds is not None else None,
         "checkpoint": checkpoint,
         "mlflow_run_id": tracker.run_id,
         "error": repr(result.error) if result.error else None,

@@ -34,15 +34,18 @@ def quantized_loading(quantize: str) -> dict:
     return {"quantize": quantize, "device": device}
 
 
-def prepare_model(model: AwarenessModel, cfg: ModelConfig, *, partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
+def prepare_model(model: AwarenessModel, cfg: ModelConfig, *,
+                  partitioner: Partitioner = UNPARTITIONED) -> AwarenessModel:
     """The training configuration on a built pair: LoRA adapters, initial added weights, what trains, the encoder's
     gradient scale and gradient checkpointing (benchmarks apply it to pairs built with random weights on a GPU).
     LoRA adapters are created whole (they are small); deepspeed.initialize partitions them with rank 0's values."""
     targets = tuple(cfg.lora_targets)
-    # a baseline (model.memory in_context | rag | none) never runs the encoder or the GCA blocks: only the decoder trains
+    # a baseline (model.memory in_context | rag | none) never runs the encoder or the GCA blocks: only the decoder
+    # trains
     encoder, gca = (cfg.encoder, cfg.gca) if cfg.memory == "gca" else ("frozen", "frozen")
     plan = LoraPlan(
-        decoder=LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets) if cfg.decoder == "lora" else None,
+        decoder=(LoraSettings(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets)
+                 if cfg.decoder == "lora" else None),
         gca=LoraSettings(rank=cfg.gca_lora_rank) if gca == "lora" else None,
         encoder=LoraSettings(rank=cfg.encoder_lora_rank) if encoder == "lora" else None,
     )

@@ -25,7 +25,8 @@ from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
 from pipelines.train.configs.common import OPTIMIZERS
 
 GIB = 1024**3
-CUDA_CONTEXT_GIB = 2.0  # CUDA context and NCCL buffers, outside the allocator (2.06-2.21 GiB: proto1, H100, Nov 26 2026)
+# CUDA context and NCCL buffers, outside the allocator (2.06-2.21 GiB: proto1, H100, Nov 26 2026)
+CUDA_CONTEXT_GIB = 2.0
 # The caching allocator reserves beyond the live tensors' peak (blocks split and cached): 11.8% for proto1's
 # training steps on an H100 (24.25 GiB reserved at a 21.69 GiB allocated peak, Nov 26 2026); 1.4% while loading.
 ALLOCATOR_SLACK = 0.12
@@ -122,12 +123,13 @@ class MemoryPlan:
         lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
         lines += [f"host memory while loading, {name}: {gib:.1f} GiB" for name, gib in self.load_host_gib.items()]
         if self.deepspeed_estimate_gib is not None:
-            lines.append(f"DeepSpeed's ZeRO-3 estimate of model states (full training): {self.deepspeed_estimate_gib:.2f} GiB/GPU")
+            lines.append("DeepSpeed's ZeRO-3 estimate of model states (full training): "
+                         f"{self.deepspeed_estimate_gib:.2f} GiB/GPU")
         if self.cpu_gib_per_node:
             lines.append(f"CPU memory for offloaded states: {self.cpu_gib_per_node:.1f} GiB per node")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"{verdict}: peak {self.peak_gib:.1f} (training {self.total_gib:.1f}, loading {self.load_gib:.1f}) "
-                     f"of {i.gpu_memory_gib:.0f} GiB per GPU")
+        lines.append(f"{verdict}: peak {self.peak_gib:.1f} (training {self.total_gib:.1f}, "
+                     f"loading {self.load_gib:.1f}) of {i.gpu_memory_gib:.0f} GiB per GPU")
         return "\n".join(lines)
 
 
@@ -183,7 +185,8 @@ def plan_memory(inputs: PlanInput) -> MemoryPlan:
         return _plan_at(inputs, 3, counted, "chosen: parameter offload needs ZeRO-3")
     whole = _plan_at(inputs, 2, counted, "")
     if whole.fits:
-        whole.zero_reason = (f"chosen: the whole pair ({whole.rows[parameter_row(inputs.quantize, 2)]:.1f} GiB) fits each GPU, "
+        pair_gib = whole.rows[parameter_row(inputs.quantize, 2)]
+        whole.zero_reason = (f"chosen: the whole pair ({pair_gib:.1f} GiB) fits each GPU, "
                              f"so only gradients and optimizer states are partitioned (peak {whole.peak_gib:.1f} of "
                              f"{inputs.gpu_memory_gib:.0f} GiB)")
         return whole
@@ -299,9 +302,11 @@ def activation_rows(inputs: PlanInput, model) -> dict[str, float]:
         decoder = layers * per_layer_full
     n_gca = len(model.gca_layers)
     kv = d.num_key_value_heads * d.head_dim
-    gca = n_gca * (12 * b * s * h + 2 * 2 * bm * m * kv) + 2 * bm * m * h  # queries/outputs, memory K/V, projected memory
+    # queries/outputs, memory K/V, projected memory
+    gca = n_gca * (12 * b * s * h + 2 * 2 * bm * m * kv) + 2 * bm * m * h
     encoder_h = model.memory_encoder.hidden_size
-    encoder = 2 * bm * m * encoder_h * (1 if inputs.encoder == "frozen" else model.memory_encoder.encoder.config.num_hidden_layers * 17)
+    encoder_layers = model.memory_encoder.encoder.config.num_hidden_layers
+    encoder = 2 * bm * m * encoder_h * (1 if inputs.encoder == "frozen" else encoder_layers * 17)
     # one chunk of models/loss.py's logits at a time: bf16 logits (2 B), the loss's fp32 log-softmax (4 B) and, in its
     # backward, the fp32 gradients coming in and going out (4 + 4 B)
     logits = 14 * min(b * s, CHUNK_TOKENS) * d.vocab_size

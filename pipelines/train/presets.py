@@ -77,9 +77,9 @@ STAGE2 = StageConfig(
 )
 
 # Stage 4 (`python jobs/stage4.py`): distillation on CPU. The default corpus is one needle fact per memory with noisy
-# target digits (pipelines/train/recipes/stage4.py says why); an in_context teacher trains first (cached under the checkpoint
-# root), then the GCA student with the teacher's top-32 (alpha 0.5), then the same student with alpha 0. The pair and
-# settings are stage 0's, which learn a needle lookup from scratch on this machine.
+# target digits (pipelines/train/recipes/stage4.py says why); an in_context teacher trains first (cached under the
+# checkpoint root), then the GCA student with the teacher's top-32 (alpha 0.5), then the same student with alpha 0.
+# The pair and settings are stage 0's, which learn a needle lookup from scratch on this machine.
 STAGE4 = Stage4Config(
     model=ModelConfig(pair="tiny-shared", gca_layers="upper_half", encoder_attention="bidirectional", decoder="full",
                       encoder="full", gca="full", gca_gate_init=0.3, context_budget=64),
@@ -146,9 +146,10 @@ def stage0_sweep_base(pair: str) -> StageConfig:
 
 
 def corpus_sweep_base(pair: str | None, stage: int) -> StageConfig:
-    """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its schedule, data budget, variants,
-    frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per trial on 0.4 CPU, so a trial
-    reserves 0.5 with its own function, and on 2 cores up to four run at once. The corpus is the jobs' --data.train_path / --data.val_path (required)."""
+    """Stages 1-2: the stage job's own preset (pipelines.train.presets, used by jobs/stage1.py or stage2.py: its
+    schedule, data budget, variants, frozen-decoder warm-up), the decoder in LoRA. CPU-sized: one Train worker per
+    trial on 0.4 CPU, so a trial reserves 0.5 with its own function, and on 2 cores up to four run at once. The corpus
+    is the jobs' --data.train_path / --data.val_path (required)."""
     job = STAGES[stage]  # the job's preset is the one source of its defaults
     pair = pair or job.model.pair
     if vocab_problem(pair):

@@ -1,4 +1,5 @@
-"""A sweep's report: the fusion x rank x placement table printed on the console and the same grid as a plot for MLflow."""
+"""A sweep's report: the fusion x rank x placement table printed on the console and the same grid as a plot for
+MLflow."""
 
 from __future__ import annotations
 

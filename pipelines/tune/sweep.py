@@ -5,7 +5,8 @@ Ray 2.60 runs Ray Train V2, where a TorchTrainer is not a Tune trainable: a func
 trials.
 MLflow: one parent run per sweep, each trial's stage run nested under it (the stage job opens and fills that run
 itself, fault-tolerantly, so Ray's MLflowLoggerCallback, which logs from the Tune driver without a retry queue and
-would open a second run per trial, is not used). The best trial's artifact is registered (`pipelines.tracking.registry`).
+would open a second run per trial, is not used). The best trial's artifact is registered
+(`pipelines.tracking.registry`).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class SweepConfig:
             p.append(f"trials on corpus shards report {metric} on data.val_path: pass --data.val_path DIR/val "
                      f"(jobs/build_corpus.py's held-out split)")
         if self.trial_cpus <= 0 or self.trial_cpus >= 1:
-            p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train workers "
-                     f"on small machines), got {self.trial_cpus}")
+            p.append(f"sweep.trial_cpus must be a fraction in (0, 1) (a whole CPU per trial starves its own Train "
+                     f"workers on small machines), got {self.trial_cpus}")
         return p
 
     def lora_rank_choices(self, base: StageConfig) -> list[int]:
@@ -275,8 +276,9 @@ def trial_rows(results, sweep: SweepConfig, base: StageConfig) -> list[dict[str,
         export = f"{checkpoint}/export" if checkpoint and finished else None
         seconds = float(m.get("time_total_s", 0.0))
         rows.append({
-            "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"], "lora_rank": c["lora_rank"],
-            "placement": c["gca_layers"], "gca_layers": memory_layers(c["fusion"], c["gca_layers"], depth), "lr": c["lr"],
+            "trial_id": m.get("trial_id") or Path(result.path).name, "fusion": c["fusion"],
+            "lora_rank": c["lora_rank"], "placement": c["gca_layers"],
+            "gca_layers": memory_layers(c["fusion"], c["gca_layers"], depth), "lr": c["lr"],
             "memory_top_k": 0 if c["fusion"] == "merged" else c.get("memory_top_k", base.model.reading.top_k),
             sweep.metric: m.get(sweep.metric), accuracy: m.get(accuracy),
             "no_memory_val_loss": m.get("no_memory_val_loss"), "steps": steps,

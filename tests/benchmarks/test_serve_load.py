@@ -1,6 +1,7 @@
 """benchmarks/serve_load.py as a user runs it: the dry run's plan (nothing started), and a real quick run (its own
 registry, the Serve app and `mlflow models serve` on loopback, levels 1 and 4) whose report has both systems at each
-level, no errors, every answer equal to the pyfunc's, and the JSON summary as its last line; its servers are gone after."""
+level, no errors, every answer equal to the pyfunc's, and the JSON summary as its last line; its servers are gone
+after."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_direct_ingress_pins_the_replicas_port_and_the_clients_go_there(serve_lo
         f"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT={port + 1}; ray.init(")
     direct = serve_load.Plan(**{k: v for k, v in plan.items() if k not in ("dry_run", "benchmark")})
     assert serve_load.serve_url(direct) == f"http://127.0.0.1:{port}"
-    proxied = serve_load.Plan(**{**{k: v for k, v in plan.items() if k not in ("dry_run", "benchmark")}, "direct_port": None})
+    proxied = serve_load.Plan(**{**{k: v for k, v in plan.items() if k not in ("dry_run", "benchmark")},
+                                 "direct_port": None})
     assert serve_load.serve_url(proxied) == f"http://127.0.0.1:{plan['serve_port']}"
     assert serve_load.direct_ingress_env(proxied) == {}
 

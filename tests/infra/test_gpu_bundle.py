@@ -121,9 +121,9 @@ def test_the_gpu_box_script_fits_one_device_command():
         assert stage2[stage2.index(flag) + 1] == value, flag
 
 
-GPU_CHECK_IMPORTS = ["models", "pipelines.corpora.random_rows", "pipelines.train.driver", "pipelines.train.recipes.jobs",
-                     "pipelines.evaluate.common", "pipelines.evaluate.efficiency", "gpu_mfu", "serve_load",
-                     "pipelines.serving.app",
+GPU_CHECK_IMPORTS = ["models", "pipelines.corpora.random_rows", "pipelines.train.driver",
+                     "pipelines.train.recipes.jobs", "pipelines.evaluate.common", "pipelines.evaluate.efficiency",
+                     "gpu_mfu", "serve_load", "pipelines.serving.app",
                      *sorted(f"tests.gpu.{p.stem}" for p in (ROOT / "tests" / "gpu").glob("test_*.py"))]
 
 WHAT_THEY_IMPORT = """
@@ -132,7 +132,8 @@ sys.path[:0] = [{root!r}, {root!r} + "/benchmarks"]
 for name in {modules!r}:
     importlib.import_module(name)
 tops = md.packages_distributions()
-print(json.dumps(sorted({{d.lower().replace("_", "-") for m in list(sys.modules) for d in tops.get(m.split(".")[0], [])}})))
+print(json.dumps(sorted({{d.lower().replace("_", "-") for m in list(sys.modules)
+                          for d in tops.get(m.split(".")[0], [])}})))
 """
 
 

@@ -38,7 +38,7 @@ def test_stage0_job_in_bf16_tracks_fp32(tmp_path, checkpoint_root):
               str(checkpoint_root), "--run.storage_path", str(tmp_path / "ray"), "--tracking.enabled", "false"]
     runs = {p: run("stage0", *common, "--deepspeed.precision", p, "--run.name", p, cwd=tmp_path)
             for p in ("fp32", "bf16")}
-    (fp32_summary, fp32), (bf16_summary, bf16) = runs["fp32"], runs["bf16"]
+    (_, fp32), (bf16_summary, bf16) = runs["fp32"], runs["bf16"]
     print(f"stage 0, 2 workers, ZeRO-3, step losses: fp32 {fp32}, bf16 {bf16}")
     assert bf16_summary["error"] is None and bf16_summary["steps"] == 4 and sorted(bf16) == [1, 2, 3, 4]
     assert max(abs(fp32[s] - bf16[s]) for s in fp32) < LOSS_TOLERANCE

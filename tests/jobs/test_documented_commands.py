@@ -91,9 +91,11 @@ class DocPaths:
 
     def flags(self) -> dict[str, str]:
         return {"--data.train_path": str(self.corpus / "train"), "--data.val_path": str(self.corpus / "val"),
-                "--model.init_from": str(self.export), "--distill.teacher": str(self.teacher), "--model_dir": str(self.export),
+                "--model.init_from": str(self.export), "--distill.teacher": str(self.teacher),
+                "--model_dir": str(self.export),
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
-                "--model.vision_path": str(self.siglip), "--model.checkpoint_root": str(self.checkpoint_root), "--checkpoint_root": str(self.checkpoint_root),
+                "--model.vision_path": str(self.siglip), "--model.checkpoint_root": str(self.checkpoint_root),
+                "--checkpoint_root": str(self.checkpoint_root),
                 "--run.storage_path": str(self.root / "ray"), "--out": str(self.root / "out"),
                 "--sources": str(self.sources), "--data.paths": str(self.sources), "--commits.corpus": str(self.corpus),
                 "--corpus": str(self.corpus), "--teacher": str(self.export), "--config": str(self.root / "config.yaml")}

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.ray  # every test here starts Ray
 # A small model for a few steps, on two workers (the default's one would skip the gradient exchange and the
 # evaluation's split over ranks).
 TINY = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.layers", "1", "--model.heads", "4",
-        "--model.kv_heads", "2", "--model.image_size", "64", "--data.train_scenes", "64", "--data.heldout_scenes", "24",
-        "--data.grid_scenes", "4", "--train.max_steps", "4", "--train.memories_per_step", "8", "--train.eval_every", "2",
-        "--train.log_every", "1", "--train.warmup_steps", "1",
+        "--model.kv_heads", "2", "--model.image_size", "64", "--data.train_scenes", "64",
+        "--data.heldout_scenes", "24", "--data.grid_scenes", "4", "--train.max_steps", "4",
+        "--train.memories_per_step", "8", "--train.eval_every", "2", "--train.log_every", "1",
+        "--train.warmup_steps", "1",
         "--scaling.num_workers", "2", "--scaling.cpus_per_worker", "1"]
 SUMMARY = ("accuracy", "no_image_accuracy", "majority_accuracy", "f1", "steps", "seconds", "mlflow_run_id", "export",
            "error")
@@ -51,7 +52,8 @@ def test_short_run_logs_figures_and_a_pyfunc_that_answers_held_out_scenes(tmp_pa
                                                 "right_lane_free", "stop_sign", "can_go"}
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = summary["mlflow_run_id"]
-    artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "eval")}
+    artifacts = ({a.path for a in client.list_artifacts(run_id)}
+                 | {a.path for a in client.list_artifacts(run_id, "eval")})
     assert {"confusion_matrix.png", "heldout_grid.png", "cross_attention.png", "eval/per_question_type.json", "export",
             "pyfunc", "summary.json"} <= artifacts, artifacts
     history = [m.step for m in client.get_metric_history(run_id, "accuracy")]
@@ -73,7 +75,8 @@ def test_short_run_logs_figures_and_a_pyfunc_that_answers_held_out_scenes(tmp_pa
         served = mlflow.pyfunc.load_model("models:/traffic-vlm@candidate")
     finally:
         mlflow.set_tracking_uri(None)
-    answers = served.predict(pd.DataFrame({"image": [r["png"] for r in rows], "question": [r["question"] for r in rows]}))
+    answers = served.predict(pd.DataFrame({"image": [r["png"] for r in rows],
+                                           "question": [r["question"] for r in rows]}))
     assert answers == ["yes" if w else "no" for w in want.tolist()]
 
 

@@ -1,11 +1,15 @@
 """AwarenessModel against transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM on the same checkpoints."""
 
+import threading
+
 import pytest
 import torch
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-from models import AwarenessModel, build_pair
+from models import AwarenessModel, build_pair, set_trainable
 from models.awareness import allowing_memory_keyword
+from pipelines.train.configs.stage import ModelConfig
+from pipelines.train.model import prepare_model
 from tests.conftest import open_gates, random_ids
 
 DEC_VOCAB, ENC_VOCAB = 512, 496
@@ -244,8 +248,6 @@ def test_allowing_memory_keyword_lets_transformers_generate_read_the_memory(tiny
 def test_generate_from_several_threads_at_once_answers_as_alone(tiny):
     """`mlflow models serve` runs concurrent requests' predict in threads over one model: every generate succeeds and
     gives what it gives alone, and the decoder is left as it was (no generate-time hook left behind)."""
-    import threading
-
     open_gates(tiny)
     mem, mask = memory_batch()
     prompts = [random_ids(1, 5, vocab=DEC_VOCAB, seed=s) for s in range(4)]
@@ -316,8 +318,6 @@ def test_encoder_gradient_scale(checkpoint_root):
     def encoder_grad(scale):
         torch.manual_seed(0)  # the same GCA initialisation for both models
         model = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root))
-        from models import set_trainable
-
         set_trainable(model, encoder="full")
         model.memory_encoder.grad_scale = scale
         ids = random_ids(2, 8, vocab=DEC_VOCAB, seed=0)
@@ -335,9 +335,6 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(checkpoint_root):
     """Regional compile (fullgraph: a graph break fails) of the decoder layers with their GCA blocks and of the
     encoder layers: the same loss and gradients as eager, to 1e-6 (aot_eager keeps torch's own kernels, so what is
     checked is the captured graphs; inductor's generated kernels are checked on a GPU, tests/gpu)."""
-    from pipelines.train.configs.stage import ModelConfig
-    from pipelines.train.model import prepare_model
-
     torch.manual_seed(0)
     model = open_gates(prepare_model(build_pair("tiny", checkpoint_root=checkpoint_root),
                                      ModelConfig(pair="tiny", encoder="lora")), 0.5)

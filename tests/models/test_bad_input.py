@@ -19,7 +19,8 @@ def test_gca_layer_out_of_range_names_the_depth(checkpoint_root):
 def test_memory_ids_outside_the_encoder_vocabulary(tiny):
     ids = random_ids(1, 4, vocab=512, seed=0)
     memory = torch.full((1, 1, 8), 500)  # valid for the 512-id decoder, not for the 496-id encoder
-    with pytest.raises(ValueError, match="memory_input_ids holds token id 500, outside the encoder's vocabulary of 496"):
+    with pytest.raises(ValueError,
+                       match="memory_input_ids holds token id 500, outside the encoder's vocabulary of 496"):
         tiny(input_ids=ids, memory_input_ids=memory)
     with pytest.raises(ValueError, match="input_ids holds token id 512, outside the decoder's vocabulary of 512"):
         tiny(input_ids=torch.full((1, 4), 512))
@@ -28,7 +29,8 @@ def test_memory_ids_outside_the_encoder_vocabulary(tiny):
 
 
 def test_memory_longer_than_the_encoder_positions(tiny):
-    with pytest.raises(ValueError, match=r"chunks of 300 tokens exceed the encoder's 256 positions.*\[batch, chunks, chunk_len\]"):
+    with pytest.raises(ValueError,
+                       match=r"chunks of 300 tokens exceed the encoder's 256 positions.*\[batch, chunks, chunk_len\]"):
         tiny(input_ids=random_ids(1, 4, vocab=512, seed=0), memory_input_ids=torch.zeros(1, 300, dtype=torch.long))
 
 
@@ -37,7 +39,8 @@ def test_memory_shape_and_batch_mistakes(tiny):
     with pytest.raises(ValueError, match=r"must be \[batch, chunks, chunk_len\]"):
         tiny(input_ids=ids, memory_input_ids=torch.zeros(2, 1, 1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="memory_attention_mask shape"):
-        tiny(input_ids=ids, memory_input_ids=torch.zeros(2, 8, dtype=torch.long), memory_attention_mask=torch.ones(2, 7))
+        tiny(input_ids=ids, memory_input_ids=torch.zeros(2, 8, dtype=torch.long),
+             memory_attention_mask=torch.ones(2, 7))
     with pytest.raises(ValueError, match="memory batch 1 differs from the prompt batch 2"):
         tiny.generate(ids, memory_input_ids=torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match=r"memory_states must be \(batch, memory_len, 48\)"):

@@ -121,7 +121,8 @@ def test_proto1_forward_is_every_linear_weight_times_its_tokens_plus_attention()
     model = prepare_model(build_pair("proto1", device="meta", dtype=torch.bfloat16), ModelConfig(pair="proto1"))
     b, t, c, length = 4, 2048, 16, 512
     m = c * length
-    batch = {"input_ids": torch.empty(b, t, device="meta"), "memory_input_ids": torch.empty(b, c, length, device="meta")}
+    batch = {"input_ids": torch.empty(b, t, device="meta"),
+             "memory_input_ids": torch.empty(b, c, length, device="meta")}
     flops = training_flops(model, batch)
 
     def tokens(name: str) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from models import AwarenessModel
 from models.gca import chunk_scores
-from models.lexical import question_mask_of, question_prior
+from models.lexical import packed_question_prior, question_mask_of, question_prior
 from pipelines.evaluate.probes import memory_attention
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
@@ -203,8 +203,6 @@ def test_packed_examples_each_get_their_own_questions_prior(checkpoint_root):
 
 def test_packed_prior_equals_the_per_row_prior():
     """packed_question_prior of one example a row is question_prior's."""
-    from models.lexical import packed_question_prior
-
     chunks = torch.randint(0, 50, (2, 4, 6), generator=torch.Generator().manual_seed(0))
     chunk_mask = torch.ones_like(chunks, dtype=torch.bool)
     chunk_mask[1, 3] = False

@@ -16,7 +16,7 @@ from models.trainable import ATTENTION, EXPERTS
 from tests.conftest import open_gates, random_ids
 
 RANK, ALPHA = 4, 6.0  # scaling 1.5, so a wrong alpha or rank pattern shows
-E, H, I = 4, 64, 32  # tiny-moe: experts, hidden width, expert intermediate width
+E, H, INTER = 4, 64, 32  # tiny-moe: experts, hidden width, expert intermediate width
 
 
 def with_expert_lora(model: AwarenessModel, targets=(EXPERTS,)) -> AwarenessModel:
@@ -50,7 +50,7 @@ def test_expert_adapters_have_the_decoder_rank_and_peft_shapes(tiny_moe):
     for layer in range(4):
         wrappers = expert_wrappers(tiny_moe, layer)
         assert set(wrappers) == {"gate_up_proj", "down_proj"}
-        for name, (inputs, outputs) in {"gate_up_proj": (H, 2 * I), "down_proj": (I, H)}.items():
+        for name, (inputs, outputs) in {"gate_up_proj": (H, 2 * INTER), "down_proj": (INTER, H)}.items():
             w = wrappers[name]
             assert w.r["default"] == RANK and w.scaling["default"] == ALPHA / RANK
             # one rank-r pair per expert, stacked: E * r * (in + out) parameters per fused weight
@@ -111,7 +111,7 @@ def test_only_adapters_train_and_get_gradients_with_and_without_checkpointing(ti
     assert all("lora_" in n or n.endswith(".gate") for n in trainable)
     expert_lora = {n for n in trainable if ".mlp.experts." in n}
     assert len(expert_lora) == 4 * 2 * 2  # layers x (gate_up, down) x (A, B)
-    assert counts["decoder"] == 4 * (E * RANK * (H + 2 * I) + E * RANK * (I + H))
+    assert counts["decoder"] == 4 * (E * RANK * (H + 2 * INTER) + E * RANK * (INTER + H))
     assert not any(p.requires_grad for n, p in tiny_moe.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
 
     ids, mem = random_ids(2, 9, vocab=512, seed=0), random_ids(2, 2, 8, vocab=496, seed=1)
@@ -150,7 +150,8 @@ def test_round_trip_and_merged_export_keep_the_expert_adapters(tiny_moe, checkpo
     assert {n for n in saved if ".mlp.experts." in n} == {n for n, _ in tiny_moe.named_parameters()
                                                           if ".mlp.experts." in n and "lora_" in n}
     assert all("lora_" in n or ".cross_attention." in n or n.startswith("memory_projection.") for n in saved)
-    assert json.loads((tmp_path / "run" / "awareness_config.json").read_text())["lora"]["decoder"]["targets"][-1] == EXPERTS
+    config = json.loads((tmp_path / "run" / "awareness_config.json").read_text())
+    assert config["lora"]["decoder"]["targets"][-1] == EXPERTS
     reloaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
     torch.testing.assert_close(logits(reloaded, memory_input_ids=mem), logits(tiny_moe, memory_input_ids=mem),
                                rtol=0, atol=0)

@@ -1,9 +1,13 @@
 """The named pairs on the meta device: the real architectures, their sizes, and the GCA parameter formula."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
-from models import PAIRS, build_pair, gca_parameter_count
+from models import PAIRS, build_pair, gca_parameter_count, write_random_checkpoints
+from models.pairs import fusion_parameter_table
 from models.trainable import is_added_parameter
 
 REAL_PAIRS = ["proto1", "proto2", "dev", "scale", "prod"]
@@ -79,10 +83,6 @@ def test_checkpoint_root_loads_the_pair_by_name(checkpoint_root, monkeypatch):
 
 
 def test_random_checkpoints_are_rewritten_when_the_architecture_changes(tmp_path):
-    import dataclasses
-
-    from models import write_random_checkpoints
-
     spec = PAIRS["tiny"]
     decoder_dir, _ = write_random_checkpoints(spec, tmp_path)
     first = (decoder_dir / "model.safetensors").read_bytes()
@@ -102,7 +102,8 @@ def test_tiny_shared_encoder_starts_from_its_decoder(tmp_path):
     assert isinstance(model.memory_projection, torch.nn.Identity)  # same width: no projection
     # the plain tiny pair's encoder is independent of the decoder
     plain = build_pair("tiny", checkpoint_root=tmp_path)
-    assert not torch.equal(plain.memory_encoder.encoder.embed_tokens.weight, plain.decoder.model.embed_tokens.weight[:496])
+    assert not torch.equal(plain.memory_encoder.encoder.embed_tokens.weight,
+                           plain.decoder.model.embed_tokens.weight[:496])
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -122,9 +123,5 @@ def test_random_init_builds_the_random_checkpoints_weights_in_memory(checkpoint_
 
 def test_docs_fusion_parameter_table_is_generated():
     """docs/pairs.md's added parameters per fusion are what the meta-device pairs count."""
-    from pathlib import Path
-
-    from models.pairs import fusion_parameter_table
-
     pairs = (Path(__file__).resolve().parents[2] / "docs" / "pairs.md").read_text()
     assert fusion_parameter_table() in pairs

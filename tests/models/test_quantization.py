@@ -58,7 +58,8 @@ def test_every_base_linear_but_the_head_loads_as_4bit_and_the_plan_names_the_sam
 def test_trainable_parameters_are_exactly_lora_gca_routers_and_norms(checkpoint_root):
     quantized = qlora(nf4_pair(checkpoint_root, reading=MemoryReading(top_k=2)))
     torch.manual_seed(0)
-    full = qlora(build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half", reading=MemoryReading(top_k=2)))
+    full = qlora(build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half",
+                            reading=MemoryReading(top_k=2)))
     trainable = {n for n, p in quantized.named_parameters() if p.requires_grad}
     assert trainable == {n for n, p in full.named_parameters() if p.requires_grad}  # the same set as in 32 bits
     assert all("lora_" in n or ".cross_attention." in n or n.startswith("memory_projection.") for n in trainable)

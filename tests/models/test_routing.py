@@ -60,7 +60,7 @@ def reference_routed(query, memory: MemoryKV, mask, k: int, logn: int = 0):
     """Written out per row, query and kv head: the k chunks of highest (mean query head) . summary among the readable
     ones, then a softmax over their real tokens; logn scales by max(1, log n / log n_train), n the tokens read."""
     b, t, h, hd = query.shape
-    b_mem, r, group = memory.key.shape[0], b // memory.key.shape[0], h // NKV
+    r, group = b // memory.key.shape[0], h // NKV
     out, chosen_sets = torch.zeros(b, t, h, hd), {}
     for row in range(b):
         m = row // r

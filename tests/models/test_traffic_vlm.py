@@ -224,7 +224,8 @@ def test_cross_attention_map_is_the_layers_softmax_and_rebuilds_its_output():
 def test_save_and_load_round_trip(tmp_path):
     model = small_vlm(seed=4)
     model.save_pretrained(tmp_path)
-    assert (tmp_path / "vision" / "model.safetensors").is_file() and (tmp_path / "decoder" / "model.safetensors").is_file()
+    assert (tmp_path / "vision" / "model.safetensors").is_file()
+    assert (tmp_path / "decoder" / "model.safetensors").is_file()
     loaded = TrafficVLM.from_pretrained(tmp_path).eval()
     pixels, ids = images(2), torch.tensor([[1, 10, 15, 35, 38, 6]] * 2)
     with torch.no_grad():

@@ -7,6 +7,7 @@ from typing import Literal
 import pytest
 
 from pipelines.cli import ConfigError, field_docs, from_typed_dict, inline, parse_config, peek, to_dict
+from pipelines.train.configs.stage import StageConfig
 
 
 @dataclass
@@ -129,9 +130,6 @@ def test_peek_reads_a_field_before_the_parse(tmp_path):
 
 def test_none_is_a_word_for_a_string_field_and_empty_for_an_optional_one():
     """`--model.memory none` is the no-memory baseline; `--model.init_from none` clears an optional path."""
-    from pipelines.cli import parse_config
-    from pipelines.train.configs.stage import StageConfig
-
     config = parse_config(["--model.memory", "none", "--model.init_from", "none"], StageConfig())
     assert config.model.memory == "none" and config.model.init_from is None
 

@@ -42,7 +42,8 @@ class ModelConfig:
     gca: TrainMode = "full"  # how the GCA blocks (and the projection) train (lora: gca_lora_rank)
     lora_rank: int = 16  # decoder LoRA rank
     lora_alpha: float | None = None  # None: 2 * rank
-    lora_targets: list[str] = field(default_factory=lambda: [*ATTENTION, *MLP])  # decoder projections that get LoRA; MoE pairs: add `experts`
+    # decoder projections that get LoRA; MoE pairs: add `experts`
+    lora_targets: list[str] = field(default_factory=lambda: [*ATTENTION, *MLP])
     encoder_lora_rank: int = 8  # encoder LoRA rank, when encoder=lora
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
@@ -90,16 +91,17 @@ class ModelConfig:
             p.append(f"model.fusion must be one of {FUSIONS}, got {m.fusion!r}")
         elif m.fusion != "gca":
             if m.memory != "gca":
-                p.append(f"model.fusion {m.fusion} reads the encoder's memory, and model.memory {m.memory} is a baseline "
-                         f"that puts the memory in the prompt (or leaves it out): use model.fusion gca with a baseline")
+                p.append(f"model.fusion {m.fusion} reads the encoder's memory, and model.memory {m.memory} is a "
+                         f"baseline that puts the memory in the prompt (or leaves it out): use model.fusion gca with a "
+                         f"baseline")
             if m.gca_mlp:
                 p.append(f"model.gca_mlp adds gated MLPs to GCA blocks; model.fusion {m.fusion} has none: drop it")
             if m.fusion == "merged" and m.gca == "lora":
                 p.append("model.gca lora puts LoRA on GCA/cross-attention blocks; model.fusion merged has none: use "
                          "model.gca full (the projection) and model.decoder lora")
             if m.fusion == "merged" and m.decoder == "frozen":
-                p.append("model.fusion merged adds no attention weights (the decoder's own attention reads the memory): "
-                         "train the decoder with model.decoder lora or full")
+                p.append("model.fusion merged adds no attention weights (the decoder's own attention reads the "
+                         "memory): train the decoder with model.decoder lora or full")
         p += m.reading.problems(prefix="model." + NAME_PREFIX)
         if m.memory_routing_grad and not m.reading.top_k:
             p.append("model.memory_routing_grad trains the chunk summaries of routing: set model.memory_top_k too "
@@ -153,13 +155,20 @@ class NeedleConfig:
     chunk_len: int = 24  # tokens per memory chunk; facts are packed into fact-sized slots
     distractors: int = 2  # chunks of filler per memory (at the base size)
     # Training for size and for similar facts; each is off by default, leaving the base task.
-    key_tokens: int = 1  # tokens per key (1 or 2); with 2, a hard distractor's key shares all but one token with an asked key
-    hard_distractors: float = 0.0  # share (0-1) of a memory's free fact slots filled with facts near-identical to the asked ones (value one digit off, key one token off) instead of filler
-    memory_scale_max: int = 1  # each training micro-batch's memories hold 1x..this many times the base chunks, one size drawn per micro-batch from the seed (each doubling as likely)
-    variants: list[str] = field(default_factory=lambda: ["single"])  # training mixture of the evaluation's tasks, NAME or NAME:WEIGHT: single multi_key multi_value multi_query variable_tracking alias alias_multi_key two_hop (synthetic_needles.TRAINED_VARIANTS; three_hop is scored only)
+    key_tokens: int = 1  # tokens per key (1 or 2); with 2, a hard distractor's key shares all but one token with
+    # an asked key
+    hard_distractors: float = 0.0  # share (0-1) of a memory's free fact slots filled with facts near-identical
+    # to the asked ones (value one digit off, key one token off) instead of filler
+    memory_scale_max: int = 1  # each training micro-batch's memories hold 1x..this many times the base chunks, one
+    # size drawn per micro-batch from the seed (each doubling as likely)
+    variants: list[str] = field(default_factory=lambda: ["single"])  # training mixture of the evaluation's tasks,
+    # NAME or NAME:WEIGHT: single multi_key multi_value multi_query variable_tracking alias alias_multi_key two_hop
+    # (synthetic_needles.TRAINED_VARIANTS; three_hop is scored only)
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable_tracking chain lengths, one drawn per memory
-    questions_per_row: int = 4  # in_context training rows: questions asked after one copy of the memory; fewer than facts, so no answer follows by elimination (the evaluation asks one a row)
-    base_steps: int = 0  # the first N steps ask the base task alone (single, 1x, no hard distractors) before the mixture, sizes and hard distractors start: the lookup forms there first
+    questions_per_row: int = 4  # in_context training rows: questions asked after one copy of the memory; fewer
+    # than facts, so no answer follows by elimination (the evaluation asks one a row)
+    base_steps: int = 0  # the first N steps ask the base task alone (single, 1x, no hard distractors) before the
+    # mixture, sizes and hard distractors start: the lookup forms there first
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -239,5 +248,6 @@ class StageConfig(JobConfig):
                      "true, or --model.liger false")
         if self.stage in (1, 2) and not d.train_path:
             p.append(f"stage {self.stage} trains on commit shards: build them with `python jobs/build_corpus.py "
-                     f"--stage 2 --sources REPO --out DIR` and pass --data.train_path DIR/train --data.val_path DIR/val")
+                     f"--stage 2 --sources REPO --out DIR` and pass --data.train_path DIR/train "
+                     f"--data.val_path DIR/val")
         return p

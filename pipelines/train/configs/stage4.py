@@ -73,14 +73,16 @@ def teacher_problems(teacher: str) -> list[str]:
 
 
 def logits_problems(logits: str, teacher: str, k: int) -> list[str]:
-    """Stored logits named explicitly must be this teacher's, at this k (the default directory is recomputed instead)."""
+    """Stored logits named explicitly must be this teacher's, at this k (the default directory is recomputed
+    instead)."""
     manifest = Path(logits) / MANIFEST
     if not manifest.is_file():
         return []  # computed there
     stored = json.loads(manifest.read_text())
     problems = []
     if stored.get("teacher", {}).get("weights_sha256") != teacher_identity(teacher)["weights_sha256"]:
-        problems.append(f"distill.logits {logits} holds the logits of another teacher ({stored.get('teacher', {}).get('export')}), "
+        other = stored.get("teacher", {}).get("export")
+        problems.append(f"distill.logits {logits} holds the logits of another teacher ({other}), "
                         f"not of {teacher}: omit --distill.logits to compute this teacher's beside the corpus, or "
                         f"name an empty directory")
     if stored.get("k") != k:

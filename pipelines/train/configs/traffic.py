@@ -20,7 +20,8 @@ class TrafficModelConfig:
     """The traffic-scene VLM (models/traffic_vlm.py): a SigLIP vision tower whose patch states the classic
     cross-attention decoder reads; the decoder keeps the seed's small configuration unless told otherwise."""
 
-    vision_path: str | None = None  # a local SigLIP checkpoint directory (safetensors); None: a random tower built from the vision_* fields
+    # a local SigLIP checkpoint directory (safetensors); None: a random tower built from the vision_* fields
+    vision_path: str | None = None
     image_size: int = 224  # pixels per side the tower reads (scenes are drawn at 224 and resized)
     patch_size: int = 16  # (image_size / patch_size)^2 vision tokens: 196 at 224 / 16
     vision_hidden_size: int = 128  # the random tower's width (the memory width the decoder projects from)
@@ -53,7 +54,8 @@ class TrafficDataConfig:
 
 @dataclass
 class TrafficTrackingSettings(TrackingSettings):
-    registered_model: str | None = "traffic-vlm"  # the pyfunc is registered under this name (alias candidate); None: logged, not registered
+    # the pyfunc is registered under this name (alias candidate); None: logged, not registered
+    registered_model: str | None = "traffic-vlm"
 
 
 @dataclass

@@ -41,7 +41,8 @@ class Ul2Config(JobConfig):
             p.append(f"model.encoder_key_rope must be none or encoder_positions, got {self.model.encoder_key_rope!r}")
         if self.model.checkpoint and not Path(self.model.checkpoint).expanduser().is_dir():
             p.append(f"model.checkpoint {self.model.checkpoint!r} is not a directory: pass a local decoder-only "
-                     f"Qwen3 checkpoint (config.json, *.safetensors, tokenizer.json), or leave it empty for the tiny one")
+                     f"Qwen3 checkpoint (config.json, *.safetensors, tokenizer.json), or leave it empty for the tiny "
+                     f"one")
         if self.data.mixture not in MIXTURES:
             p.append(f"data.mixture {self.data.mixture!r} is not one of {sorted(MIXTURES)}")
         if self.data.seq_len < 16:

@@ -179,7 +179,8 @@ def write_system(directory: Path, config: StageConfig) -> None:
     """How the exported model reads its memory (gca, or a baseline's prompt memory) and the task it learned, so
     jobs/evaluate.py scores it as the system it was trained as."""
     system = {"memory": config.model.memory, "context_budget": config.model.context_budget,
-              "rag_k": config.model.rag_k, "needle": None if config.data.train_path else dataclasses.asdict(config.needle)}
+              "rag_k": config.model.rag_k,
+              "needle": None if config.data.train_path else dataclasses.asdict(config.needle)}
     (Path(directory) / SYSTEM_FILE).write_text(json.dumps(system, indent=1))
 
 

@@ -134,8 +134,8 @@ def run_stage4(job: Job, config: Stage4Config) -> dict[str, Any]:
     student = run_training_job(job, config, tags={ROLE_TAG: "student"})
     baseline = None
     if config.distill.baseline and not student.get("error"):
-        baseline = run_training_job(job, baseline_config(config),
-                                    tags={ROLE_TAG: "baseline", "stage4.student_run_id": student["mlflow_run_id"] or ""})
+        tags = {ROLE_TAG: "baseline", "stage4.student_run_id": student["mlflow_run_id"] or ""}
+        baseline = run_training_job(job, baseline_config(config), tags=tags)
     summary = compare(student, baseline, teacher)
     record_comparison(config, summary)
     return summary

@@ -44,7 +44,8 @@ def model(qwen3_dir) -> Qwen3ForSeq2SeqLM:
 
 def logits(model, enc, dec, enc_mask=None, dec_mask=None):
     with torch.no_grad():
-        return model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
+        return model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec,
+                     decoder_attention_mask=dec_mask).logits
 
 
 # ---------------------------------------------------------------------------------------------- initialisation
@@ -90,7 +91,8 @@ def test_rope_decision(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("AWARENESS_CHECKPOINT_ROOT"), reason="needs $AWARENESS_CHECKPOINT_ROOT/Qwen3-0.6B")
+@pytest.mark.skipif(not os.environ.get("AWARENESS_CHECKPOINT_ROOT"),
+                    reason="needs $AWARENESS_CHECKPOINT_ROOT/Qwen3-0.6B")
 def test_rope_decision_on_qwen3_0_6b():
     path = Path(os.environ["AWARENESS_CHECKPOINT_ROOT"]) / "Qwen3-0.6B"
     none, positions = rope_kl(path, "none"), rope_kl(path, "encoder_positions")
@@ -332,7 +334,8 @@ def test_config_errors_name_the_fix(tmp_path):
     config = Qwen3EncoderDecoderConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="decoder_start_token_id"):
-        Qwen3ForSeq2SeqLM(config)(input_ids=torch.zeros(1, 3, dtype=torch.long), labels=torch.zeros(1, 2, dtype=torch.long))
+        Qwen3ForSeq2SeqLM(config)(input_ids=torch.zeros(1, 3, dtype=torch.long),
+                                  labels=torch.zeros(1, 2, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------------------------- the encoder

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus
+from pipelines.corpora.build import ROW_SCHEMA, BuildConfig, build_corpus, task_groups
 from pipelines.corpora.sources import Limits
 from pipelines.corpora.tasks import Stage0Settings, split_of
 from pipelines.format.shards import check_split
@@ -85,7 +85,8 @@ def test_shards_split_by_repository_with_the_schema(built):
         checked = check_split(out / split)  # what a stage job checks before it trains on them
         assert checked.rows == table.num_rows and len(checked.paths()) == len(list((out / split).glob("*.parquet")))
         for name, record in checked.shards.items():
-            assert record["row_groups"] and max(record["row_groups"]) <= 16 and sum(record["row_groups"]) == record["rows"]
+            groups = record["row_groups"]
+            assert groups and max(groups) <= 16 and sum(groups) == record["rows"]
     assert sorted(manifest["shards"]) == sorted(str(p.relative_to(out)) for p in out.glob("[tv]*/*.parquet"))
     tasks = {t for split in manifest["rows"].values() for t in split}
     assert tasks == {"code_qa", "doc_qa", "needle"}
@@ -121,8 +122,6 @@ def test_job_stage2_prints_a_json_summary(tmp_path):
 
 def test_task_groups_cover_every_repository_once_heaviest_first():
     """Small repositories share a Ray task, a heavy one is a task alone and never split, the heaviest go first."""
-    from pipelines.corpora.build import task_groups
-
     def repo(name, *sizes):
         return [{"unit": name, "path": f"f{i}", "bytes": b} for i, b in enumerate(sizes)]
 

@@ -139,7 +139,8 @@ def test_rows_have_variants_memory_and_targets(history, tokenizer):
     assert imperative["prompt"].startswith("Tweak util in `app/util.py`.")
     hinted = next(r for r in tweak_rows if r["variant"] == "hinted")
     assert "File: app/util.py\n@@ -" in hinted["prompt"]
-    assert commits.imperative("fix(core): Fixed the parser.", "a.py") == "Fix the parser in `a.py`. Write the whole new file."
+    assert (commits.imperative("fix(core): Fixed the parser.", "a.py")
+            == "Fix the parser in `a.py`. Write the whole new file.")
     for row in tweak_rows:  # where it comes from: the commits suite rebuilds the parent tree to run its tests
         assert row["origin"] == {"repository": str(repo.resolve()), "commit": tweak,
                                  "parent": sh(repo, "rev-parse", f"{tweak}~1")}
@@ -167,7 +168,8 @@ def test_own_history_read_only(tokenizer):
     assert len(items) >= 10
     assert len(items) == len(recs) == sum(1 for r in recs if r["reject"]) + len({r["diff"] for r in rows}) + len(dups)
     for row in rows:
-        files = [l for l in row["diff"].splitlines() if l.startswith("diff --git")]
-        changed = sum(1 for l in row["diff"].splitlines() if l[:1] in "+-" and not l.startswith(("+++", "---")))
+        files = [line for line in row["diff"].splitlines() if line.startswith("diff --git")]
+        changed = sum(1 for line in row["diff"].splitlines()
+                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
         assert len(files) == 1 and changed < 500
     assert sh(root, "status", "--porcelain") == before

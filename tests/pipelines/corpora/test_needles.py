@@ -75,8 +75,9 @@ def test_needles_once_per_key_at_recorded_depth(package_roots, tokenizer):
         asked = re.search(r"(?:for|VAR) (\S+?)[?]? (?:hold\?|$)", row["prompt"].strip() + " ")
         assert asked and asked.group(1).rstrip("?") in keys
         for key in keys:
-            lines = [l for l in memory.splitlines() if key in l and (l.startswith("VAR") or "magic number" in l)]
-            defining = [l for l in lines if l.startswith(f"VAR {key} =") or f"for {key} is" in l]
+            lines = [line for line in memory.splitlines()
+                     if key in line and (line.startswith("VAR") or "magic number" in line)]
+            defining = [line for line in lines if line.startswith(f"VAR {key} =") or f"for {key} is" in line]
             expected = 3 if row["variant"] == "multivalue" else 1
             assert len(defining) == expected, (key, lines)
         n = row["memory_chunks"]

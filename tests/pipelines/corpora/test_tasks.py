@@ -44,7 +44,7 @@ def verify(root: Path, row: dict) -> bool:
         return path == ev["path"] and assignment in text
     if kind == "method_of":
         owner_lines = (root / ev["path"]).read_text().splitlines()[: ev["start_line"]]
-        owner = next(l for l in reversed(owner_lines) if l.startswith("class "))
+        owner = next(line for line in reversed(owner_lines) if line.startswith("class "))
         return f"def {name}" in text and owner.startswith(f"class {answer}")
     if kind in ("raises", "callers"):
         return all(item.split(".")[-1] in text for item in answer.split(", "))
@@ -96,9 +96,12 @@ def test_token_columns_match_text(rows, tokenizer):
 
 LANGS = {
     "web/app.js": "export function addUser(name, age = 3) {\n  return name;\n}\nclass Store {\n  put(key) {}\n}\n",
-    "web/types.ts": "interface Shape { area(): number }\nfunction scale(s: Shape, k: number): number {\n  return k;\n}\n",
-    "srv/main.go": "package main\n\ntype Server struct{}\n\nfunc (s Server) Serve(addr string, n int) error {\n\treturn nil\n}\n",
-    "core/lib.rs": "pub struct Cache { n: usize }\n\npub fn evict(cache: &mut Cache, n: usize) -> bool {\n    true\n}\n",
+    "web/types.ts": "interface Shape { area(): number }\n"
+                    "function scale(s: Shape, k: number): number {\n  return k;\n}\n",
+    "srv/main.go": "package main\n\ntype Server struct{}\n\n"
+                   "func (s Server) Serve(addr string, n int) error {\n\treturn nil\n}\n",
+    "core/lib.rs": "pub struct Cache { n: usize }\n\n"
+                   "pub fn evict(cache: &mut Cache, n: usize) -> bool {\n    true\n}\n",
     "java/Queue.java": "class Queue {\n  int offer(String item, long ttl) {\n    return 0;\n  }\n}\n",
     "c/buf.c": "struct buf { int n; };\n\nstatic int buf_grow(struct buf *b, size_t need) {\n  return 0;\n}\n",
     "cpp/vec.cpp": "class Vec {\n  int n;\n};\n\nint dot(const Vec& a, const Vec& b) {\n  return 0;\n}\n",

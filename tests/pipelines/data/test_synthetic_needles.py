@@ -85,7 +85,8 @@ def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> li
     if variant in ("alias", "alias_multi_key"):
         key_of = {a: k for k, a in ALIAS_OF.items()}
         question = question[:1] + [key_of[a] for a in question[1:]]
-    keys = [tuple(question[1 + i * key_tokens : 1 + (i + 1) * key_tokens]) for i in range((len(question) - 1) // key_tokens)]
+    keys = [tuple(question[1 + i * key_tokens : 1 + (i + 1) * key_tokens])
+            for i in range((len(question) - 1) // key_tokens)]
     if variant == "multi_query":
         return [t for key in keys for t in facts[key][0]]
     if variant == "multi_value":
@@ -219,7 +220,8 @@ def test_batches_of_mixed_tasks_stack_and_say_where_each_answer_is():
     indices = list(range(16))
     batch = make_batch(spec, 9, indices, scale=2)
     examples = [make_example(spec, 9, i, scale=2) for i in indices]
-    assert {draw_variant(spec, 9, i)[0] for i in indices} == {"single", "multi_value", "multi_query", "variable_tracking"}
+    drawn = {draw_variant(spec, 9, i)[0] for i in indices}
+    assert drawn == {"single", "multi_value", "multi_query", "variable_tracking"}
     per_memory = batch["input_ids"].shape[0] // len(indices)
     assert per_memory == spec.questions  # the most any memory asks; fewer are padded with unlabelled PAD rows
     assert batch["memory_input_ids"].shape == (16, 2 * spec.chunks, spec.chunk_len)
@@ -264,7 +266,8 @@ def test_a_task_that_cannot_fit_the_memory_is_named():
                        variants=("single", "multi_query"))
     assert tight.problems() == ["needle.variants: multi_query asks nothing in a memory of 1 fact slots: add "
                                 "needle.distractors or needle.facts"]
-    assert "a 3-hop chain does not fit" in " ".join(dataclasses.replace(tight, variants=("variable_tracking",)).problems())
+    chained = dataclasses.replace(tight, variants=("variable_tracking",))
+    assert "a 3-hop chain does not fit" in " ".join(chained.problems())
     assert not NeedleSpec(variants=TRAINED_VARIANTS).problems()
 
 

@@ -36,7 +36,8 @@ def test_collate_packed_asks_every_question_of_a_scene_in_a_shuffled_order():
         asked = []
         for q, end in enumerate(batch["answer_positions"][b].tolist()):
             start = max(s for s in starts if s <= end)
-            assert ids[start] == tokenizer.token_to_id("[BOS]") and positions[start:end + 1] == list(range(end - start + 1))
+            assert ids[start] == tokenizer.token_to_id("[BOS]")
+            assert positions[start:end + 1] == list(range(end - start + 1))
             text = tokenizer.decode(ids[start:end + 1])
             k = [tokenizer.decode(tokenizer.encode(t).ids) for t in row["scene_questions"]].index(text)
             asked.append(k)

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from models import PAIRS, write_random_checkpoints
 from pipelines.corpora import build, tasks
@@ -294,8 +295,6 @@ def test_refusals_name_the_fix(tmp_path, corpus):
 def test_evaluate_job_runs_code_qa_on_held_out_repositories(tmp_path, corpus, text_root):
     """The documented command (docs/evaluation.md) on a gca export and a baseline's, through Ray Data actors:
     results.json, every answer, one line per system, MLflow."""
-    from mlflow.tracking import MlflowClient
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exports = [export_of(tmp_path / memory, text_root, memory) for memory in ("gca", "in_context")]
     out = tmp_path / "eval"

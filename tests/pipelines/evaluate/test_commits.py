@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from models import AwarenessModel
 from pipelines.corpora import build, commits
 from pipelines.corpora.build import BuildConfig
 from pipelines.corpora.commits import CorpusError, write_parent_tree
@@ -24,6 +25,7 @@ from pipelines.evaluate.commits import (CommitsEvaluation, CommitsSuite, commits
 from pipelines.evaluate.common import Workers
 from pipelines.evaluate.job import EvaluateConfig
 from pipelines.format.shards import MANIFEST
+from pipelines.format.tokenizer import cached_tokenizer
 from pipelines.train.configs.stage import ModelConfig, StageConfig
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import write_system
@@ -184,9 +186,6 @@ def text_export(tmp_path: Path, checkpoint_root: Path, memory: str) -> Path:
 
 
 def test_systems_read_the_memory_as_they_trained(evaluation, tmp_path, checkpoint_root):
-    from models import AwarenessModel
-    from pipelines.format.tokenizer import cached_tokenizer
-
     row = next(r for r in evaluation.rows if r["variant"] == "planning")
     prompt = len([label for label in row["labels"] if label == -100])
     gca = prompt_inputs(row, MemoryMode("gca"))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from pipelines.data.synthetic_needles import NeedleSpec
 from pipelines.cli import field_docs, from_typed_dict
@@ -54,8 +55,6 @@ def test_config_errors_name_the_field():
 def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root):
     """The issue's command on a stage-0 export and a baseline's, through Ray Data actors; the training run gets the
     metrics too when the model is named by run id."""
-    from mlflow.tracking import MlflowClient
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     gca = export_of(tmp_path, checkpoint_root, "gca")
     client = MlflowClient(uri)
@@ -73,7 +72,8 @@ def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     progress = [line for line in result.stdout.splitlines() if line.startswith("gca: needle  ")]
-    assert progress[0] == "gca: needle  0/8 probes  elapsed 0m00s" and progress[-1].startswith("gca: needle  8/8 probes")
+    assert progress[0] == "gca: needle  0/8 probes  elapsed 0m00s"
+    assert progress[-1].startswith("gca: needle  8/8 probes")
     results = json.loads((out / "results.json").read_text())
     assert set(results["systems"]) == {"gca", "rag"} == set(summary["systems"])
     for name, entry in results["systems"].items():
@@ -91,7 +91,8 @@ def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root)
         assert (out / picture).stat().st_size > 1000, picture
     logged = client.get_run(summary["mlflow_run_id"])
     assert logged.data.metrics["gca/needle/single/1x"] == results["systems"]["gca"]["metrics"]["needle/single/1x"]
-    assert {a.path for a in client.list_artifacts(logged.info.run_id)} >= {"results.json", "needle_accuracy_by_size.png"}
+    assert ({a.path for a in client.list_artifacts(logged.info.run_id)}
+            >= {"results.json", "needle_accuracy_by_size.png"})
     trained = client.get_run(run.info.run_id)  # the evaluated training run carries its own results
     assert trained.data.metrics["eval/needle/single/4x"] == results["systems"]["rag"]["metrics"]["needle/single/4x"]
     assert trained.data.tags["eval.run_id"] == logged.info.run_id

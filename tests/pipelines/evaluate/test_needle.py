@@ -4,6 +4,7 @@ the results' arithmetic."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import numpy as np
 import pytest
@@ -12,12 +13,16 @@ import torch
 from models.gca import MemoryPadding
 from pipelines.data.memory_modes import MemoryMode, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
-from pipelines.evaluate.common import load_system
+from pipelines.evaluate.common import Progress, load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
-from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, is_whole_answer, make_probe,
-                                       memory_attention, needle_metrics, score_probe, system_prompts)
+from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, collect_with_progress,
+                                       is_whole_answer, make_probe, memory_attention, needle_metrics, score_probe,
+                                       system_prompts)
 from pipelines.format.rows import IGNORE
+from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
+from pipelines.train.model import build_model
+from pipelines.train.recipes.stage import write_system
 from tests.pipelines.evaluate.test_job import export_of
 
 SPEC = NeedleSpec()
@@ -197,11 +202,6 @@ def test_memory_attention_reads_the_gca_attention_on_the_evidence_chunks(tmp_pat
 
 
 def test_the_progress_line_counts_probes_with_elapsed_time_and_eta():
-    import io
-
-    from pipelines.evaluate.common import Progress
-    from pipelines.evaluate.needle import collect_with_progress
-
     now = [0.0]
     out = io.StringIO()
     progress = Progress("gca: needle", 4, every_s=30, stream=out, clock=lambda: now[0])
@@ -243,10 +243,6 @@ def test_probes_with_hard_distractors_and_two_token_keys(tmp_path, checkpoint_ro
     count = lambda probe: int((probe.memory == EQ).sum())  # noqa: E731
     free = 4 * SPEC.chunks * SPEC.facts_per_chunk - SPEC.facts
     assert count(plain) == SPEC.facts and count(hard) == SPEC.facts + free // 2
-    from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
-    from pipelines.train.model import build_model
-    from pipelines.train.recipes.stage import write_system
-
     needle = NeedleConfig(key_tokens=2, variants=["single:2", "multi_query"], hard_distractors=0.25)
     config = StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), gca_layers="upper_half",
                                            gca_gate_init=0.3, decoder="full"), needle=needle)

@@ -4,6 +4,8 @@ repeated; the memory budget keeps every evidence chunk."""
 
 from __future__ import annotations
 
+import unicodedata
+
 import numpy as np
 import pytest
 
@@ -95,8 +97,6 @@ def test_chunk_ids_are_the_texts_tokens_at_awkward_seams(tokenizer):
     """Line breaks at the start, CRLF, blank runs, trailing spaces, non-NFC text and a multi-byte line longer than a
     chunk: ids always decode to the text; where the cut is at a line (all but the long line), they are exactly
     what re-tokenizing the text gives."""
-    import unicodedata
-
     lines = ["\n", "\r\n", "def f():  \r\n", "    return 'cafe\u0301'\n", "\n\n\n", "x = 1   \n", "  \n"]
     text = "".join(lines * 60) + "s = '" + "日本語のテキスト" * 300 + "'\n" + "".join(lines * 20)
     chunks = chunking.chunk_file("a.py", text, tokenizer, chunk_tokens=64)

@@ -81,7 +81,8 @@ def test_resume_at_any_position_continues_exactly(split, variants):
     what an unbroken reader yields from p on, across unit and epoch boundaries, on every rank."""
     shards = load_split(split)
     for rank in range(2):
-        unbroken = [r["id"] for r in islice(RankReader(shards, rank, 2, columns=COLUMNS, variants=variants).rows(), 150)]
+        reader = RankReader(shards, rank, 2, columns=COLUMNS, variants=variants)
+        unbroken = [r["id"] for r in islice(reader.rows(), 150)]
         for position in (1, 7, 8, 23, 49, 50, 51, 100):
             resumed = RankReader(shards, rank, 2, columns=COLUMNS, variants=variants)
             assert [r["id"] for r in islice(resumed.rows(position), 50)] == unbroken[position : position + 50]
@@ -158,7 +159,8 @@ def test_check_refuses_old_or_missing_manifests(split):
     manifest = json.loads((split.parent / MANIFEST).read_text())
     del manifest["shards"]
     (split.parent / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(ShardError, match="(?s)older jobs/build_corpus.py.*Rebuild the corpus: python jobs/build_corpus"):
+    with pytest.raises(ShardError,
+                       match="(?s)older jobs/build_corpus.py.*Rebuild the corpus: python jobs/build_corpus"):
         check_split(split)
     (split.parent / MANIFEST).unlink()
     with pytest.raises(ShardError, match="no manifest.json beside it"):

@@ -3,15 +3,18 @@ ids where Qwen3 and the decoders expect them; a checkpoint's tokenizer.json give
 
 from __future__ import annotations
 
+import json
 import random
 import unicodedata
 
 import pytest
 import tiktoken
-from tokenizers import normalizers
+from tokenizers import Tokenizer, normalizers
 
+from pipelines.format import chunking
 from pipelines.format.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, QWEN_PATTERN, SPECIAL_IDS, VOCAB_SIZE,
-                                         QwenTokenizer, dashscope_ranks_path, load_ranks, tokenizers_tokenizer)
+                                         QwenTokenizer, dashscope_ranks_path, load_ranks, text_tokenizer,
+                                         tokenizers_tokenizer)
 
 
 def real_texts(package_roots) -> list[str]:
@@ -99,8 +102,6 @@ def test_checkpoint_tokenizer_matches_offline(checkpoint_dir, tokenizer, package
 
 def test_checkpoint_tokenizer_chunks_like_offline(checkpoint_dir, tokenizer, package_roots):
     """The chunker finds token ends from each backend's byte lengths; both backends cut the same chunks."""
-    from pipelines.format import chunking
-
     hf = QwenTokenizer(checkpoint_dir)
     assert (hf.token_byte_lengths()[:151643] == tokenizer.token_byte_lengths()[:151643]).all()
     for text in real_texts(package_roots)[::11]:
@@ -117,16 +118,12 @@ def converted_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(converted_dir):
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(converted_dir / "tokenizer.json"))
 
 
 def test_tokenizer_json_gives_the_offline_ids_and_text(converted, converted_dir, tokenizer, package_roots):
     """Memory text (special-token strings read as text, `encode_special_tokens`), templates (every special token at
     its id) and decoding: the same as the tiktoken tokenizer, on real source."""
-    from tokenizers import Tokenizer
-
     assert converted.get_vocab_size() == VOCAB_SIZE
     assert {t: converted.token_to_id(t) for t in SPECIAL_IDS} == SPECIAL_IDS
     as_text = Tokenizer.from_str(converted.to_str())
@@ -152,12 +149,6 @@ QWEN3_UNMARKED = ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle
 def test_added_tokens_a_checkpoint_leaves_unmarked_stay_text(tmp_path, tokenizer, package_roots):
     """Qwen3's own tokenizer.json marks `<think>`, `<tool_call>`, ... as not special; `encode_special_tokens` alone
     would let them match inside a mined file. The corpus builder and the served model still read them as text."""
-    import json
-
-    from tokenizers import Tokenizer
-
-    from pipelines.format.tokenizer import text_tokenizer
-
     spec = json.loads(tokenizers_tokenizer().to_str())
     for token in spec["added_tokens"]:
         token["special"] = token["content"] not in QWEN3_UNMARKED

@@ -158,7 +158,8 @@ def test_bad_input_gets_a_clear_4xx(server, checkpoint_root):
         assert client.post("/v1/completions", json={"prompt": "k1 =", "memory": bad}).status_code == 404
     big = client.post("/v1/memories", json={"chunks": ["k1 = 2 ;" * 200]})
     assert big.status_code == 413 and "400 tokens" in message(big)
-    assert client.post("/v1/memories", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+    assert client.post("/v1/memories", content=b"{not json",
+                       headers={"content-type": "application/json"}).status_code == 422
     assert client.post("/v1/memories", json={"chunks": "one string"}).status_code == 422
     assert client.post("/v1/memories", json={"chunks": []}).status_code == 422
     assert client.post("/v1/completions", json={"memory": "0" * 64}).status_code == 422

@@ -170,7 +170,8 @@ def test_a_baselines_memories_are_its_texts_kept_on_disk_and_named_by_its_readin
     assert how == "encoded" and (memory.chunks, memory.tokens, memory.encoder, memory.gca_memory) == (2, 12, None, None)
     assert memory.texts == texts and memory.describe()["encoder"] is None
     assert memory.chunk_ids == [["k1", "=", "1", "2", "3", ";"], ["k2", "=", "4", "5", "6", ";"]]
-    assert rag.create(OWNER, texts, [t.split() for t in texts]) == (memory, "cache") and rag.get(OWNER, memory.id)[1] == "cache"
+    assert rag.create(OWNER, texts, [t.split() for t in texts]) == (memory, "cache")
+    assert rag.get(OWNER, memory.id)[1] == "cache"
     assert tokenized == []  # the ids the app tokenized to check the size: not tokenized again, nor for each question
     in_context = TextMemories(tmp_path, 10_000, "in_context", tokenize=tokenize)
     assert in_context.create(OWNER, texts, [t.split() for t in texts])[0].id != memory.id

@@ -59,7 +59,8 @@ def test_pyfunc_answers_as_generate_does_and_reads_the_memory(registered, mlflow
     # The memory reaches the model as the very ids training used (a random model's greedy text barely depends on it).
     inputs = pyfunc.unwrap_python_model().encode(question, memory)
     assert torch.equal(inputs["memory_input_ids"][0], torch.from_numpy(example["memory"]))
-    assert inputs["memory_attention_mask"].all() and inputs["input_ids"].tolist() == example["input_ids"][:1, :PROMPT_LEN].tolist()
+    assert inputs["memory_attention_mask"].all()
+    assert inputs["input_ids"].tolist() == example["input_ids"][:1, :PROMPT_LEN].tolist()
 
 
 def test_registered_model_loads_without_this_repository(registered, mlflow_server, tmp_path, monkeypatch):

@@ -39,7 +39,8 @@ def test_logged_pyfunc_answers_held_out_scenes_as_the_model(tmp_path):
     encodings = tokenizer.encode_batch([r["question"] for r in rows])
     with torch.no_grad():
         want = model.classify(torch.from_numpy(pixel_values([r["png"] for r in rows], size=64)),
-                              torch.tensor([e.ids for e in encodings]), torch.tensor([e.attention_mask for e in encodings]))
+                              torch.tensor([e.ids for e in encodings]),
+                              torch.tensor([e.attention_mask for e in encodings]))
     want = ["yes" if w else "no" for w in want.tolist()]
     mlflow.set_tracking_uri(uri)
     try:

@@ -43,7 +43,8 @@ def test_server_down_mid_run_queues_lists_at_the_end_and_logs_when_it_returns(ml
     driver.adopt_pending(tmp_path / "pending.json")
     assert driver.flush() == [] and not (tmp_path / "pending.json").exists()
     client = MlflowClient(server.uri)
-    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    history = client.get_metric_history(tracker.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.0), (3, 1.0)]
     assert [a.path for a in client.list_artifacts(tracker.run_id, "export")] == ["export/weights.txt"]
     assert client.get_run(tracker.run_id).info.status == "FINISHED"
 

@@ -50,10 +50,12 @@ def write_shards(directory, rows: list[dict], shards: int = 2, row_group_rows: i
 
 
 def expected_checksum(split, steps: int, world: int = 2) -> int:
-    """The sum of the ids an unbroken run consumes: each rank cycles over its own row groups' rows, E / world per step."""
+    """The sum of the ids an unbroken run consumes: each rank cycles over its own row groups' rows, E / world per
+    step."""
     total = 0
     for rank in range(world):
-        ids = [i for u in rank_units(load_split(split), rank, world) for i in range(u.first_id, u.first_id + u.stop - u.start)]
+        ids = [i for u in rank_units(load_split(split), rank, world)
+               for i in range(u.first_id, u.first_id + u.stop - u.start)]
         total += sum(islice(cycle(ids), steps * E // world))
     return total
 

@@ -23,7 +23,8 @@ def test_expert_lora_is_one_pair_per_expert_and_needs_checkpointing_on_prod():
     # each forward builds W + B@A for a layer's experts (bf16); checkpointing keeps one copy and its gradient
     assert experts.rows["expert weights with LoRA folded in"] * GIB == 2 * 2 * e * (2 * i * h + h * i)
     assert "expert weights with LoRA folded in" not in plain.rows
-    assert experts.fits and not plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8, gradient_checkpointing=False,
+    assert experts.fits and not plan_memory(PlanInput(pair="prod", nodes=2, gpus_per_node=8,
+                                                      gradient_checkpointing=False,
                                                       lora_targets=attention + ("experts",))).fits
     with pytest.raises(ValueError, match="'experts' needs a Qwen3-MoE decoder"):
         plan_memory(PlanInput(pair="scale", lora_targets=attention + ("experts",)))

@@ -22,7 +22,8 @@ def test_nf4_counts_the_base_linears_at_4_127_bits_and_the_rest_at_16():
                   for n, m in base.named_modules() if type(m).__name__ == "Linear" and n != "lm_head"
                   and ".cross_attention." not in n)  # Qwen3-8B's head is untied: transformers keeps it 16-bit
     saved = linears * (2 - WEIGHT_BITS["nf4"] / 8)
-    assert (bf16.rows[parameter_row("none", 3)] - nf4.rows[parameter_row("nf4", 3)]) * GIB == pytest.approx(saved, rel=1e-6)
+    difference = bf16.rows[parameter_row("none", 3)] - nf4.rows[parameter_row("nf4", 3)]
+    assert difference * GIB == pytest.approx(saved, rel=1e-6)
     working_set = "gathered working set (2 largest layers)"
     assert nf4.rows[working_set] < bf16.rows[working_set] / 2
 

@@ -70,7 +70,8 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"gates.png", "needle_heatmap.png", "needle_heatmap.json"} <= artifacts, artifacts
-    heatmap = json.loads(Path(client.download_artifacts(run.info.run_id, "needle_heatmap.json", str(tmp_path))).read_text())
+    heatmap_path = client.download_artifacts(run.info.run_id, "needle_heatmap.json", str(tmp_path))
+    heatmap = json.loads(Path(heatmap_path).read_text())
     assert len(heatmap["memory_tokens"]) == len(heatmap["accuracy_by_depth"][0]) == 4  # depth x memory size
     assert heatmap["memory_tokens"] == sorted(heatmap["memory_tokens"])
     assert all(0 <= a <= 1 for row in heatmap["accuracy_by_depth"] for a in row)
@@ -156,7 +157,8 @@ def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, 
     assert scores.accuracy == summary["needle_accuracy"]
 
 
-# measured at load average ~17 on the shared 2 cores: cross 127 s, merged 109 s (start-up dominated); merged in test-slow
+# measured at load average ~17 on the shared 2 cores: cross 127 s, merged 109 s (start-up dominated); merged in
+# test-slow
 @pytest.mark.parametrize("fusion", ["cross", pytest.param("merged", marks=pytest.mark.slow)])
 def test_zero3_trains_each_fusion_and_its_export_reloads(tmp_path, checkpoint_root, local_ray, fusion):
     """--model.fusion cross / merged through Ray Train and ZeRO-3 (the added cross-attention created partitioned,

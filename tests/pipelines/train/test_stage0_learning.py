@@ -1,4 +1,5 @@
-"""The embedded default's learning claim, at full length (~12 minutes on 2 quiet cores, Nov 27 2026): `make test-slow`."""
+"""The embedded default's learning claim, at full length (~12 minutes on 2 quiet cores, Nov 27 2026):
+`make test-slow`."""
 
 import json
 import subprocess

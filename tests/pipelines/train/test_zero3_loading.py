@@ -256,8 +256,8 @@ def test_zero3_build_allocates_its_partition_and_one_gathered_module(mid_build):
     the largest is an embedding or the LM head, gathered buffer and copy: measured ~2x its bytes). Measured per
     rank, with the fixed mmap threshold, peak growth for pairs of 156 / 569 / 626 MB: 0.97x / 0.77x / 0.95x the
     pair, where the 569 MB pair has MID's vocabulary and the others scale it with the pair: the excess over the
-    partition follows the largest tensor, not the pair. Before models.pairs stopped building cached random pairs, every rank also built the
-    whole pair (1.0x) before loading it."""
+    partition follows the largest tensor, not the pair. Before models.pairs stopped building cached random pairs,
+    every rank also built the whole pair (1.0x) before loading it."""
     pair_bytes, records = mid_build
     for rank, record in enumerate(records):
         partition, largest = record["partition_bytes"], record["largest_bytes"]

@@ -42,7 +42,8 @@ def test_every_problem_is_reported_at_once():
 def test_unknown_keys_and_wrong_types_are_named(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  max_step: 5\n")
-    for argv, expected in ((["--config", str(path)], "unknown config key 'train.max_step'; did you mean --train.max_steps?"),
+    for argv, expected in ((["--config", str(path)],
+                            "unknown config key 'train.max_step'; did you mean --train.max_steps?"),
                            (["--train.max_steps", "many"], "train.max_steps expects int, got 'many'"),
                            (["--train.nope", "1"], "unknown config key 'train.nope'")):
         with pytest.raises(SystemExit) as exit:
@@ -97,7 +98,8 @@ def test_fusion_is_validated_with_the_reason(capsys):
         assert stop.value.code == 2
         return capsys.readouterr().err
 
-    assert "model.fusion must be one of ('gca', 'cross', 'merged'), got 'concat'" in problems("--model.fusion", "concat")
+    assert ("model.fusion must be one of ('gca', 'cross', 'merged'), got 'concat'"
+            in problems("--model.fusion", "concat"))
     err = problems("--model.fusion", "cross", "--model.memory", "rag", "--model.gca_mlp", "true")
     assert "model.memory rag is a baseline" in err and "model.gca_mlp adds gated MLPs" in err
     err = problems("--model.fusion", "merged", "--model.decoder", "frozen", "--model.gca", "lora")
@@ -150,7 +152,8 @@ def test_needle_size_and_mixture_flags_parse_and_are_validated(capsys):
             parse_config(flags, DEFAULT)
         assert stop.value.code == 2
         assert expected in capsys.readouterr().err, flags
-    assert parse_config(["--needle.questions_per_row", "8"], DEFAULT).needle.questions_per_row == 8  # gca: no row shares
+    # gca: no row shares
+    assert parse_config(["--needle.questions_per_row", "8"], DEFAULT).needle.questions_per_row == 8
 
 
 def test_memory_routing_flags_are_validated_and_reach_the_model_and_its_export(capsys, tmp_path):

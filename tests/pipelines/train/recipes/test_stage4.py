@@ -161,7 +161,8 @@ def test_stage4_config_errors_name_the_problem_and_the_fix(tmp_path, tiny):
     teacher = in_context_export(tiny, tmp_path / "teacher")
     assert problems(stage4_config(0.5, teacher=str(teacher))) == ""
     for k in (4, 1000):
-        assert "distill.k must be within 8-256 (32-64 intended" in problems(stage4_config(0.5, teacher=str(teacher), k=k))
+        wrong_k = stage4_config(0.5, teacher=str(teacher), k=k)
+        assert "distill.k must be within 8-256 (32-64 intended" in problems(wrong_k)
     assert "distill.alpha must be within [0, 1]" in problems(stage4_config(1.5, teacher=str(teacher)))
     student = dataclasses.replace(stage4_config(0.5, teacher=str(teacher)), model=ModelConfig(memory="in_context"))
     assert "stage 4 trains a GCA student" in problems(student)
@@ -255,7 +256,8 @@ def test_a_few_stage4_steps_summarise_the_comparison(tmp_path, checkpoint_root, 
 def test_the_default_stage4_job_lowers_its_kl(tmp_path):
     """`python jobs/stage4.py` as a user runs it (its corpus and teacher cached in a fresh checkpoint root)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "stage4.py"), "--run.storage_path", str(tmp_path / "ray"),
+    result = subprocess.run([sys.executable, str(ROOT / "jobs" / "stage4.py"),
+                             "--run.storage_path", str(tmp_path / "ray"),
                              "--tracking.tracking_uri", f"sqlite:///{tmp_path / 'mlflow.db'}"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=1800)
     summary = json.loads(result.stdout.strip().splitlines()[-1])
