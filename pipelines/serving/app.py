@@ -64,6 +64,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 import ray
 from ray import serve
+from ray.serve import metrics
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
@@ -208,13 +209,34 @@ def error_body(status: int, message: str, code: str | None, param: str | None = 
                       "param": param}}
 
 
+class ErrorCounts:
+    """The errors a replica answered, by status and reason (the error's `code`): in GET /v1/stats' `errors`, and as
+    Ray Serve metrics (on each node's Prometheus endpoint, tagged with the deployment, replica and application):
+    `ray_awareness_errors_total{status, reason}` and, for a 401, `ray_awareness_rejected_keys_total{reason}`
+    (missing_api_key, invalid_api_key, no_keys_configured)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.errors = metrics.Counter("awareness_errors", "error responses by status and reason",
+                                      tag_keys=("status", "reason"))
+        self.rejected_keys = metrics.Counter("awareness_rejected_keys", "requests refused for their API key",
+                                             tag_keys=("reason",))
+
+    def count(self, status: int, reason: str | None) -> None:
+        reason = reason or "unknown"
+        self.counts[f"{status} {reason}"] += 1
+        self.errors.inc(tags={"status": str(status), "reason": reason})
+        if status == 401:
+            self.rejected_keys.inc(tags={"reason": reason})
+
+
 def _count(status: int, code: str | None) -> None:
-    """A 4xx/5xx by reason, in GET /v1/stats' `errors` (nothing outside a replica)."""
+    """An error response, counted by the replica answering it (nothing outside a replica)."""
     try:
         server = serve.get_replica_context().servable_object
     except Exception:  # noqa: BLE001 - no replica context (the app without Serve)
         return
-    server.errors[f"{status} {code}"] += 1
+    server.errors.count(status, code)
 
 
 class BodyLimit:
@@ -675,7 +697,7 @@ class AwarenessServer:
             raise ValueError(f"max_tokens_limit {max_tokens_limit}: give 1 to {MAX_TOKENS}")
         self.max_tokens_limit = int(max_tokens_limit)
         self.schema: dict[str, Any] | None = None  # GET /openapi.json: the app's with this replica's limits
-        self.errors: Counter = Counter()
+        self.errors = ErrorCounts()
         self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype)
         self.model_name = served_model_name(model, model_name)
         self.created = int(time.time())
@@ -871,7 +893,7 @@ class AwarenessServer:
             held = {"memories": len(self.memories.entries),
                     "bytes": sum(m.nbytes for m in self.memories.entries.values())}
         return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts,
-                "batching": self.batching, "errors": dict(self.errors)}
+                "batching": self.batching, "errors": dict(self.errors.counts)}
 
     @app.get("/v1/models", responses=answers({200: {"model": ModelList}}))
     async def models(self, who: Caller = Depends(caller)):

@@ -711,7 +711,7 @@ def test_the_official_openai_client_completes_batches_streams_lists_models_and_r
     assert denied.value.code == "invalid_api_key"
 
 
-# ------------------------------------------------------------------------------------------- the schema
+# ------------------------------------------------------------------------------------------- the schema, counters
 def test_the_schema_says_what_the_server_answers(server):
     """What schemathesis (test_schema.py) found, each fixed: statuses and the stream's media type undocumented (and
     FastAPI's own 422 shape documented instead of this app's), a 405 whose Allow named one of the path's methods, a
@@ -741,3 +741,54 @@ def test_the_schema_says_what_the_server_answers(server):
     for body in ({"chunks": None, "files": [{"path": "a.py", "text": "x = 1"}]},
                  {"chunks": ["k1 = 2 ;"], "chunk_tokens": 64}, {"chunks": ["k1 = 2 ;", "\u2003\x1c"]}):
         assert client.post("/v1/memories", json=body).status_code == 422, body
+
+
+def test_errors_are_counted_by_status_and_reason(monkeypatch):
+    """ErrorCounts: GET /v1/stats' counts, and Ray Serve metrics tagged with the status and reason (a 401 also as a
+    rejected key)."""
+    import pipelines.serving.app as app_module
+
+    made = {}
+
+    class Recorded:
+        def __init__(self, name, description, tag_keys):
+            self.tag_keys, self.seen = tag_keys, []
+            made[name] = self
+
+        def inc(self, value=1.0, tags=None):
+            self.seen.append(tags)
+
+    monkeypatch.setattr(app_module.metrics, "Counter", Recorded)
+    counts = app_module.ErrorCounts()
+    counts.count(401, "invalid_api_key")
+    counts.count(422, "invalid_request")
+    counts.count(422, "invalid_request")
+    assert counts.counts == {"401 invalid_api_key": 1, "422 invalid_request": 2}
+    assert made["awareness_errors"].seen == [{"status": "401", "reason": "invalid_api_key"},
+                                             {"status": "422", "reason": "invalid_request"}] + \
+        [{"status": "422", "reason": "invalid_request"}]
+    assert made["awareness_rejected_keys"].seen == [{"reason": "invalid_api_key"}]
+
+
+def test_serve_metrics_count_4xx_by_reason_and_rejected_keys(server):
+    """Live: a missing key, a wrong key and a bad field show up on the node's Prometheus endpoint (where Ray exports
+    ray.serve.metrics) as ray_awareness_rejected_keys_total and ray_awareness_errors_total, tagged by reason."""
+    import httpx
+    import ray
+
+    client, _, _, port = server
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anonymous:
+        assert anonymous.get("/v1/models").status_code == 401
+        assert anonymous.get("/v1/models", headers={"Authorization": "Bearer not-a-key-0123456789"}).status_code == 401
+    assert client.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": "4"}).status_code == 422
+    metrics_port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    wanted = {("ray_awareness_rejected_keys_total", 'reason="missing_api_key"'),
+              ("ray_awareness_rejected_keys_total", 'reason="invalid_api_key"'),
+              ("ray_awareness_errors_total", 'reason="invalid_request"')}
+    deadline, seen = time.monotonic() + 90, set()
+    while time.monotonic() < deadline and seen != wanted:  # Ray exports metrics every few seconds
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        seen = {(name, tag) for name, tag in wanted for line in text.splitlines()
+                if line.startswith(name + "{") and tag in line and float(line.rsplit(" ", 1)[1]) >= 1}
+        time.sleep(2)
+    assert seen == wanted, f"not exported within 90 s: {wanted - seen}"
