@@ -63,14 +63,22 @@ def _bm25s():
 
 def top_chunks(chunks: list[list[int]], query: list[int], k: int) -> list[int]:
     """Indices of the k chunks BM25 ranks highest for the query, best first (ties: memory order)."""
+    return top_chunks_each(chunks, [query], k)[0]
+
+
+def top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: int) -> list[list[int]]:
+    """top_chunks for each of several queries over one memory, which BM25 then indexes once."""
     if not chunks:
-        return []
+        return [[] for _ in queries]
     k = min(k, len(chunks))
     retriever = _bm25s().BM25()
     retriever.index([[str(t) for t in chunk] or [""] for chunk in chunks], show_progress=False)
-    scores = retriever.get_scores([str(t) for t in query])  # (chunks,)
-    order = np.argsort(-np.asarray(scores), kind="stable")
-    return [int(i) for i in order[:k]]
+    ranked = []
+    for query in queries:
+        scores = retriever.get_scores([str(t) for t in query])  # (chunks,)
+        order = np.argsort(-np.asarray(scores), kind="stable")
+        ranked.append([int(i) for i in order[:k]])
+    return ranked
 
 
 def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:

@@ -21,6 +21,11 @@ Training for size and for similar facts, each off by default, so the default tas
   order), `multi_query` (`BOS ka kb` -> both values), `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` ->
   the digits). A memory's variant is drawn from the seed and its index; `generate_memory` builds them, for
   training and for the evaluation's probes alike.
+- Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
+  (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
+  token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own). `three_hop` is
+  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. Alias keys come
+  from the len(ALIASES) key tokens that have an alias, so alias_multi_key holds at most that many one-token keys.
 - `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 - `base_steps`: the first N training steps ask the base task alone (single, 1x, no hard distractors: the examples
@@ -32,6 +37,7 @@ Training for size and for similar facts, each off by default, so the default tas
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -45,7 +51,21 @@ DIGITS = VALUES[:10]
 KEYS = range(100, 300)
 FILLER = range(300, 496)  # every id stays below the tiny encoder's 496 and decoder's 512 vocabularies
 PROMPT_LEN = 2  # BOS key, for one-token keys (NeedleSpec.prompt_len in general)
-VARIANTS = ("single", "multi_key", "multi_value", "multi_query", "variable_tracking")
+TrainedVariant = Literal["single", "multi_key", "multi_value", "multi_query", "variable_tracking", "alias",
+                         "alias_multi_key", "two_hop"]
+ScoredOnlyVariant = Literal["three_hop"]  # never trained: does a read learned on two hops follow a third?
+Variant = Literal[TrainedVariant, ScoredOnlyVariant]
+TRAINED_VARIANTS: tuple[str, ...] = get_args(TrainedVariant)  # the training mixture's choices
+VARIANTS: tuple[str, ...] = get_args(Variant)  # the evaluation's; a task's place seeds its probes: append only
+ALIAS_VARIANTS = ("alias", "alias_multi_key")  # asked by ALIAS_OF, else single and multi_key
+CHAIN_HOPS = {"two_hop": 2, "three_hop": 3}  # chains with every link in a chunk of its own
+# Aliases are the top of the filler range: an alias memory's keys come from ALIASED_KEYS and its filler from
+# ALIAS_FILLER, so no token of the question is anywhere in its memory; elsewhere the alias ids are plain filler.
+ALIASES = FILLER[-128:]
+ALIASED_KEYS = KEYS[: len(ALIASES)]
+ALIAS_FILLER = FILLER[: -len(ALIASES)]
+ALIAS_SEED = 45  # the one fixed permutation every alias memory obeys, whatever the run's seed: training can teach it
+ALIAS_OF = dict(zip(ALIASED_KEYS, np.random.default_rng(ALIAS_SEED).permutation(np.array(ALIASES)).tolist()))
 KEY_TOKENS = (1, 2)
 SCALE_STREAM, VARIANT_STREAM = 3, 4  # generator streams beside an example's own (seed, index)
 
@@ -60,8 +80,11 @@ def parse_mixture(entries: tuple[str, ...] | list[str]) -> tuple[dict[str, float
             value = float(weight) if weight else 1.0
         except ValueError:
             value = -1.0
-        if name not in VARIANTS:
-            problems.append(f"needle.variants: {name!r} is not one of {VARIANTS}")
+        if name in VARIANTS and name not in TRAINED_VARIANTS:
+            problems.append(f"needle.variants: {name!r} is scored only, never trained (it tests whether what was "
+                            f"learned carries over); train on {TRAINED_VARIANTS}")
+        elif name not in VARIANTS:
+            problems.append(f"needle.variants: {name!r} is not one of {TRAINED_VARIANTS}")
         elif value <= 0 or name in mixture:
             problems.append(f"needle.variants: {entry!r} needs a positive weight and one entry per variant "
                             f"(e.g. single:4 multi_key:2)")
@@ -120,6 +143,10 @@ class NeedleSpec:
     def key_space(self) -> int:
         return len(KEYS) ** self.key_tokens
 
+    def key_vocabulary(self, variant: str) -> range:
+        """The tokens the variant's keys are made of: an alias memory's keys are those with an alias."""
+        return ALIASED_KEYS if variant in ALIAS_VARIANTS else KEYS
+
     def mixture(self) -> dict[str, float]:
         return parse_mixture(self.variants)[0]
 
@@ -156,8 +183,8 @@ class NeedleSpec:
         problems += bad
         if any(h < 2 for h in self.hops) or not self.hops:
             problems.append(f"needle.hops {list(self.hops)}: give chain lengths >= 2 (a chain of one is single)")
-        elif "variable_tracking" in mixture and self.facts_per_chunk >= 1:
-            if self.chunks * self.facts_per_chunk < max(self.hops):
+        elif {"variable_tracking", *CHAIN_HOPS} & set(mixture) and self.facts_per_chunk >= 1:
+            if "variable_tracking" in mixture and self.chunks * self.facts_per_chunk < max(self.hops):
                 problems.append(f"needle.hops: a {max(self.hops)}-hop chain does not fit the memory's "
                                 f"{self.chunks * self.facts_per_chunk} fact slots: add needle.distractors")
             if self.key_tokens > self.value_digits:
@@ -219,29 +246,34 @@ class NeedleMemory:
     answers: list[list[int]]
 
 
-def draw_keys(rng: np.random.Generator, spec: NeedleSpec, n: int) -> list[list[int]]:
-    """n distinct keys of spec.key_tokens tokens each."""
+def draw_keys(rng: np.random.Generator, spec: NeedleSpec, n: int, vocabulary: range = KEYS) -> list[list[int]]:
+    """n distinct keys of spec.key_tokens tokens each, made of the vocabulary's tokens."""
     if spec.key_tokens == 1:
-        return [[k] for k in rng.choice(np.array(KEYS), size=n, replace=False).tolist()]
-    picks = rng.choice(spec.key_space, size=n, replace=False).tolist()
-    return [[KEYS[p // len(KEYS)], KEYS[p % len(KEYS)]] for p in picks]
+        return [[k] for k in rng.choice(np.array(vocabulary), size=n, replace=False).tolist()]
+    picks = rng.choice(len(vocabulary) ** 2, size=n, replace=False).tolist()
+    return [[vocabulary[p // len(vocabulary)], vocabulary[p % len(vocabulary)]] for p in picks]
+
+
+def alias(key: list[int]) -> list[int]:
+    """The key as an alias question names it, token by token (ALIAS_OF)."""
+    return [ALIAS_OF[t] for t in key]
 
 
 def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[list[int], list[int]]],
-               taken: set[tuple[int, ...]], count: int) -> list[list[int]]:
+               taken: set[tuple[int, ...]], count: int, vocabulary: range = KEYS) -> list[list[int]]:
     """Up to `count` facts near-identical to the targets (key, value), round robin: the value differs in one digit,
-    the key in one token (one-token keys: another key; there is no nearer one). A new key is never one in `taken`
-    (every key of the memory, so no asked key gets a second fact), and joins it."""
+    the key in one token of the vocabulary (one-token keys: another key; there is no nearer one). A new key is never
+    one in `taken` (every key of the memory, so no asked key gets a second fact), and joins it."""
     facts = []
     for n in range(count):
         key, value = targets[n % len(targets)]
         position = int(rng.integers(len(key)))
         swap = lambda t: tuple(key[:position] + [t] + key[position + 1 :])  # noqa: E731
-        for token in rng.integers(KEYS.start, KEYS.stop, size=8).tolist():  # most keys are free: a few draws do
+        for token in rng.integers(vocabulary.start, vocabulary.stop, size=8).tolist():  # most keys are free
             if swap(token) not in taken:
                 break
         else:  # a crowded memory: choose among the free ones
-            free = [t for t in KEYS if swap(t) not in taken]
+            free = [t for t in vocabulary if swap(t) not in taken]
             if not free:
                 continue
             token = free[int(rng.integers(len(free)))]
@@ -253,79 +285,103 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
     return facts
 
 
+class DrawnFacts(NamedTuple):
+    """A memory's facts before placement and, per question: its prompt, its references, the fact holding its
+    (first) answer, every fact it needs; and the (key, value) facts hard distractors imitate."""
+
+    facts: list[list[int]]
+    asked: list[list[int]]
+    refs: list[list[list[int]]]
+    answer_fact: list[int]
+    needed: list[list[int]]
+    targets: list[tuple[list[int], list[int]]]
+
+
+def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generator, digits) -> DrawnFacts:
+    """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: up to spec.questions, as many as fit."""
+    questions = min(spec.questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
+    keys = draw_keys(rng, spec, questions * hops)
+    chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
+    values = digits(questions)
+    facts = [[*a, EQ, *b, SEP] for chain in chains for a, b in zip(chain, chain[1:])]
+    facts += [[*chain[-1], EQ, *v, SEP] for chain, v in zip(chains, values, strict=True)]
+    answer_fact = [len(facts) - questions + q for q in range(questions)]
+    links = hops - 1
+    needed = [[q * links + h for h in range(links)] + [answer_fact[q]] for q in range(questions)]
+    return DrawnFacts(facts, [[BOS, *chain[0]] for chain in chains], [[v] for v in values], answer_fact, needed,
+                      [(chain[-1], v) for chain, v in zip(chains, values, strict=True)])
+
+
+def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.random.Generator,
+                digits) -> DrawnFacts:
+    """`key = d d d ;` facts, asked by their key (alias variants: by its alias) one or two a question."""
+    vocabulary = spec.key_vocabulary(variant)
+    room = slots // 2 if variant == "multi_value" else slots  # multi_value: a second fact for each
+    grows = variant in ("multi_key", "alias_multi_key")
+    n_facts = min(spec.facts * (scale if grows else 1), len(vocabulary) ** spec.key_tokens, room)
+    keys = draw_keys(rng, spec, n_facts, vocabulary)
+    values = digits(n_facts)
+    facts = [[*k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
+    if variant == "multi_query":  # two facts a question: an even number of them
+        order = rng.choice(n_facts, size=min(2 * spec.questions, n_facts - n_facts % 2), replace=False)
+        pairs = order.reshape(-1, 2).tolist()
+        return DrawnFacts(facts, [[BOS, *keys[a], *keys[b]] for a, b in pairs],
+                          [[values[a], values[b]] for a, b in pairs], [a for a, _ in pairs],
+                          [list(pair) for pair in pairs], [(keys[f], values[f]) for pair in pairs for f in pair])
+    order = rng.choice(n_facts, size=min(spec.questions, n_facts), replace=False).tolist()
+    named = alias if variant in ALIAS_VARIANTS else list
+    drawn = DrawnFacts(facts, [[BOS, *named(keys[f])] for f in order], [[values[f]] for f in order], order,
+                       [[f] for f in order], [(keys[f], values[f]) for f in order])
+    if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
+        second = digits(len(order))
+        drawn.needed[:] = [[f, len(facts) + q] for q, f in enumerate(order)]
+        facts += [[*keys[f], EQ, *v, SEP] for f, v in zip(order, second, strict=True)]
+        drawn.refs[:] = [[values[f], s] for f, s in zip(order, second, strict=True)]
+    return drawn
+
+
 def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.Generator, hops: int = 2,
                     hard: float = 0.0) -> NeedleMemory:
     """A memory of `scale` times the base size (spec.chunks chunks) holding the variant's facts, and its questions:
-    the evaluation's probes (pipelines.evaluate.needle) and the training mixture's memories. `hard`: the share of
-    the free fact slots given to near-identical facts (near_facts) of the facts holding answers."""
+    the evaluation's probes (pipelines.evaluate.needle) and the training mixture's memories. `hops`: variable
+    tracking's chain length (two_hop and three_hop name their own). `hard`: the share of the free fact slots given
+    to near-identical facts (near_facts) of the facts holding answers."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown needle variant {variant!r}; choose from {VARIANTS}")
     chunks = spec.chunks * scale
     slots = chunks * spec.facts_per_chunk
-    questions = spec.questions
     digits = lambda n: [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist()
                         for _ in range(n)]  # noqa: E731
-    if variant == "variable_tracking":
-        questions = min(questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
-        keys = draw_keys(rng, spec, questions * hops)
-        chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
-        values = digits(questions)
-        facts = [[*a, EQ, *b, SEP] for chain in chains for a, b in zip(chain, chain[1:])]
-        facts += [[*chain[-1], EQ, *v, SEP] for chain, v in zip(chains, values, strict=True)]
-        asked = [[BOS, *chain[0]] for chain in chains]
-        refs = [[v] for v in values]
-        answer_fact = [len(facts) - questions + q for q in range(questions)]
-        hops_before = hops - 1
-        needed = [[q * hops_before + h for h in range(hops_before)] + [answer_fact[q]] for q in range(questions)]
-        targets = [(chain[-1], v) for chain, v in zip(chains, values, strict=True)]
+    if variant == "variable_tracking" or variant in CHAIN_HOPS:
+        drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits)
     else:
-        room = slots // 2 if variant == "multi_value" else slots  # multi_value: a second fact for each
-        n_facts = min(spec.facts * (scale if variant == "multi_key" else 1), spec.key_space, room)
-        keys = draw_keys(rng, spec, n_facts)
-        values = digits(n_facts)
-        facts = [[*k, EQ, *v, SEP] for k, v in zip(keys, values, strict=True)]
-        if variant == "multi_query":  # two facts a question: an even number of them
-            order = rng.choice(n_facts, size=min(2 * questions, n_facts - n_facts % 2), replace=False)
-        else:
-            order = rng.choice(n_facts, size=min(questions, n_facts), replace=False)
-        if variant == "multi_query":
-            pairs = order.reshape(-1, 2).tolist()
-            asked = [[BOS, *keys[a], *keys[b]] for a, b in pairs]
-            refs = [[values[a], values[b]] for a, b in pairs]
-            answer_fact = [a for a, _ in pairs]
-            needed = [list(pair) for pair in pairs]
-            targets = [(keys[f], values[f]) for pair in pairs for f in pair]
-        else:
-            asked = [[BOS, *keys[f]] for f in order.tolist()]
-            refs = [[values[f]] for f in order.tolist()]
-            answer_fact = order.tolist()
-            needed = [[f] for f in answer_fact]
-            targets = [(keys[f], values[f]) for f in answer_fact]
-            if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
-                second = digits(len(order))
-                needed = [[f, len(facts) + q] for q, f in enumerate(answer_fact)]
-                facts += [[*keys[f], EQ, *v, SEP] for f, v in zip(order.tolist(), second, strict=True)]
-                refs = [[values[f], s] for f, s in zip(order.tolist(), second, strict=True)]
+        drawn = keyed_facts(variant, spec, scale, slots, rng, digits)
+    facts, refs, needed = drawn.facts, drawn.refs, drawn.needed
     if hard > 0:
         taken = {tuple(fact[: fact.index(EQ)]) for fact in facts}
-        facts += near_facts(rng, spec, targets, taken, int(hard * (slots - len(facts))))
-    memory, starts = place(facts, spec, chunks, rng)
+        facts += near_facts(rng, spec, drawn.targets, taken, int(hard * (slots - len(facts))),
+                            spec.key_vocabulary(variant))
+    if variant in CHAIN_HOPS:
+        memory, starts = place_apart(facts, needed, spec, chunks, rng)
+    else:
+        memory, starts = place(facts, spec, chunks, rng, ALIAS_FILLER if variant in ALIAS_VARIANTS else FILLER)
     answers = [[t for _, ref in sorted(zip((starts[f] for f in facts_needed), refs_q)) for t in ref]
                if variant == "multi_value" else [t for ref in refs_q for t in ref]
                for refs_q, facts_needed in zip(refs, needed, strict=True)]
-    return NeedleMemory(memory=memory, questions=asked, references=refs,
-                        depth=[starts[f] / (chunks * spec.chunk_len) for f in answer_fact],
+    return NeedleMemory(memory=memory, questions=drawn.asked, references=refs,
+                        depth=[starts[f] / (chunks * spec.chunk_len) for f in drawn.answer_fact],
                         evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed}) for facts_needed in needed],
                         answers=answers)
 
 
-def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator,
+          filler: range = FILLER) -> tuple[np.ndarray, list[int]]:
     """As make_example builds a memory: the facts shuffled and packed slot after slot into randomly chosen chunks
     among `chunks`, filler everywhere else; each fact's start position."""
     fact_chunks = -(-len(facts) // spec.facts_per_chunk)
     if fact_chunks > chunks:
         raise ValueError(f"{len(facts)} facts do not fit in {chunks} chunks of {spec.facts_per_chunk} slots")
-    memory = rng.choice(np.array(FILLER), size=(chunks, spec.chunk_len))
+    memory = rng.choice(np.array(filler), size=(chunks, spec.chunk_len))
     chunk_of_slot = np.sort(rng.choice(chunks, size=fact_chunks, replace=False))
     starts = [0] * len(facts)
     for n, fact in enumerate(rng.permutation(len(facts)).tolist()):
@@ -333,6 +389,37 @@ def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.
         offset = (n % spec.facts_per_chunk) * spec.fact_len
         memory[chunk, offset : offset + len(facts[fact])] = facts[fact]
         starts[fact] = chunk * spec.chunk_len + offset
+    return memory, starts
+
+
+def place_apart(facts: list[list[int]], chains: list[list[int]], spec: NeedleSpec, chunks: int,
+                rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """As place, but each chain's facts (indices into `facts`) in chunks of their own, so no chunk alone answers a
+    chain's question. Chains go first, each to the fact chunks with the most free slots (ties at random), which
+    keeps the chunks level so every chain finds room; the other facts then take the free slots at random."""
+    per_chunk = spec.facts_per_chunk
+    fact_chunks = max(-(-len(facts) // per_chunk), *(len(chain) for chain in chains))
+    if fact_chunks > chunks:
+        raise ValueError(f"{len(facts)} facts in chains of up to {fact_chunks} do not fit in {chunks} chunks of "
+                         f"{per_chunk} slots, one chunk per link")
+    memory = rng.choice(np.array(FILLER), size=(chunks, spec.chunk_len))
+    where = rng.choice(chunks, size=fact_chunks, replace=False)  # the fact chunks, in no particular order
+    free = [rng.permutation(per_chunk).tolist() for _ in range(fact_chunks)]  # each one's free slots, drawn in turn
+    slot_of: dict[int, tuple[int, int]] = {}
+    for c in rng.permutation(len(chains)).tolist():
+        tie = rng.random(fact_chunks)
+        roomiest = sorted(range(fact_chunks), key=lambda n: (-len(free[n]), tie[n]))[: len(chains[c])]
+        for fact, n in zip(chains[c], rng.permutation(roomiest).tolist(), strict=True):
+            slot_of[fact] = (n, free[n].pop())
+    rest = [(n, slot) for n in range(fact_chunks) for slot in free[n]]
+    others = [f for f in range(len(facts)) if f not in slot_of]
+    for fact, pick in zip(others, rng.permutation(len(rest))[: len(others)].tolist(), strict=True):
+        slot_of[fact] = rest[pick]
+    starts = [0] * len(facts)
+    for fact, (n, slot) in slot_of.items():
+        offset = slot * spec.fact_len
+        memory[where[n], offset : offset + len(facts[fact])] = facts[fact]
+        starts[fact] = int(where[n]) * spec.chunk_len + offset
     return memory, starts
 
 

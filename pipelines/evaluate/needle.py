@@ -5,13 +5,16 @@ Probes are generated offline and deterministically per (variant, memory size, se
 exactly the same questions. Variants: `single` (the training task at a new memory size), `multi_key` (more key ->
 value needles, one asked per question: the others are distractors that look like the answer), `multi_value` (the
 asked key holds two values; both must be answered), `multi_query` (one question names two keys; both values must be
-answered), and `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`). Memory size counts chunks; facts
-are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler), so `single` at 1x is
-the training distribution and the memory's size does not depend on its contents. Scoring is RULER's string match: a
-question's references must appear in the generated answer. A probe is built by the generator stage 0's training
-mixture uses (synthetic_needles.generate_memory, `--needle.variants` in training), so each variant's format is the
-one a system trained on it learned; `--needle.hard_distractors` fills a share of every probe's free fact slots with
-facts near-identical to the asked ones. A system trained on two-token keys is asked two-token keys.
+answered), `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`), and the tasks retrieval by the
+question's words cannot solve: `alias` and `alias_multi_key` (asked by the key's alias, sharing no token with the
+evidence), `two_hop` and `three_hop` (each link in a chunk of its own; three_hop is never trained). Memory size
+counts chunks; facts are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler),
+so `single` at 1x is the training distribution and the memory's size does not depend on its contents. Scoring is
+RULER's string match: a question's references must appear in the generated answer. A probe is built by the generator
+stage 0's training mixture uses (synthetic_needles.generate_memory, `--needle.variants` in training), so each
+variant's format is the one a system trained on it learned; `--needle.hard_distractors` fills a share of every
+probe's free fact slots with facts near-identical to the asked ones. A system trained on two-token keys is asked
+two-token keys.
 
 `score_probe` is what one worker does with one loaded system; it takes no Ray, so a test calls it directly.
 """
@@ -29,7 +32,7 @@ import torch
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from pipelines.data.memory_modes import MemoryMode, prompt_memory
 from pipelines.data.needle_tokenizer import needle_tokenizer
-from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, generate_memory
+from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant, generate_memory
 from pipelines.evaluate import probes
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
@@ -39,7 +42,7 @@ from pipelines.format.rows import IGNORE
 
 @dataclass
 class NeedleSuite:
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))  # RULER-style tasks (VARIANTS above)
+    variants: list[Variant] = field(default_factory=lambda: list(VARIANTS))  # RULER-style tasks (VARIANTS above)
     multipliers: list[int] = field(default_factory=lambda: [1, 4, 16])  # memory sizes, in training memory sizes
     memories: int = 16  # probe memories per (variant, size); each asks needle.questions questions
     hops: list[int] = field(default_factory=lambda: [2, 3])  # variable-tracking chain lengths

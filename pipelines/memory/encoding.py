@@ -42,6 +42,9 @@ class EncodeMemoryConfig:
     cpus_per_actor: float = 1.0  # CPUs Ray reserves for each encoding actor
     use_gpu: bool = False  # one GPU per actor
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 on GPU, float32 on CPU
+    # how the store keeps the states: float32 | bfloat16 | float16 | int8 (per-token and per-channel scales, a
+    # quarter of fp32's bytes); None: the encoder's dtype
+    store_dtype: str | None = None
     num_cpus: int | None = None  # local Ray only: CPUs to use; None: join $RAY_ADDRESS or a running cluster, else all
 
     def problems(self) -> list[str]:
@@ -50,6 +53,9 @@ class EncodeMemoryConfig:
             p.append(f"encoder_attention must be one of {ENCODER_ATTENTIONS}, got {self.encoder_attention!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             p.append(f"dtype must be one of {sorted(DTYPES)} or none, got {self.dtype!r}")
+        if self.store_dtype is not None and self.store_dtype not in memory_store.STATES_DTYPES:
+            p.append(f"store_dtype must be one of {sorted(memory_store.STATES_DTYPES)} or none, "
+                     f"got {self.store_dtype!r}")
         p += [f"{name} must be positive" for name in ("chunk_tokens", "batch_size", "actors")
               if getattr(self, name) <= 0]
         try:
@@ -123,10 +129,12 @@ class ChunkEncoder:
     """A Ray Data actor: holds the encoder, turns a batch of chunk rows into one shard of states under `out`, and
     returns the rows' metadata (reject rows pass through)."""
 
-    def __init__(self, model: str, attention: str, dtype: str, out: str, use_gpu: bool):
+    def __init__(self, model: str, attention: str, dtype: str, out: str, use_gpu: bool,
+                 store_dtype: str | None = None):
         self.device = "cuda" if use_gpu else "cpu"
         self.encoder = load_memory_encoder(model, attention=attention, dtype=DTYPES[dtype], device=self.device)
         self.out = out
+        self.store_dtype = store_dtype
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
@@ -135,7 +143,7 @@ class ChunkEncoder:
         states = self.encode([list(batch["ids"][i]) for i in keep])
         keys = [f"{batch['path'][i]}#{int(batch['index'][i])}" for i in keep]
         ids = {key: list(batch["ids"][i]) for key, i in zip(keys, keep)}
-        shard = memory_store.write_shard(self.out, dict(zip(keys, states)), ids) if keep else ""
+        shard = memory_store.write_shard(self.out, dict(zip(keys, states)), ids, self.store_dtype) if keep else ""
         tokens, where = [0] * n, [""] * n
         for i, key, state in zip(keep, keys, states):
             tokens[i], where[i] = state.shape[0], key
@@ -176,7 +184,7 @@ def encode_repository(config: EncodeMemoryConfig, progress: Callable[[str], None
         chunks, ChunkEncoder, actors=config.actors, batch_size=config.batch_size,
         cpus_per_actor=config.cpus_per_actor, use_gpu=config.use_gpu,
         constructor_kwargs={"model": config.model, "attention": config.encoder_attention, "dtype": dtype,
-                            "out": str(out), "use_gpu": config.use_gpu})
+                            "out": str(out), "use_gpu": config.use_gpu, "store_dtype": config.store_dtype})
     rows = encoded.take_all()
     return finish(config, out, rows, identity, tokenizer, len(items), time.time() - started)
 
@@ -195,7 +203,7 @@ def finish(config: EncodeMemoryConfig, out: Path, rows: list[dict[str, Any]], id
     for r in rejected:
         reasons[r["reject"]] = reasons.get(r["reject"], 0) + 1
     return memory_store.write_manifest(
-        out, entries, [r["text"] for r in kept], identity,
+        out, entries, [r["text"] for r in kept], identity, config.store_dtype,
         tokenizer=cached_tokenizer(tokenizer).name, sources=[str(s) for s in config.sources],
         chunk_tokens=config.chunk_tokens,
         files={"seen": files, "rejected": len(rejected)}, rejects=reasons,  # rejected: files (or JSONL lines)

@@ -5,8 +5,10 @@ same encoder, so a query pays the decoder only.
                                 (name, path, index, lines, tokens, and the shard and key of its states), the files
                                 seen, used and rejected (by reason), the sources
     STORE/chunks.jsonl          one line per chunk, in store order: its name and text (header included)
-    STORE/states-*.safetensors  each chunk's encoder states (tokens, H_enc), unpadded, in the encoder's dtype, and its
-                                token ids (tokens,) under `ids:KEY` (lexical routing compares them with the question's)
+    STORE/states-*.safetensors  each chunk's encoder states (tokens, H_enc), unpadded, in the store's dtype (the
+                                encoder's unless written in another), and its token ids (tokens,) under `ids:KEY`
+                                (lexical routing compares them with the question's); an int8 store keeps each
+                                chunk's scales beside them (`quantize_int8`)
 
 What is stored is the encoder's output (`AwarenessModel.encode_memory`), taken before the memory projection: it
 depends on the encoder alone (its checkpoint, the encoder weights an export trained on top of it, its attention),
@@ -44,6 +46,11 @@ MANIFEST = "store.json"
 CHUNKS = "chunks.jsonl"
 FORMAT_VERSION = 1
 IDS_PREFIX = "ids:"  # a chunk's token ids beside its states in the shard (stores from before them have none)
+TOKEN_SCALE_PREFIX = "token_scale:"  # int8 stores: a chunk's per-token scales (tokens,)
+CHANNEL_SCALE_PREFIX = "channel_scale:"  # and its per-channel scales (H_enc,)
+# How a store keeps its states; a store written before the field existed keeps the encoder's dtype.
+STATES_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+INT8_MAX = 127
 ENCODER_PREFIX = "memory_encoder."  # the encoder's parameters inside an export's awareness.safetensors
 FIX = "re-encode the repository with this model: python jobs/encode_memory.py --model EXPORT --sources REPO --out STORE"
 
@@ -155,6 +162,32 @@ def _trained_digest(export: Path) -> str:
     return digest.hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------- int8 states
+def quantize_int8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's states (tokens, H_enc) as int8 with a per-token and a per-channel scale: a decoder's hidden states
+    have a few channels and a few tokens (an attention sink's) far larger than the rest, and one scale for either
+    would spend the int8 range on them. The two scales balance each other's root mean square (two alternations),
+    then each token takes its largest scaled magnitude to 127. Returns (int8 (tokens, H_enc), per-token scales
+    (tokens,), per-channel scales (H_enc,)) in fp32; `dequantize_int8` inverts it, each element within half a step
+    (token_scale * channel_scale / 2) of the original."""
+    x = states.detach().float()
+    tiny = 1e-30  # an all-zero token or channel: scale 1e-30, not a division by zero
+    token = torch.ones(x.shape[0])
+    for _ in range(2):
+        channel = (x / token[:, None]).pow(2).mean(dim=0).sqrt().clamp_min(tiny)
+        token = (x / channel).pow(2).mean(dim=1).sqrt().clamp_min(tiny)
+    scaled = x / token[:, None] / channel
+    top = scaled.abs().amax(dim=1) / INT8_MAX
+    token = token * torch.where(top > 0, top, 1.0)
+    q = torch.round(x / token[:, None] / channel).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, token, channel
+
+
+def dequantize_int8(q: torch.Tensor, token_scale: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 states from `quantize_int8`'s three tensors."""
+    return q.float() * token_scale[:, None] * channel_scale[None, :]
+
+
 # ---------------------------------------------------------------------------------------------- writing
 def chunk_entry(*, path: str, index: int, start_line: int = 0, end_line: int = 0, tokens: int, shard: str,
                 key: str) -> dict[str, Any]:
@@ -163,10 +196,19 @@ def chunk_entry(*, path: str, index: int, start_line: int = 0, end_line: int = 0
             "end_line": int(end_line), "tokens": int(tokens), "shard": shard, "key": key}
 
 
-def write_shard(directory: str | Path, states: dict[str, torch.Tensor], ids: dict[str, list[int]]) -> str:
+def write_shard(directory: str | Path, states: dict[str, torch.Tensor], ids: dict[str, list[int]],
+                states_dtype: str | None = None) -> str:
     """Chunk states {key: (tokens, H_enc)} and token ids {key: ids} as one safetensors file under `directory` (a Ray
-    actor's batch, or a whole small store); returns its name. Names are unique, so actors write side by side."""
-    tensors = {k: v.detach().contiguous().cpu() for k, v in states.items()}
+    actor's batch, or a whole small store), the states in `states_dtype` (STATES_DTYPES; None: as given); returns
+    its name. Names are unique, so actors write side by side."""
+    tensors = {}
+    for key, state in states.items():
+        state = state.detach().cpu()
+        if states_dtype == "int8":
+            state, tensors[TOKEN_SCALE_PREFIX + key], tensors[CHANNEL_SCALE_PREFIX + key] = quantize_int8(state)
+        elif states_dtype is not None:
+            state = state.to(STATES_DTYPES[states_dtype])
+        tensors[key] = state.contiguous()
     for key, chunk in ids.items():
         if len(chunk) != len(tensors[key]):
             raise ValueError(f"chunk {key}: {len(chunk)} token ids for {len(tensors[key])} states")
@@ -186,14 +228,15 @@ def clear(directory: str | Path) -> Path:
 
 
 def write_manifest(directory: str | Path, chunks: list[dict[str, Any]], texts: list[str], identity: EncoderIdentity,
-                   **about: Any) -> dict[str, Any]:
-    """store.json and chunks.jsonl for chunks in store order (their shards already written); `about` adds the
-    tokenizer, the sources, the files seen and rejected, ... Returns the manifest."""
+                   states_dtype: str | None = None, **about: Any) -> dict[str, Any]:
+    """store.json and chunks.jsonl for chunks in store order (their shards already written in `states_dtype`: None,
+    the encoder's); `about` adds the tokenizer, the sources, the files seen and rejected, ... Returns the manifest."""
     directory = Path(directory)
     with open(directory / CHUNKS, "w") as f:
         for entry, text in zip(chunks, texts, strict=True):
             f.write(json.dumps({"name": entry["name"], "text": text}) + "\n")
-    manifest = {"format_version": FORMAT_VERSION, "encoder": asdict(identity), "chunks": chunks,
+    manifest = {"format_version": FORMAT_VERSION, "encoder": asdict(identity),
+                "states_dtype": states_dtype or identity.dtype, "chunks": chunks,
                 "tokens": sum(c["tokens"] for c in chunks), **about}
     partial = directory / f"{MANIFEST}.{os.getpid()}.tmp"  # the manifest appears last and whole: a store is complete
     partial.write_text(json.dumps(manifest, indent=1))
@@ -202,10 +245,12 @@ def write_manifest(directory: str | Path, chunks: list[dict[str, Any]], texts: l
 
 
 def write(directory: str | Path, chunks: Iterable[tuple[str, int, str]], states: Iterable[torch.Tensor],
-          ids: Iterable[list[int]], identity: EncoderIdentity, **about: Any) -> dict[str, Any]:
+          ids: Iterable[list[int]], identity: EncoderIdentity, states_dtype: str | None = None,
+          **about: Any) -> dict[str, Any]:
     """A whole store in this process: chunks as (path, index, text), each one's states (tokens, H_enc) as
-    `encode_memory` returns them for that chunk alone, unpadded, and its token ids. For stores too large for one
-    process, see pipelines.memory.encoding (Ray Data)."""
+    `encode_memory` returns them for that chunk alone, unpadded, and its token ids; the states kept in
+    `states_dtype` (None: as given). For stores too large for one process, see pipelines.memory.encoding (Ray
+    Data)."""
     directory = clear(directory)
     entries, texts, tensors, token_ids = [], [], {}, {}
     for (path, index, text), state, chunk_ids in zip(chunks, states, ids, strict=True):
@@ -213,10 +258,10 @@ def write(directory: str | Path, chunks: Iterable[tuple[str, int, str]], states:
         tensors[key], token_ids[key] = state, list(chunk_ids)
         entries.append(chunk_entry(path=path, index=index, tokens=state.shape[0], shard="", key=key))
         texts.append(text)
-    shard = write_shard(directory, tensors, token_ids)
+    shard = write_shard(directory, tensors, token_ids, states_dtype)
     for entry in entries:
         entry["shard"] = shard
-    return write_manifest(directory, entries, texts, identity, **about)
+    return write_manifest(directory, entries, texts, identity, states_dtype, **about)
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -234,6 +279,9 @@ class MemoryStore:
             raise ValueError(f"{path}: store format {self.manifest.get('format_version')}, this code reads "
                              f"{FORMAT_VERSION}; {FIX}")
         self.identity = EncoderIdentity(**self.manifest["encoder"])
+        self.states_dtype = self.manifest.get("states_dtype", self.identity.dtype)
+        if self.states_dtype not in STATES_DTYPES:
+            raise ValueError(f"{path}: states in {self.states_dtype!r}, this code reads {sorted(STATES_DTYPES)}; {FIX}")
 
     @property
     def chunks(self) -> list[dict[str, Any]]:
@@ -256,8 +304,18 @@ class MemoryStore:
                 f"from another encoder mean nothing to this model's GCA: {FIX}")
 
     def states(self) -> list[torch.Tensor]:
-        """Each chunk's states (tokens, H_enc), in store order."""
-        return self._tensors("")
+        """Each chunk's states (tokens, H_enc), in store order: as stored, or fp32 from an int8 store."""
+        if self.states_dtype != "int8":
+            return self._tensors("")
+        return [dequantize_int8(q, token, channel) for q, token, channel in
+                zip(self._tensors(""), self._tensors(TOKEN_SCALE_PREFIX), self._tensors(CHANNEL_SCALE_PREFIX))]
+
+    def states_bytes(self) -> int:
+        """What the stored states take on disk and in memory as stored: values and scales, not token ids."""
+        total = 0
+        for prefix in ("", TOKEN_SCALE_PREFIX, CHANNEL_SCALE_PREFIX) if self.states_dtype == "int8" else ("",):
+            total += sum(t.numel() * t.element_size() for t in self._tensors(prefix))
+        return total
 
     def token_ids(self, *, device: str | torch.device = "cpu") -> torch.Tensor:
         """The chunks' token ids (1, C, L_max), right-padded with 0 as `memory(chunked=True)` pads the states (its

@@ -28,6 +28,7 @@ from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec
 from tokenizers import Tokenizer
 
 from models import AwarenessModel
+from models.quantization import check_quantize
 from models.pairs import RANDOM_WEIGHTS_MARKER
 from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
 from pipelines.data.needle_tokenizer import needle_tokenizer
@@ -37,8 +38,9 @@ from pipelines.memory.store import MANIFEST, MemoryStore, encoder_identity, writ
 ENTRY = Path(__file__).with_name("pyfunc_entry.py")  # the file MLflow loads the model from (models from code)
 TOKENIZER_FILE = "tokenizer.json"
 # where the model is loaded: logged with every registered version, so a loader may override them (model_config=,
-# MLFLOW_PYFUNC_INFERENCE_CONFIG); "auto": a GPU when there is one, the checkpoints' own dtype
-PLACEMENT = {"device": "auto", "dtype": "auto"}
+# MLFLOW_PYFUNC_INFERENCE_CONFIG); "auto": a GPU when there is one, the checkpoints' own dtype; quantize nf4 | int8:
+# the frozen base weights in that many bits (models.quantization), what trained in full precision beside them
+PLACEMENT = {"device": "auto", "dtype": "auto", "quantize": "none"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,7 +95,8 @@ class AwarenessPyfunc(mlflow.pyfunc.PythonModel):
         self.mode = system_mode(read_system(self.export))
         settings = context.model_config or {}
         device, dtype = placement(str(settings.get("device", "auto")), str(settings.get("dtype", "auto")))
-        self.model = AwarenessModel.from_pretrained(self.export, device=device, dtype=dtype).eval()
+        quantize = check_quantize(str(settings.get("quantize", "none")))
+        self.model = AwarenessModel.from_pretrained(self.export, device=device, dtype=dtype, quantize=quantize).eval()
         path = str(Path(self.model.config.decoder) / TOKENIZER_FILE)
         self.tokenizer = Tokenizer.from_file(path)  # the question: a template, special-token strings are tokens
         self.text_tokenizer = text_tokenizer(Tokenizer.from_file(path))  # memory chunks: every string is text

@@ -38,6 +38,8 @@ def test_the_default_run_covers_every_task_and_size():
     assert done.returncode == 0, done.stderr[-2000:]
     recall = json.loads(done.stdout.strip().splitlines()[-1])["recall"]
     assert set(recall) == {"single", "multi_key", "multi_value", "multi_query", "variable_tracking_2",
-                           "variable_tracking_3"}
+                           "variable_tracking_3", "alias", "alias_multi_key", "two_hop", "three_hop"}
     assert all(set(sizes) == {"1x", "4x", "16x", "64x"} and all(0 <= r <= 1 for r in sizes.values())
                for sizes in recall.values())
+    # an alias question shares no token with its memory: BM25 scores every chunk 0 and keeps the first two (chance)
+    assert recall["alias"]["64x"] < 0.1 and recall["single"]["64x"] == 1.0

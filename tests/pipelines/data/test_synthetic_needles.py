@@ -59,8 +59,8 @@ def test_value_range_sets_the_value_vocabulary():
 
 
 # ------------------------------------------------------------------ issue 26: sizes, similar facts, the mixture
-from pipelines.data.synthetic_needles import (KEYS, PAD, VALUES, VARIANTS, draw_variant, generate_memory,  # noqa: E402
-                                              memory_scale, needle_batch)
+from pipelines.data.synthetic_needles import (ALIAS_OF, KEYS, PAD, TRAINED_VARIANTS, VALUES, VARIANTS,  # noqa: E402
+                                              draw_variant, generate_memory, memory_scale, needle_batch)
 
 
 def facts_in(memory: np.ndarray) -> dict[tuple[int, ...], list[list[int]]]:
@@ -81,14 +81,17 @@ def facts_in(memory: np.ndarray) -> dict[tuple[int, ...], list[list[int]]]:
 
 
 def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> list[int]:
-    """The answer worked out from the memory alone, as a reader would."""
+    """The answer worked out from the memory alone, as a reader would (an alias read back through ALIAS_OF)."""
+    if variant in ("alias", "alias_multi_key"):
+        key_of = {a: k for k, a in ALIAS_OF.items()}
+        question = question[:1] + [key_of[a] for a in question[1:]]
     keys = [tuple(question[1 + i * key_tokens : 1 + (i + 1) * key_tokens]) for i in range((len(question) - 1) // key_tokens)]
     if variant == "multi_query":
         return [t for key in keys for t in facts[key][0]]
     if variant == "multi_value":
         return [t for value in facts[keys[0]] for t in value]
     (value,) = facts[keys[0]]
-    while variant == "variable_tracking" and tuple(value) in facts:  # a link to another key: follow it
+    while variant in ("variable_tracking", "two_hop", "three_hop") and tuple(value) in facts:  # a link: follow it
         (value,) = facts[tuple(value)]
     return value
 
@@ -262,4 +265,141 @@ def test_a_task_that_cannot_fit_the_memory_is_named():
     assert tight.problems() == ["needle.variants: multi_query asks nothing in a memory of 1 fact slots: add "
                                 "needle.distractors or needle.facts"]
     assert "a 3-hop chain does not fit" in " ".join(dataclasses.replace(tight, variants=("variable_tracking",)).problems())
-    assert not NeedleSpec(variants=VARIANTS).problems()
+    assert not NeedleSpec(variants=TRAINED_VARIANTS).problems()
+
+
+# ------------------------------------------------------------------ issue 45: questions retrieval cannot match
+import hashlib  # noqa: E402
+
+from pipelines.data.needle_tokenizer import needle_tokenizer  # noqa: E402
+from pipelines.data.synthetic_needles import ALIASED_KEYS, ALIASES, CHAIN_HOPS, parse_mixture  # noqa: E402
+from pipelines.evaluate.needle import make_probe  # noqa: E402
+
+EXISTING = ("single", "multi_key", "multi_value", "multi_query", "variable_tracking")
+
+
+def existing_rows_digest() -> str:
+    """sha256 over the existing tasks' training examples (default and mixed specs) and evaluation probes."""
+    h = hashlib.sha256()
+    mixed = NeedleSpec(key_tokens=2, hard_distractors=0.5, memory_scale_max=4,
+                       variants=("single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"))
+    for spec in (NeedleSpec(), mixed):
+        for index in range(6):
+            for variant in (None, *EXISTING):
+                example = make_example(spec, 5, index, scale=2, variant=variant)
+                for k in ("memory", "input_ids", "labels", "depth"):
+                    h.update(np.ascontiguousarray(example[k]).tobytes())
+    for variant in EXISTING:
+        for multiplier in (1, 4):
+            for hops in (2, 3):
+                probe = make_probe(variant, NeedleSpec(), multiplier, 20261123, 1, hops, 0.25)
+                h.update(probe.memory.tobytes())
+                h.update(repr((probe.questions, probe.answers, probe.evidence, probe.depth)).encode())
+    return h.hexdigest()
+
+
+def test_the_existing_tasks_draw_exactly_what_they_drew_before_the_new_families():
+    """Recorded from the generator at 2945d5c, before alias and the chains in chunks of their own: a trained run's
+    data and every earlier evaluation's probes stay the same."""
+    assert existing_rows_digest() == "2c92d294269b0b1f9af9f66042e8ec7c137a08d4ebe15cf7fa010c87f4fe566e"
+
+
+def test_the_alias_map_is_one_fixed_bijection_onto_tokens_no_alias_memory_holds():
+    assert sorted(ALIAS_OF) == list(ALIASED_KEYS) and sorted(ALIAS_OF.values()) == list(ALIASES)
+    assert not set(ALIASES) & set(KEYS) and sum(k == a for k, a in ALIAS_OF.items()) == 0
+    assert len({a - k for k, a in ALIAS_OF.items()}) > 50  # a permutation, not a shift a reader could undo by rule
+    for seed in (0, 1):  # every memory obeys the same map, whatever its seed
+        for index in range(4):
+            example = make_example(NeedleSpec(), seed, index, variant="alias")
+            facts = facts_in(example["memory"])
+            for row in example["input_ids"].tolist():
+                (key,) = [k for k, values in facts.items() if values == [row[2:-1]]]
+                assert row[1] == ALIAS_OF[key[0]]
+
+
+@pytest.mark.parametrize("variant", ["alias", "alias_multi_key"])
+@pytest.mark.parametrize(("key_tokens", "scale", "hard"), [(1, 1, 0.0), (1, 16, 0.5), (2, 4, 1.0)])
+def test_an_alias_question_shares_no_token_with_its_evidence_chunk(variant, key_tokens, scale, hard):
+    """Not a word and not a token of the needle tokenizer (the ids words are read into): BM25 has nothing to match."""
+    tokenizer = needle_tokenizer()
+    tokens = lambda ids: set(tokenizer.encode(tokenizer.decode(ids, skip_special_tokens=False),  # noqa: E731
+                                              add_special_tokens=False).ids)
+    spec = NeedleSpec(key_tokens=key_tokens)
+    for index in range(4):
+        probe = make_probe(variant, spec, scale, seed=9, index=index, hard_distractors=hard)
+        for question, evidence, answer in zip(probe.questions, probe.evidence, probe.answers, strict=True):
+            (chunk,) = evidence
+            words = tokenizer.decode(question, skip_special_tokens=False).split()
+            assert not tokens(question) & tokens(probe.memory[chunk].tolist())
+            assert not set(words) & set(tokenizer.decode(probe.memory[chunk].tolist()).split())
+            key_of = {a: k for k, a in ALIAS_OF.items()}
+            key = [key_of[a] for a in question[1:]]
+            assert as_fact(key, answer) in as_fact(probe.memory[chunk].tolist(), [])  # the evidence holds the answer
+
+
+def as_fact(key: list[int], value: list[int]) -> str:
+    """Tokens as text, so `in` finds a run of them."""
+    return " " + " ".join(map(str, key + ([EQ, *value, SEP] if value else []))) + " "
+
+
+def follow(key: tuple[int, ...], facts: dict) -> list[int] | None:
+    """The value a chain from `key` ends at, or None where a link is missing (ka's binding, or kb's)."""
+    while key in facts:
+        (value,) = facts[key]
+        if not set(value) <= set(KEYS):  # digits: the chain's end
+            return value
+        key = tuple(value)
+    return None
+
+
+@pytest.mark.parametrize("variant", ["two_hop", "three_hop"])
+@pytest.mark.parametrize(("key_tokens", "scale", "hard"), [(1, 1, 0.0), (1, 4, 0.5), (2, 16, 1.0)])
+def test_a_chain_question_cannot_be_answered_without_every_one_of_its_chunks(variant, key_tokens, scale, hard):
+    spec = NeedleSpec(key_tokens=key_tokens)
+    for index in range(4):
+        probe = make_probe(variant, spec, scale, seed=2, index=index, hard_distractors=hard)
+        for question, evidence, answer in zip(probe.questions, probe.evidence, probe.answers, strict=True):
+            asked = tuple(question[1:])
+            assert len(evidence) == CHAIN_HOPS[variant]  # every link in a chunk of its own
+            assert follow(asked, facts_in(probe.memory)) == answer
+            for removed in evidence:
+                rest = np.delete(probe.memory, removed, axis=0)
+                assert follow(asked, facts_in(rest)) is None  # the chain breaks: nothing binds the key to a value
+
+
+def test_three_hop_is_scored_and_never_trained():
+    assert "three_hop" in VARIANTS and "three_hop" not in TRAINED_VARIANTS
+    mixture, problems = parse_mixture(["single", "three_hop:2"])
+    assert "three_hop" not in mixture and "'three_hop' is scored only" in " ".join(problems)
+    assert "scored only" in " ".join(NeedleSpec(variants=("two_hop", "three_hop")).problems())
+    everything = NeedleSpec(variants=TRAINED_VARIANTS)
+    drawn = {draw_variant(everything, 3, i)[0] for i in range(400)}
+    assert drawn == set(TRAINED_VARIANTS)  # the mixture draws every trained task, three_hop never
+    from pipelines.evaluate.needle import NeedleSuite
+    from pipelines.train.configs.stage import NeedleConfig
+
+    assert "three_hop" in NeedleSuite().variants  # the evaluation scores it by default
+    assert any("scored only" in p for p in NeedleConfig(variants=["three_hop"]).problems("gca", corpus=False,
+                                                                                       num_workers=1))
+
+
+@pytest.mark.parametrize("variant", ["alias", "alias_multi_key", "two_hop", "three_hop"])
+def test_the_new_families_are_deterministic_by_seed(variant):
+    spec = NeedleSpec(hard_distractors=0.5)
+    a, b = make_probe(variant, spec, 4, 7, 2, hard_distractors=0.5), make_probe(variant, spec, 4, 7, 2,
+                                                                                hard_distractors=0.5)
+    assert np.array_equal(a.memory, b.memory) and (a.questions, a.answers, a.evidence) == (b.questions, b.answers,
+                                                                                          b.evidence)
+    assert not np.array_equal(a.memory, make_probe(variant, spec, 4, 8, 2, hard_distractors=0.5).memory)
+    if variant != "three_hop":
+        trained = dataclasses.replace(spec, variants=(variant,))
+        x, y = make_example(trained, 4, 1, scale=2), make_example(trained, 4, 1, scale=2)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        assert not np.array_equal(x["memory"], make_example(trained, 5, 1, scale=2)["memory"])
+
+
+def test_alias_multi_key_grows_with_the_memory_and_alias_does_not():
+    spec = NeedleSpec()
+    count = lambda variant, scale: len(facts_in(make_probe(variant, spec, scale, 1, 0).memory))  # noqa: E731
+    assert count("alias", 1) == count("alias", 8) == spec.facts
+    assert count("alias_multi_key", 1) == spec.facts and count("alias_multi_key", 8) == 8 * spec.facts

@@ -51,11 +51,11 @@ def test_in_context_evaluation_asks_one_question_a_row():
     assert SPEC.questions_per_row > 1  # training still shares rows
 
 
-@pytest.mark.parametrize("variant", ["single", "multi_value", "multi_query", "variable_tracking"])
+@pytest.mark.parametrize("variant", ["single", "multi_value", "multi_query", "variable_tracking", "alias", "two_hop"])
 @pytest.mark.parametrize("mode", [GCA, MemoryMode("in_context"), MemoryMode("rag"), MemoryMode("none")],
                          ids=lambda m: m.kind)
 def test_exact_match_needs_every_answer_token(variant, mode):
-    spec = NeedleSpec(variants=("single", "multi_value", "multi_query", "variable_tracking"))
+    spec = NeedleSpec(variants=("single", "multi_value", "multi_query", "variable_tracking", "alias", "two_hop"))
     right = score_needles(Reader(), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
     assert right.accuracy == 1.0 and right.total > 0
     wrong_last = score_needles(Reader(wrong_from_end=1), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
@@ -63,7 +63,7 @@ def test_exact_match_needs_every_answer_token(variant, mode):
     runs_on = score_needles(Reader(wrong_from_end=0), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
     assert runs_on.accuracy == 0.0  # every reference, then no EOS: not a whole answer
     assert right.tokens == wrong_last.tokens
-    per_question = {"single": 3, "multi_value": 6, "multi_query": 6, "variable_tracking": 3}[variant] + 1
+    per_question = {"multi_value": 6, "multi_query": 6}.get(variant, 3) + 1
     assert right.tokens == right.total * per_question  # answer tokens and EOS, nothing else is a label
 
 

@@ -63,7 +63,8 @@ def encode_here(config: EncodeMemoryConfig) -> dict:
     batch = {k: [item[k] for item in items] for k in items[0]}
     rows = chunk_rows(batch, tokenizer=None, chunk_tokens=config.chunk_tokens, syntax_cuts=True).to_pydict()
     out = memory_store.clear(config.out)
-    encoder = ChunkEncoder(config.model, config.encoder_attention, "float32", str(out), use_gpu=False)
+    encoder = ChunkEncoder(config.model, config.encoder_attention, "float32", str(out), use_gpu=False,
+                           store_dtype=config.store_dtype)
     encoded: list[dict] = []
     for start in range(0, len(rows["path"]), config.batch_size):
         part = encoder({k: v[start : start + config.batch_size] for k, v in rows.items()})
@@ -164,6 +165,55 @@ def test_a_routing_model_reads_the_store_chunked_with_the_logits_of_encoding_on_
     question = "Which function returns x * 7?"
     assert (pyfunc.predict(None, [{"question": question, "memory_store": str(store)}])
             == pyfunc.predict(None, [{"question": question, "memory": opened.texts()}]))
+
+
+def test_int8_states_are_within_half_a_step_of_each_element_and_keep_outlier_channels_and_tokens():
+    """quantize_int8 against a hand-computed bound: every element within token_scale * channel_scale / 2 of the
+    original; a channel 100x the others and a token 50x the others do not take the rest's resolution."""
+    torch.manual_seed(0)
+    states = torch.randn(37, 64)
+    states[:, 5] *= 100.0  # an outlier channel
+    states[0] *= 50.0  # an outlier token (an attention sink's)
+    q, token, channel = memory_store.quantize_int8(states)
+    assert q.dtype == torch.int8 and q.shape == states.shape and token.shape == (37,) and channel.shape == (64,)
+    assert q.abs().max() <= memory_store.INT8_MAX
+    back = memory_store.dequantize_int8(q, token, channel)
+    step = token[:, None] * channel[None, :]
+    assert ((back - states).abs() <= step / 2 + 1e-6 * states.abs()).all()
+    ordinary = states[1:, torch.arange(64) != 5]
+    error = (back[1:, torch.arange(64) != 5] - ordinary).norm() / ordinary.norm()
+    assert error < 0.015  # int8's rounding of a Gaussian at full range is ~0.7%; per-token absmax alone gives ~26%
+    zeros = memory_store.dequantize_int8(*memory_store.quantize_int8(torch.zeros(3, 4)))
+    assert torch.equal(zeros, torch.zeros(3, 4))  # no division by zero
+
+
+@pytest.mark.parametrize("states_dtype", ["bfloat16", "int8"])
+def test_a_store_in_fewer_bits_reads_back_close_to_fp32_in_its_bytes(store, export, repo, tmp_path, states_dtype):
+    """jobs/encode_memory.py --store_dtype: the same chunks stored in bf16 or int8 take half or a quarter of fp32's
+    bytes (int8's scales included), read back as the model's memory within their rounding, and give its logits."""
+    out = tmp_path / states_dtype
+    manifest = encode_here(config_for(export, repo, out, store_dtype=states_dtype))
+    full, small = MemoryStore(store), MemoryStore(out)
+    assert manifest["states_dtype"] == states_dtype == small.states_dtype and full.states_dtype == "float32"
+    assert small.names() == full.names()
+    ratio = small.states_bytes() / full.states_bytes()
+    assert (0.5 if states_dtype == "bfloat16" else 0.25) <= ratio <= (0.5 if states_dtype == "bfloat16" else 0.3)
+    for exact, rounded in zip(full.states(), small.states(), strict=True):
+        assert rounded.shape == exact.shape
+        assert ((rounded.float() - exact).norm() / exact.norm()) < 0.01
+    model = AwarenessModel.from_pretrained(export).eval()
+    identity = encoder_identity(export, dtype=torch.float32)
+    prompt = torch.tensor([[11, 2001, 30, 4099, 12]])
+    with torch.no_grad():
+        exact = model(input_ids=prompt, memory_states=memory_store.read(store, identity)[0]).logits
+        rounded = model(input_ids=prompt, memory_states=memory_store.read(out, identity, dtype=torch.float32)[0]).logits
+        alone = model(input_ids=prompt).logits
+    assert (rounded - exact).abs().max() < 0.05 * (exact - alone).abs().max()
+
+
+def test_an_unknown_store_dtype_is_refused_before_anything_is_encoded(export, repo, tmp_path):
+    problems = config_for(export, repo, tmp_path / "out", store_dtype="int4").problems()
+    assert problems == ["store_dtype must be one of ['bfloat16', 'float16', 'float32', 'int8'] or none, got 'int4'"]
 
 
 def test_a_store_from_another_encoder_is_refused(store, export, pair_root, tmp_path):

@@ -5,10 +5,13 @@ accepts, and where an answer ends. Registered and served: test_register.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pandas as pd
 import pytest
 import torch
 
+from models import AwarenessModel
 from pipelines.data.memory_modes import GCA
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PROMPT_LEN, NeedleSpec, make_example
@@ -173,3 +176,27 @@ def test_predict_hands_generate_its_inputs_on_the_models_device(tmp_path, checkp
     pyfunc.predict(None, rows[:1], {"max_new_tokens": 1})
     assert seen.keys() >= {"input_ids", "memory_input_ids", "memory_attention_mask"}
     assert set(seen.values()) == {torch.device("meta")}
+
+
+def test_an_export_served_with_a_4bit_base_answers_as_that_model_generates(tmp_path, checkpoint_root):
+    """model_config quantize nf4: the pyfunc loads the export onto NF4 base linears (bitsandbytes' CPU backend here),
+    the GCA blocks in full precision, and answers as the same quantized model's own generate does."""
+    from models.quantization import is_quantized
+    from pipelines.serving.tiny import tiny_export
+
+    tiny_export(tmp_path / "export", checkpoint_root)
+    ensure_tokenizer(AwarenessModel.from_pretrained(tmp_path / "export").config.decoder)
+    pyfunc = AwarenessPyfunc()
+    pyfunc.load_context(SimpleNamespace(artifacts={"export": str(tmp_path / "export")},
+                                        model_config={"max_new_tokens": 4, "quantize": "nf4"}))
+    assert is_quantized(pyfunc.model.decoder) and is_quantized(pyfunc.model.memory_encoder)
+    assert all(p.dtype == torch.float32 for n, p in pyfunc.model.named_parameters() if "gca" in n)
+    reference = AwarenessModel.from_pretrained(tmp_path / "export", quantize="nf4").eval()
+    rows, _ = needle_questions(seed=3, memories=2)
+    answers = pyfunc.predict(None, rows[:2])
+    pyfunc.model = reference  # the same rows through a model loaded apart: the pyfunc adds nothing of its own
+    assert pyfunc.predict(None, rows[:2]) == answers and all(isinstance(a, str) for a in answers)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        AwarenessPyfunc().load_context(SimpleNamespace(artifacts={"export": str(tmp_path / "export")},
+                                                       model_config={"quantize": "int4"}))
+
