@@ -72,6 +72,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, allowing_memory_keyword
+from models.quantization import check_quantize, is_quantized
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, OverDiskBudget, StoreMismatch, TextMemories, UnknownMemory
@@ -579,26 +580,31 @@ def allowed_methods(request: Request) -> str:
                              if compile_path(template)[0].match(request.url.path) for method in operations}))
 
 
-def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto"):
+def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto",
+                quantize: str = "none"):
     """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
     export directory (awareness_config.json; the pyfunc's defaults), loaded onto `device` in `dtype`
-    (pipelines.serving.pyfunc.placement: "auto" is a GPU when the process sees one, the checkpoints' dtype)."""
+    (pipelines.serving.pyfunc.placement: "auto" is a GPU when the process sees one, the checkpoints' dtype), its
+    frozen base weights in `quantize`'s bits (none | nf4 | int8: models.quantization)."""
     where, wanted_dtype = placement(device, dtype)  # bad values fail here, before anything loads
+    check_quantize(quantize)
+    settings = {"device": device, "dtype": dtype, "quantize": quantize}
     if (Path(model) / CONFIG_NAME).is_file():
         ensure_tokenizer(AwarenessConfig.load(Path(model)).decoder)  # a str from the YAML config, too
         pyfunc = AwarenessPyfunc()
-        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)},
-                                            model_config={"device": device, "dtype": dtype}))
+        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config=settings))
         return pyfunc
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    pyfunc = mlflow.pyfunc.load_model(model, model_config={"device": device, "dtype": dtype}).unwrap_python_model()
+    pyfunc = mlflow.pyfunc.load_model(model, model_config=settings).unwrap_python_model()
     loaded = pyfunc.model.device
     if loaded.type != where.type or (where.index is not None and loaded.index != where.index) or (
-            wanted_dtype is not None and pyfunc.model.decoder.dtype != wanted_dtype):
+            wanted_dtype is not None and pyfunc.model.decoder.dtype != wanted_dtype) or (
+            quantize != "none" and not is_quantized(pyfunc.model.decoder)):
         # a version registered before the pyfunc took a placement: MLflow drops model_config keys it was not logged with
-        raise ValueError(f"{model} loaded on {loaded} in {pyfunc.model.decoder.dtype}, not the {device} / {dtype} "
-                         f"asked for: it predates placement settings; register it again (jobs/register.py)")
+        raise ValueError(f"{model} loaded on {loaded} in {pyfunc.model.decoder.dtype}, not the {device} / {dtype} / "
+                         f"quantize {quantize} asked for: it predates these placement settings; register it again "
+                         f"(jobs/register.py)")
     return pyfunc
 
 
@@ -680,7 +686,7 @@ class _Until(StoppingCriteria):
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto",
+                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto", quantize: str = "none",
                  api_keys_file: str | None = None, api_keys_env: str | None = None, model_name: str | None = None,
                  memory_disk_mb_per_owner: float = 4096.0, max_request_mb: float = 8.0,
                  request_timeout_s: float = 60.0, max_tokens_limit: int = MAX_TOKENS):
@@ -698,7 +704,7 @@ class AwarenessServer:
         self.max_tokens_limit = int(max_tokens_limit)
         self.schema: dict[str, Any] | None = None  # GET /openapi.json: the app's with this replica's limits
         self.errors = ErrorCounts()
-        self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype)
+        self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype, quantize)
         self.model_name = served_model_name(model, model_name)
         self.created = int(time.time())
         self.reads = self.pyfunc.mode.kind  # gca: through the encoder; in_context / rag / none: in the prompt
