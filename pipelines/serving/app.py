@@ -39,11 +39,13 @@ batching at request granularity with Serve's own queueing, backpressure and metr
 
 
 import asyncio
+import copy
 import hmac
 import ipaddress
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -51,22 +53,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import mlflow.pyfunc
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
+                      model_validator)
 import ray
 from ray import serve
+from ray.serve import metrics
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models import AwarenessConfig
 from models.awareness import CONFIG_NAME, allowing_memory_keyword
+from models.quantization import check_quantize, is_quantized
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
 from pipelines.serving.memories import ID, MemoryCache, OverDiskBudget, StoreMismatch, TextMemories, UnknownMemory
@@ -79,6 +85,11 @@ CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]} or {
 MAX_CHARS_PER_TOKEN = 16  # files larger than this many characters a memory token are refused before tokenizing
 IN_CONTEXT_QUESTION_ROOM = 256  # decoder positions an in_context memory leaves for the question and its answer
 MIN_TEMPERATURE = 1e-4  # a temperature below this decodes greedily (its limit): dividing logits by less overflows
+# a chunk or prompt holds some text: a character no regex dialect or tokenizer calls whitespace (Unicode's White_Space,
+# Python's \s, ECMAScript's \s), spelled out so that the schema's `pattern` and this check agree everywhere
+NON_BLANK = re.compile(r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]")
+MAX_PROMPTS = 8  # prompts a completion request may list (each answered n times)
+MAX_TOKENS = 4096  # the most new tokens a completion may ask for (a server's max_tokens_limit may be lower)
 LOCAL_OWNER = "local"  # the owner of every memory on a server without keys (loopback clients only)
 KEYS_FIX = "set api_keys_file or api_keys_env in the Serve config's args (docs/serving.md)"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -199,13 +210,34 @@ def error_body(status: int, message: str, code: str | None, param: str | None = 
                       "param": param}}
 
 
+class ErrorCounts:
+    """The errors a replica answered, by status and reason (the error's `code`): in GET /v1/stats' `errors`, and as
+    Ray Serve metrics (on each node's Prometheus endpoint, tagged with the deployment, replica and application):
+    `ray_awareness_errors_total{status, reason}` and, for a 401, `ray_awareness_rejected_keys_total{reason}`
+    (missing_api_key, invalid_api_key, no_keys_configured)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.errors = metrics.Counter("awareness_errors", "error responses by status and reason",
+                                      tag_keys=("status", "reason"))
+        self.rejected_keys = metrics.Counter("awareness_rejected_keys", "requests refused for their API key",
+                                             tag_keys=("reason",))
+
+    def count(self, status: int, reason: str | None) -> None:
+        reason = reason or "unknown"
+        self.counts[f"{status} {reason}"] += 1
+        self.errors.inc(tags={"status": str(status), "reason": reason})
+        if status == 401:
+            self.rejected_keys.inc(tags={"reason": reason})
+
+
 def _count(status: int, code: str | None) -> None:
-    """A 4xx/5xx by reason, in GET /v1/stats' `errors` (nothing outside a replica)."""
+    """An error response, counted by the replica answering it (nothing outside a replica)."""
     try:
         server = serve.get_replica_context().servable_object
     except Exception:  # noqa: BLE001 - no replica context (the app without Serve)
         return
-    server.errors[f"{status} {code}"] += 1
+    server.errors.count(status, code)
 
 
 class BodyLimit:
@@ -253,15 +285,24 @@ app.add_middleware(BodyLimit)
 async def http_error(request: Request, exc: StarletteHTTPException):
     code = getattr(exc, "code", None) or {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     _count(exc.status_code, code)
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:
+        headers = (headers or {}) | {"Allow": allowed_methods(request)}
     return JSONResponse(error_body(exc.status_code, str(exc.detail), code, getattr(exc, "param", None)),
-                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+                        status_code=exc.status_code, headers=headers)
+
+
+def _type_tag(part: str | int) -> bool:
+    """A part of a pydantic error's location naming a type (a union's member: `str`, `list[...]`,
+    `function-after[...]`), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
 
 
 @app.exception_handler(RequestValidationError)
 async def invalid_request(request: Request, exc: RequestValidationError):
     """422 naming each bad field and what it needs; the input is not echoed (it may be NaN, or not text)."""
     errors = exc.errors()
-    where = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
+    where = [".".join(str(p) for p in e.get("loc", ()) if p != "body" and not _type_tag(p)) for e in errors]
     message = "; ".join(f"{w or 'body'}: {e.get('msg', 'invalid')}" for w, e in zip(where, errors))
     _count(422, "invalid_request")
     return JSONResponse(error_body(422, message, "invalid_request", where[0] if where else None), status_code=422)
@@ -284,7 +325,29 @@ def _valid_text(text: str) -> str:
     return text
 
 
+def _has_text(text: str) -> str:
+    if not NON_BLANK.search(text):
+        raise ValueError("holds only whitespace: send text")
+    return text
+
+
+def _integral(value):
+    """4.0 is the integer 4 in JSON Schema's terms (and the schema's `integer`): taken as 4. "4", true, 4.5 stay
+    themselves, for the strict check to refuse."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def integer(**bounds: int) -> Any:
+    """A strict int within `bounds` (ge, le) that takes 4.0 as 4 (_integral)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+# a memory chunk or a prompt holds some non-whitespace (the needle tokenizer gives whitespace no tokens): the schema's
+# `pattern`; a chunk's is checked here, a prompt's by the route (the prompt's union would muddle the message)
+NonBlank = Field(json_schema_extra={"pattern": NON_BLANK.pattern})
+Chunk = Annotated[str, AfterValidator(_valid_text), AfterValidator(_has_text), NonBlank]
+Prompt = Annotated[str, AfterValidator(_valid_text), NonBlank]
 STRICT = ConfigDict(strict=True, extra="forbid")
 
 
@@ -294,20 +357,34 @@ class SourceFile(BaseModel):
     text: Text
 
 
+def _one_source_schema(schema: dict[str, Any]) -> None:
+    """MemoryRequest's JSON schema: exactly one of chunks and files, chunk_tokens only with files (what
+    MemoryRequest.one_source checks)."""
+    for name in ("chunks", "files"):
+        schema["properties"][name].pop("default", None)  # absent, never null
+    schema["oneOf"] = [{"required": ["chunks"], "not": {"anyOf": [{"required": ["files"]},
+                                                                  {"required": ["chunk_tokens"]}]}},
+                       {"required": ["files"], "not": {"required": ["chunks"]}}]
+
+
 class MemoryRequest(BaseModel):
     """Chunk texts, or a repository's files, chunked as the corpora chunk them (pipelines.corpora.tasks.text_chunks:
     code at tree-sitter nodes, each chunk headed by its path) into chunks of at most `chunk_tokens` tokens."""
-    model_config = STRICT
-    chunks: list[Text] | None = Field(default=None, min_length=1)
-    files: list[SourceFile] | None = Field(default=None, min_length=1)
-    chunk_tokens: int = Field(default=512, ge=16, le=8192)
+    model_config = STRICT | ConfigDict(json_schema_extra=_one_source_schema)
+    chunks: list[Chunk] = Field(default=None, min_length=1)  # absent (None) when files are given; null is refused
+    files: list[SourceFile] = Field(default=None, min_length=1)
+    chunk_tokens: integer(ge=16, le=8192) = 512
 
-    @model_validator(mode="after")
-    def one_source(self):
-        if (self.chunks is None) == (self.files is None):
-            raise ValueError('give "chunks" (chunk texts) or "files" ([{"path": ..., "text": ...}]: a repository to '
-                             'chunk), one of the two')
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def one_source(cls, data):
+        if isinstance(data, dict):
+            if ("chunks" in data) == ("files" in data):
+                raise ValueError('give "chunks" (chunk texts) or "files" ([{"path": ..., "text": ...}]: a repository '
+                                 'to chunk), one of the two')
+            if "chunk_tokens" in data and "files" not in data:
+                raise ValueError("chunk_tokens is how files are chunked: leave it out with chunks")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -315,23 +392,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _one_stream_schema(schema: dict[str, Any]) -> None:
+    """CompletionRequest's JSON schema: a stream answers one prompt with one choice, and only a stream takes
+    stream_options (what CompletionRequest.consistent checks)."""
+    schema["anyOf"] = [{"properties": {"stream": {"const": False}, "stream_options": {"type": "null"}}},
+                       {"required": ["stream"], "properties": {
+                           "stream": {"const": True}, "n": {"const": 1},
+                           "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 1}]}}}]
+
+
 class CompletionRequest(BaseModel):
     """OpenAI's completion request, the fields this server honours; any other field is refused (422 naming it)."""
-    model_config = STRICT
+    model_config = STRICT | ConfigDict(json_schema_extra=_one_stream_schema)
     model: Text | None = None  # GET /v1/models names the one served; another name is 404
-    prompt: Text | list[Text] = Field(description="a prompt, or a list of prompts answered as one batch")
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+        description=f"a prompt, or a list of up to {MAX_PROMPTS} prompts answered as one batch")
     memory: Text | None = Field(default=None, description="this server's extension: the id of a memory to read")
-    max_tokens: int | None = Field(default=None, ge=1, le=4096, description="default: the registered model's")
+    max_tokens: integer(ge=1, le=MAX_TOKENS) | None = Field(default=None, description="default: the registered model's")
     temperature: float = Field(default=0.0, ge=0.0, le=10.0, allow_inf_nan=False,
                                description=f"0 (default) or below {MIN_TEMPERATURE}: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(default=1, ge=1, le=8)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="choice j of a seeded request samples with "
-                                                                          "seed + j: the same seed, the same answer")
+    n: integer(ge=1, le=8) = 1
+    seed: integer(ge=0, le=2**53 - 1) | None = Field(  # JSON numbers are exact to 2**53
+        default=None, description="choice j of a seeded request samples with seed + j: the same seed, the same answer")
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
+    # refused when given (the schema says: null only), so that a client asking for them hears why
+    logprobs: Annotated[int | None, WithJsonSchema({"type": "null", "description": "none returned: leave it out"})] = (
+        None)
 
     @field_validator("logprobs")
     @classmethod
@@ -343,8 +432,6 @@ class CompletionRequest(BaseModel):
     @model_validator(mode="after")
     def consistent(self):
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        if not prompts:
-            raise ValueError("prompt: give a prompt, or a non-empty list of prompts")
         if self.stream and (len(prompts) > 1 or self.n > 1):
             raise ValueError("a stream answers one prompt with one choice: send n=1 and one prompt, or stream=false")
         if self.stream_options is not None and not self.stream:
@@ -352,26 +439,172 @@ class CompletionRequest(BaseModel):
         return self
 
 
-def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto"):
+# ------------------------------------------------------------------------------------------------------ responses
+class ErrorDetail(BaseModel):
+    message: str = Field(description="the problem and its fix")
+    type: str
+    code: str | None = Field(description="the reason, e.g. memory_not_found, invalid_request, request_too_large")
+    param: str | None = Field(description="the request field at fault, when one is")
+
+
+class ErrorResponse(BaseModel):
+    """Every error the app answers (OpenAI's shape)."""
+    error: ErrorDetail
+
+
+class MemoryResponse(BaseModel):
+    id: str = Field(pattern=ID.pattern)
+    object: Literal["memory"]
+    chunks: int
+    tokens: int
+    bytes: int
+    encoder: dict[str, Any] | None = Field(description="the encoder's identity (no path); null for a baseline")
+    source: Literal["encoded", "cache", "disk"] = Field(description="made now, or found warm, or read from disk")
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["memory"]
+    deleted: Literal[True]
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    memory: str | None = Field(description="this server's extension: the memory read")
+    choices: list[Choice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion (`data: {...}`)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[Choice] = Field(description="one: the text since the last event; none in the usage event")
+    usage: Usage | None = Field(default=None, description="only with stream_options.include_usage: null, then the "
+                                                          "last event's")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    reads: str = Field(description="how the model reads a memory: gca, in_context, rag or none")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+SSE = {"text/event-stream": {"schema": {
+    "description": "with stream=true: one CompletionChunk an event, the last with its finish_reason, then one with "
+                   "`usage` when stream_options.include_usage, then `data: [DONE]`; a stream that fails ends with an "
+                   "ErrorResponse event and no [DONE]",
+    "type": "object", "required": ["data"], "properties": {"data": {
+        "type": "string", "if": {"const": "[DONE]"},
+        "else": {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
+            {"$ref": "#/components/schemas/CompletionChunk"},
+            {"$ref": "#/components/schemas/ErrorResponse"}]}}}}}}}
+WHY = {400: "a body that is not JSON text (not UTF-8)",
+       401: "no API key, or not a valid one (WWW-Authenticate: Bearer)", 403: "not an admin key",
+       404: "no such memory for this key (or no such model)", 409: "a memory on disk another encoder made",
+       413: "the body over max_request_mb, or a memory over a size limit or its owner's disk budget",
+       422: "a malformed body or field (the message names it)",
+       504: "the request ran past request_timeout_s", 503: "overloaded: Ray Serve's answer, with Retry-After"}
+
+
+def answers(success: dict[int, dict[str, Any]], *errors: int) -> dict[int | str, dict[str, Any]]:
+    """A route's OpenAPI `responses`: its successes, then each error status as ErrorResponse (JSON): 401, 413 and 503
+    besides `errors`, since every route can answer them; 503 is Ray Serve's own (plain text, Retry-After)."""
+    documented: dict[int | str, dict[str, Any]] = dict(success)
+    for status in sorted({401, 413, *errors}):
+        documented[status] = {"model": ErrorResponse, "description": WHY[status]}
+    documented[503] = {"description": WHY[503], "content": {"text/plain": {"schema": {"type": "string"}}},
+                       "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}}
+    return documented
+
+
+def served_schema(schema: dict[str, Any], *, model_name: str, max_tokens: int, max_chunk_tokens: int,
+                  max_chunks: int, files: bool) -> dict[str, Any]:
+    """The OpenAPI schema as a replica answers it (GET /openapi.json): the app's, with the bearer key every route
+    takes, without FastAPI's own 422 (HTTPValidationError: this app answers 422 as ErrorResponse, and a route with
+    nothing to validate none), and with this replica's limits: the most max_tokens, chunk_tokens (its encoder's
+    positions) and chunks, no `files` for a model without a tokenizer for them, and the model's name."""
+    schema = copy.deepcopy(schema)
+    schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    schema["security"] = [{"bearer": []}]
+    for operation in (op for path in schema["paths"].values() for op in path.values()):
+        if "HTTPValidationError" in json.dumps(operation["responses"].get("422", {})):
+            del operation["responses"]["422"]
+    shapes = schema["components"]["schemas"]
+    for unused in ("HTTPValidationError", "ValidationError"):
+        shapes.pop(unused, None)
+    chunk = CompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
+    shapes |= chunk.pop("$defs", {}) | {"CompletionChunk": chunk}  # the stream's events (SSE) refer to it
+    for parameter in schema["paths"]["/v1/models/{name}"]["get"]["parameters"]:
+        parameter["schema"]["examples"] = [model_name]
+    shapes["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] = max_tokens
+    memory = shapes["MemoryRequest"]
+    memory["properties"]["chunks"]["maxItems"] = max_chunks
+    memory["properties"]["chunk_tokens"]["maximum"] = min(memory["properties"]["chunk_tokens"]["maximum"],
+                                                          max_chunk_tokens)
+    if not files:
+        del memory["properties"]["files"], memory["properties"]["chunk_tokens"], memory["oneOf"]
+        memory["required"] = ["chunks"]
+    return schema
+
+
+def allowed_methods(request: Request) -> str:
+    """The Allow header of a 405: the methods the schema gives the request's path (Starlette names one route's)."""
+    paths = app.openapi()["paths"]
+    return ", ".join(sorted({method.upper() for template, operations in paths.items()
+                             if compile_path(template)[0].match(request.url.path) for method in operations}))
+
+
+def load_pyfunc(model: str, tracking_uri: str | None = None, device: str = "auto", dtype: str = "auto",
+                quantize: str = "none"):
     """The AwarenessPyfunc of a registered model (`models:/...`, `runs:/...`, a logged model directory) or of an
     export directory (awareness_config.json; the pyfunc's defaults), loaded onto `device` in `dtype`
-    (pipelines.serving.pyfunc.placement: "auto" is a GPU when the process sees one, the checkpoints' dtype)."""
+    (pipelines.serving.pyfunc.placement: "auto" is a GPU when the process sees one, the checkpoints' dtype), its
+    frozen base weights in `quantize`'s bits (none | nf4 | int8: models.quantization)."""
     where, wanted_dtype = placement(device, dtype)  # bad values fail here, before anything loads
+    check_quantize(quantize)
+    settings = {"device": device, "dtype": dtype, "quantize": quantize}
     if (Path(model) / CONFIG_NAME).is_file():
         ensure_tokenizer(AwarenessConfig.load(Path(model)).decoder)  # a str from the YAML config, too
         pyfunc = AwarenessPyfunc()
-        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)},
-                                            model_config={"device": device, "dtype": dtype}))
+        pyfunc.load_context(SimpleNamespace(artifacts={"export": str(model)}, model_config=settings))
         return pyfunc
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
-    pyfunc = mlflow.pyfunc.load_model(model, model_config={"device": device, "dtype": dtype}).unwrap_python_model()
+    pyfunc = mlflow.pyfunc.load_model(model, model_config=settings).unwrap_python_model()
     loaded = pyfunc.model.device
     if loaded.type != where.type or (where.index is not None and loaded.index != where.index) or (
-            wanted_dtype is not None and pyfunc.model.decoder.dtype != wanted_dtype):
+            wanted_dtype is not None and pyfunc.model.decoder.dtype != wanted_dtype) or (
+            quantize != "none" and not is_quantized(pyfunc.model.decoder)):
         # a version registered before the pyfunc took a placement: MLflow drops model_config keys it was not logged with
-        raise ValueError(f"{model} loaded on {loaded} in {pyfunc.model.decoder.dtype}, not the {device} / {dtype} "
-                         f"asked for: it predates placement settings; register it again (jobs/register.py)")
+        raise ValueError(f"{model} loaded on {loaded} in {pyfunc.model.decoder.dtype}, not the {device} / {dtype} / "
+                         f"quantize {quantize} asked for: it predates these placement settings; register it again "
+                         f"(jobs/register.py)")
     return pyfunc
 
 
@@ -453,10 +686,10 @@ class _Until(StoppingCriteria):
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
                  max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto",
+                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto", quantize: str = "none",
                  api_keys_file: str | None = None, api_keys_env: str | None = None, model_name: str | None = None,
                  memory_disk_mb_per_owner: float = 4096.0, max_request_mb: float = 8.0,
-                 request_timeout_s: float = 60.0):
+                 request_timeout_s: float = 60.0, max_tokens_limit: int = MAX_TOKENS):
         self.keys = load_keys(api_keys_file, api_keys_env)  # before the model: a bad key file fails at once
         check_open_host(serve_http_host(), self.keys)
         if self.keys is None:
@@ -466,8 +699,12 @@ class AwarenessServer:
                         f"({sum(k.admin for k in self.keys)} admin)")
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.request_timeout_s = float(request_timeout_s)
-        self.errors: Counter = Counter()
-        self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype)
+        if not 1 <= int(max_tokens_limit) <= MAX_TOKENS:
+            raise ValueError(f"max_tokens_limit {max_tokens_limit}: give 1 to {MAX_TOKENS}")
+        self.max_tokens_limit = int(max_tokens_limit)
+        self.schema: dict[str, Any] | None = None  # GET /openapi.json: the app's with this replica's limits
+        self.errors = ErrorCounts()
+        self.pyfunc = load_pyfunc(model, replica_tracking_uri(tracking_uri), device, dtype, quantize)
         self.model_name = served_model_name(model, model_name)
         self.created = int(time.time())
         self.reads = self.pyfunc.mode.kind  # gca: through the encoder; in_context / rag / none: in the prompt
@@ -598,9 +835,10 @@ class AwarenessServer:
         return [chunk.text for f in files for chunk in text_chunks(f.path, readable_text(f.path, f.text),
                                                                    self.repository_tokenizer, chunk_tokens)]
 
-    @app.post("/v1/memories", status_code=201, responses={200: {"description": "already held for this key"},
-                                                           413: {"description": "over a size limit"},
-                                                           409: {"description": "another encoder's store"}})
+    @app.post("/v1/memories", status_code=201, response_model=None, responses=answers(
+        {201: {"model": MemoryResponse, "description": "encoded now"},
+         200: {"model": MemoryResponse, "description": "already held for this key (warm or on disk)"}},
+        400, 409, 422))
     async def create_memory(self, body: MemoryRequest, who: Caller = Depends(caller)):
         chunks = body.chunks
         if body.files is not None:
@@ -639,12 +877,12 @@ class AwarenessServer:
                            "memory_disk_budget", "chunks") from None
         return JSONResponse(memory.describe() | {"source": how}, status_code=201 if how == "encoded" else 200)
 
-    @app.get("/v1/memories/{id}")
+    @app.get("/v1/memories/{id}", responses=answers({200: {"model": MemoryResponse}}, 404, 409))
     async def get_memory(self, id: str, who: Caller = Depends(caller)):
         memory, how = await asyncio.to_thread(self._memory, who.owner, id)
         return memory.describe() | {"source": how}
 
-    @app.delete("/v1/memories/{id}")
+    @app.delete("/v1/memories/{id}", responses=answers({200: {"model": DeletedResponse}}, 404))
     async def delete_memory(self, id: str, who: Caller = Depends(caller)):
         if not ID.match(id):
             raise ApiError(404, f"no such memory (ids are 64 hex digits): {CREATE}", "memory_not_found")
@@ -654,19 +892,20 @@ class AwarenessServer:
             raise ApiError(404, f"no memory {id} for this key: {CREATE}", "memory_not_found") from None
         return {"id": id, "object": "memory", "deleted": True}
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", responses=answers({200: {"description": "the replica's cache, batching and error counts"}},
+                                            403))
     async def stats(self, who: Caller = Depends(admin_caller)):
         with self.memories.lock:
             held = {"memories": len(self.memories.entries),
                     "bytes": sum(m.nbytes for m in self.memories.entries.values())}
         return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts,
-                "batching": self.batching, "errors": dict(self.errors)}
+                "batching": self.batching, "errors": dict(self.errors.counts)}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=answers({200: {"model": ModelList}}))
     async def models(self, who: Caller = Depends(caller)):
         return {"object": "list", "data": [self._model_card()]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", responses=answers({200: {"model": ModelCard}}, 404))
     async def model(self, name: str, who: Caller = Depends(caller)):
         if name != self.model_name:
             raise ApiError(404, f"model {name!r} is not served here; GET /v1/models lists the one that is",
@@ -678,13 +917,18 @@ class AwarenessServer:
                 "reads": self.reads}
 
     @app.get("/openapi.json", include_in_schema=False)
-    async def openapi(self, request: Request, who: Caller = Depends(caller)):
-        return request.app.openapi()
+    async def openapi(self, who: Caller = Depends(caller)):
+        if self.schema is None:  # app.openapi() needs every route: built on first use
+            self.schema = served_schema(app.openapi(), model_name=self.model_name,
+                                        max_tokens=self.max_tokens_limit, max_chunk_tokens=self.max_chunk_tokens,
+                                        max_chunks=self.max_memory_chunks, files=self.repository_tokenizer is not None)
+        return self.schema
 
     # ------------------------------------------------------------------------------------------------- questions
     def _prompt_ids(self, prompt: str, memory, index: int) -> list[int]:
         ids = self.pyfunc.tokenizer.encode(prompt).ids
-        if not self.pyfunc.tokenizer.encode(prompt, add_special_tokens=False).ids:  # a <bos> alone is no question
+        # whitespace alone (no tokens for the needle tokenizer; the schema's pattern for every model), or a <bos> alone
+        if not NON_BLANK.search(prompt) or not self.pyfunc.tokenizer.encode(prompt, add_special_tokens=False).ids:
             raise ApiError(422, f"prompt {index} is empty (no tokens): send the question to answer", "empty_prompt",
                            "prompt")
         vocab = self.pyfunc.model.decoder.config.vocab_size
@@ -699,8 +943,9 @@ class AwarenessServer:
                                 f"exceed the decoder's {positions} positions", "prompt_too_long", "prompt")
         return ids
 
-    @app.post("/v1/completions", responses={200: {"content": {"text/event-stream": {}},
-                                                  "description": "a completion, or its server-sent events"}})
+    @app.post("/v1/completions", responses=answers(
+        {200: {"model": CompletionResponse, "content": SSE, "description": "a completion, or its server-sent events"}},
+        400, 404, 409, 422, 504))
     async def completions(self, body: CompletionRequest, who: Caller = Depends(caller)):
         start = time.perf_counter()
         deadline = time.monotonic() + self.request_timeout_s
@@ -710,7 +955,10 @@ class AwarenessServer:
         memory = (await asyncio.to_thread(self._memory, who.owner, body.memory))[0] if body.memory else None
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         prompt_ids = [self._prompt_ids(p, memory, i) for i, p in enumerate(prompts)]
-        max_tokens = body.max_tokens or self.pyfunc.max_new_tokens
+        if body.max_tokens is not None and body.max_tokens > self.max_tokens_limit:
+            raise ApiError(422, f"max_tokens {body.max_tokens}: this server writes at most {self.max_tokens_limit} "
+                                f"tokens a completion (max_tokens_limit)", "invalid_request", "max_tokens")
+        max_tokens = body.max_tokens or min(self.pyfunc.max_new_tokens, self.max_tokens_limit)
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

@@ -22,69 +22,11 @@ from ray.serve.schema import ServeDeploySchema
 
 from pipelines.memory.store import write
 from pipelines.serving.app import ApiKey, AwarenessServer, check_open_host, load_keys
-from pipelines.serving.loopback import free_port
 from pipelines.serving.memories import owner_directory
-from pipelines.serving.tiny import needle_questions, register_tiny_export
+from pipelines.serving.tiny import needle_questions
+from tests.pipelines.serving.conftest import ADMIN, ALICE, BOB, DISK_MB_PER_OWNER, KEYS, NAME, ROOT, message, stored
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[3]
-NAME = "awareness-serve-test"
-KEYS_ENV = "AWARENESS_TEST_API_KEYS"
-KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef", "root": "root-key-0123456789abcdef"}
-ALICE = {"Authorization": f"Bearer {KEYS['alice']}"}
-BOB = {"Authorization": f"Bearer {KEYS['bob']}"}
-ADMIN = {"Authorization": f"Bearer {KEYS['root']}"}
-DISK_MB_PER_OWNER = 0.5
-
-
-def stored(memory_dir: Path, id: str, owner: str = "alice") -> Path:
-    """Where a memory of `owner` lives on the server's disk."""
-    return memory_dir / owner_directory(owner) / id
-
-
-def message(response) -> str:
-    """The message of an error in OpenAI's shape ({"error": {"message", "type", "code"}})."""
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
-    return body["error"]["message"]
-
-
-@pytest.fixture(scope="module")
-def registered(tmp_path_factory, checkpoint_root, mlflow_server):
-    register_tiny_export(tmp_path_factory.mktemp("serve-registry"), checkpoint_root, mlflow_server.uri, "serve-test",
-                         NAME)
-    return f"models:/{NAME}@candidate"
-
-
-@pytest.fixture(scope="module")
-def server(registered, mlflow_server, tmp_path_factory):
-    import httpx
-    import ray
-    from ray import serve
-
-    from pipelines.serving.app import build
-
-    memory_dir = tmp_path_factory.mktemp("memories")
-    port = free_port()
-    keys = f"alice:{KEYS['alice']},bob:{KEYS['bob']} root:{KEYS['root']}:admin"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", KEYS_ENV: keys}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"model": registered, "memory_dir": str(memory_dir), "tracking_uri": mlflow_server.uri,
-            "max_memory_tokens": 400, "memory_budget_mb": 0.001,  # ~1 KB: one warm memory
-            "api_keys_env": KEYS_ENV, "memory_disk_mb_per_owner": DISK_MB_PER_OWNER, "max_request_mb": 1}
-    serve.run(build(args), name="awareness", route_prefix="/")
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers=ALICE)
-
-    def restart(**changes):  # new replicas (a restart): the cache starts empty, the disk store stays
-        serve.run(build(args | changes), name="awareness", route_prefix="/")
-
-    yield client, memory_dir, restart, port
-    client.close()
-    serve.shutdown()
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pyfunc(registered, mlflow_server):
     import mlflow
@@ -768,3 +710,86 @@ def test_the_official_openai_client_completes_batches_streams_lists_models_and_r
     with pytest.raises(openai.AuthenticationError) as denied:
         openai.OpenAI(base_url=api.base_url, api_key="not-a-key-0123456789", max_retries=0).models.list()
     assert denied.value.code == "invalid_api_key"
+
+
+# ------------------------------------------------------------------------------------------- the schema, counters
+def test_the_schema_says_what_the_server_answers(server):
+    """What schemathesis (test_schema.py) found, each fixed: statuses and the stream's media type undocumented (and
+    FastAPI's own 422 shape documented instead of this app's), a 405 whose Allow named one of the path's methods, a
+    body that is not UTF-8 answered with an undocumented 400, 4.0 (an integer to JSON Schema) refused as a float, and
+    bodies that break the schema's rules (null chunks beside files, chunk_tokens with chunks, whitespace-only text by
+    any dialect's definition) accepted, or valid ones refused."""
+    client, _, _, _ = server
+    schema = client.get("/openapi.json").json()
+    operations = {(path, method): op["responses"] for path, methods in schema["paths"].items()
+                  for method, op in methods.items()}
+    assert {"200", "201", "400", "401", "409", "413", "422", "503"} <= set(operations["/v1/memories", "post"])
+    completions = operations["/v1/completions", "post"]
+    assert {"200", "400", "401", "404", "409", "413", "422", "503", "504"} <= set(completions)
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "HTTPValidationError" not in json.dumps(schema) and schema["security"] == [{"bearer": []}]
+    memory = schema["components"]["schemas"]["MemoryRequest"]
+    assert "files" not in memory["properties"] and memory["required"] == ["chunks"]  # a needle model takes no files
+
+    refused = client.request("OPTIONS", f"/v1/memories/{'0' * 64}")
+    assert refused.status_code == 405 and refused.headers["allow"] == "DELETE, GET", refused.headers
+    broken = client.post("/v1/completions", content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+    assert broken.status_code == 400 and message(broken)
+    four = client.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 4.0, "seed": 7.0, "n": 1.0})
+    assert four.status_code == 200, four.text
+    for body in ({"prompt": "k1 =", "max_tokens": 4.5}, {"prompt": "\x1f \u3000"}, {"prompt": ["k1 ="] * 9}):
+        assert client.post("/v1/completions", json=body).status_code == 422, body
+    for body in ({"chunks": None, "files": [{"path": "a.py", "text": "x = 1"}]},
+                 {"chunks": ["k1 = 2 ;"], "chunk_tokens": 64}, {"chunks": ["k1 = 2 ;", "\u2003\x1c"]}):
+        assert client.post("/v1/memories", json=body).status_code == 422, body
+
+
+def test_errors_are_counted_by_status_and_reason(monkeypatch):
+    """ErrorCounts: GET /v1/stats' counts, and Ray Serve metrics tagged with the status and reason (a 401 also as a
+    rejected key)."""
+    import pipelines.serving.app as app_module
+
+    made = {}
+
+    class Recorded:
+        def __init__(self, name, description, tag_keys):
+            self.tag_keys, self.seen = tag_keys, []
+            made[name] = self
+
+        def inc(self, value=1.0, tags=None):
+            self.seen.append(tags)
+
+    monkeypatch.setattr(app_module.metrics, "Counter", Recorded)
+    counts = app_module.ErrorCounts()
+    counts.count(401, "invalid_api_key")
+    counts.count(422, "invalid_request")
+    counts.count(422, "invalid_request")
+    assert counts.counts == {"401 invalid_api_key": 1, "422 invalid_request": 2}
+    assert made["awareness_errors"].seen == [{"status": "401", "reason": "invalid_api_key"},
+                                             {"status": "422", "reason": "invalid_request"}] + \
+        [{"status": "422", "reason": "invalid_request"}]
+    assert made["awareness_rejected_keys"].seen == [{"reason": "invalid_api_key"}]
+
+
+def test_serve_metrics_count_4xx_by_reason_and_rejected_keys(server):
+    """Live: a missing key, a wrong key and a bad field show up on the node's Prometheus endpoint (where Ray exports
+    ray.serve.metrics) as ray_awareness_rejected_keys_total and ray_awareness_errors_total, tagged by reason."""
+    import httpx
+    import ray
+
+    client, _, _, port = server
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anonymous:
+        assert anonymous.get("/v1/models").status_code == 401
+        assert anonymous.get("/v1/models", headers={"Authorization": "Bearer not-a-key-0123456789"}).status_code == 401
+    assert client.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": "4"}).status_code == 422
+    metrics_port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    wanted = {("ray_awareness_rejected_keys_total", 'reason="missing_api_key"'),
+              ("ray_awareness_rejected_keys_total", 'reason="invalid_api_key"'),
+              ("ray_awareness_errors_total", 'reason="invalid_request"')}
+    deadline, seen = time.monotonic() + 90, set()
+    while time.monotonic() < deadline and seen != wanted:  # Ray exports metrics every few seconds
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
+        seen = {(name, tag) for name, tag in wanted for line in text.splitlines()
+                if line.startswith(name + "{") and tag in line and float(line.rsplit(" ", 1)[1]) >= 1}
+        time.sleep(2)
+    assert seen == wanted, f"not exported within 90 s: {wanted - seen}"

@@ -196,6 +196,12 @@ def test_an_export_served_with_a_4bit_base_answers_as_that_model_generates(tmp_p
     answers = pyfunc.predict(None, rows[:2])
     pyfunc.model = reference  # the same rows through a model loaded apart: the pyfunc adds nothing of its own
     assert pyfunc.predict(None, rows[:2]) == answers and all(isinstance(a, str) for a in answers)
+    from pipelines.serving.app import load_pyfunc
+
+    served = load_pyfunc(str(tmp_path / "export"), quantize="nf4")  # the Serve app's loader, its config's setting
+    assert is_quantized(served.model.decoder) and served.predict(None, rows[:2], {"max_new_tokens": 4}) == answers
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        load_pyfunc(str(tmp_path / "export"), quantize="4bit")
     with pytest.raises(ValueError, match="quantize must be one of"):
         AwarenessPyfunc().load_context(SimpleNamespace(artifacts={"export": str(tmp_path / "export")},
                                                        model_config={"quantize": "int4"}))
