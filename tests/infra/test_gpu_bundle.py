@@ -18,6 +18,7 @@ import zipfile
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+import pytest
 import torch
 
 from models.awareness import AwarenessModel
@@ -137,6 +138,7 @@ print(json.dumps(sorted({{d.lower().replace("_", "-") for m in list(sys.modules)
 """
 
 
+@pytest.mark.slow  # a process importing every GPU check (a minute here); nightly, and whenever the bundle changes
 def test_every_dependency_the_gpu_checks_import_travels_or_is_on_the_box():
     """A project dependency the checks import but the bundle lacks fails every step on the box at import
     (fastokens did, on an H200): each is in BUNDLE, or in BOX_PROVIDES, or ships the same module as one in BUNDLE
