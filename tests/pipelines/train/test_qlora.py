@@ -108,4 +108,3 @@ def test_8bit_adamw_over_a_4bit_base_resumes_after_a_failure_bitwise(tmp_path, c
     assert exports["killed"].keys() == exports["uninterrupted"].keys()
     for name, tensor in exports["uninterrupted"].items():
         assert torch.equal(exports["killed"][name], tensor), name
-    assert runs["killed"]["loss"] == runs["uninterrupted"]["loss"]
