@@ -72,6 +72,10 @@ BOX_PROVIDES = {"torch", "numpy", "packaging", "psutil", "pyarrow", "pyyaml", "s
 SDIST_ONLY = {"deepspeed"}
 RAY_DROPPED = (re.compile(r"^ray/jars/"), re.compile(r"^ray/dashboard/client/build/.*\.map$"),
                re.compile(r"^ray/rllib/"))
+# bitsandbytes ships one native library per CUDA, ROCm and XPU release (129 MiB); the box's torch is CUDA 13, whose
+# library bitsandbytes loads by torch.version.cuda (KINDS.md), so the others stay here
+BNB_DROPPED = (re.compile(r"^bitsandbytes/libbitsandbytes_(cuda1[0-2]\d|rocm\d+|xpu\d+)\.so$"),)
+DROPPED = {"ray-": RAY_DROPPED, "bitsandbytes-": BNB_DROPPED}
 
 
 def locked_versions(lock: Path = LOCK) -> dict[str, str]:
@@ -122,10 +126,10 @@ def _env() -> dict[str, str]:
 
 
 def restored(wheel: Path, into: Path) -> Path:
-    """The wheel re-zipped without compression (xz compresses the whole bundle far better), Ray's without what
-    nothing here runs (RAY_DROPPED); RECORD loses the dropped files' lines."""
+    """The wheel re-zipped without compression (xz compresses the whole bundle far better), Ray's and bitsandbytes'
+    without what nothing there runs (DROPPED); RECORD loses the dropped files' lines."""
     target = into / wheel.name
-    dropped = RAY_DROPPED if wheel.name.startswith("ray-") else ()
+    dropped = next((patterns for prefix, patterns in DROPPED.items() if wheel.name.startswith(prefix)), ())
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
         for info in source.infolist():
             if any(p.match(info.filename) for p in dropped):

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/awareness-gpu-check")
 SITE, WHEELS, CHECKPOINTS = WORK / "site", WORK / "wheels", WORK / "checkpoints"
 BUDGET_S = 540  # the whole run, install included: under the device's 10-minute command limit with room to report
+QLORA_TESTS = "tests/gpu/test_qlora_scale_gpu.py"
 TAIL = 6000  # characters of each step's output kept in the report
 
 
@@ -63,19 +64,26 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle") -> list[Step]:
     # the serving steps: benchmarks/serve_load.py with a GPU replica; its table and JSON summary end the output
     serve = [python, "benchmarks/serve_load.py", "--device", "cuda", "--dtype", "bfloat16", "--serve-only",
              "--threads", "4"]
+    pytest = [python, "-m", "pytest", "-m", "gpu", "-q", "-s", "-p", "no:cacheprovider",
+              "-o", "addopts=-ra --strict-markers --durations=10"]
     return [
         Step("versions", [python, "-c", VERSIONS], 20),
-        Step("gpu tests", [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-s", "-p", "no:cacheprovider",
-                           "-o", "addopts=-ra --strict-markers --durations=10"], 160),
+        Step("gpu tests", pytest + ["tests/gpu", "--ignore", QLORA_TESTS], 160),
+        # Liger's kernels and the compiled layers against eager: the part of the gpu tests the levers below rely on
+        Step("fused kernel tests", pytest + ["tests/gpu/test_fused_kernels_gpu.py"], 120, default=False),
         # the training step's levers (eager, Liger, compile, both) on proto1 with a profile of one step, then the
-        # scale pair and the prod pair's real shapes (8 of its 48 layers fit one GPU): every ratio from one card
+        # scale pair and the prod pair's real shapes (8 of its 48 layers fit one GPU), eager and Liger (the stage
+        # jobs' default; compiled layers recompile per GCA block at these sizes): every ratio from one card
         Step("mfu proto1 levers", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3",
                                    "--warmup", "2", "--profile", str(WORK / "proto1-step-profile.txt")], 130),
-        Step("mfu scale", [python, "benchmarks/gpu_mfu.py", "--pair", "scale", "--max-micro-batch", "8",
-                           "--repeats", "3", "--warmup", "2", "--levers", "eager", "both", "--no-flop-check"], 130),
+        Step("mfu scale", [python, "benchmarks/gpu_mfu.py", "--pair", "scale", "--max-micro-batch", "4",
+                           "--repeats", "3", "--warmup", "2", "--levers", "eager", "liger", "--no-flop-check"], 130),
+        # the seed's QLoRA plan: the scale pair with an NF4 base and 8-bit AdamW against the plan and a 40 GiB card,
+        # then in bf16 for the tokens/s beside it (31 GiB of bf16 checkpoints written first)
+        Step("qlora scale", pytest + [QLORA_TESTS], 240, default=False),
         Step("mfu prod 8 layers", [python, "benchmarks/gpu_mfu.py", "--pair", "prod", "--layers", "8",
                                    "--max-micro-batch", "8", "--repeats", "3", "--warmup", "2", "--levers", "eager",
-                                   "both", "--no-flop-check"], 100),
+                                   "liger", "--no-flop-check"], 100),
         Step("stage2 corpus", [python, "-c", CORPUS.format(out=str(stage2 / "corpus"))], 40, default=False),
         Step("stage2 proto1 50 steps", [
             python, "jobs/stage2.py", "--model.pair", "proto1", "--model.checkpoint_root", str(CHECKPOINTS),

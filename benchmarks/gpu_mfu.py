@@ -160,7 +160,11 @@ def main() -> None:
             micro_batch = (largest_fitting_micro_batch(model, params, optimizer, args, device) if cuda else 1) \
                 if args.micro_batch == "auto" else int(args.micro_batch)
             header(args, model, params, dtype, device, micro_batch)
-        rows += measure(args, lever, model, params, optimizer, micro_batch, device, first=not rows)
+        measured = measure(args, lever, model, params, optimizer, micro_batch, device, first=not rows)
+        for row in measured:  # as it comes: a lever that hangs or runs out of time leaves the rows before it
+            print(f"measured: {row['name']}: {row['time']:.4g} s/step, {micro_batch * args.seq / row['time']:,.0f} "
+                  f"decoder tok/s, MFU {row['flops'].total / row['time'] / 1e12 / args.peak_tflops:.1%}", flush=True)
+        rows += measured
         del model, params, optimizer
         gc.collect()
         if cuda:

@@ -145,16 +145,19 @@ def encoder_config(spec: PairSpec) -> Qwen3Config:
 
 
 def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
-                             dtype: torch.dtype | None = None) -> tuple[Path, Path]:
+                             dtype: torch.dtype | None = None,
+                             device: str | torch.device = "cpu") -> tuple[Path, Path]:
     """Writes the pair's decoder and encoder with random weights as ordinary transformers checkpoints, in float32 or
     `dtype` (bfloat16: as Qwen publishes the real pairs, half the bytes; the GPU checks write proto1 so). A pair
     whose checkpoints are current (same architecture, seed and dtype) is not built at all: every worker of a run
     calls this through build_pair, and building the whole pair there would hold it in each worker's memory (ZeRO-3
-    loading must not)."""
+    loading must not). `device` cuda draws the weights on the GPU: the 8B pairs' 16 billion draws take seconds there
+    instead of minutes on the CPU (another random stream, so the device is part of the stamp)."""
     root = Path(root)
     decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
     # Rewritten whenever the architecture, seed or dtype changed, so a cache never serves stale weights.
-    written_as = {} if dtype is None else {"dtype": str(dtype)}
+    written_as = ({} if dtype is None else {"dtype": str(dtype)}) | \
+        ({} if torch.device(device).type == "cpu" else {"device": torch.device(device).type})
     stamps = {directory: json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder,
                                      **written_as}, sort_keys=True)
               for directory, fields in ((decoder_dir, spec.decoder_config), (encoder_dir, spec.encoder_config))}
@@ -162,10 +165,11 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
         return decoder_dir, encoder_dir
     dcfg = decoder_config(spec)
     decoder_cls = Qwen3MoeForCausalLM if isinstance(dcfg, Qwen3MoeConfig) else Qwen3ForCausalLM
-    torch.manual_seed(seed)
-    decoder = decoder_cls(dcfg)
-    torch.manual_seed(seed + 1)  # the encoder's own stream: pairs sharing an encoder directory write the same one
-    encoder = Qwen3Model(encoder_config(spec))
+    with torch.device(device):
+        torch.manual_seed(seed)
+        decoder = decoder_cls(dcfg)
+        torch.manual_seed(seed + 1)  # the encoder's own stream: pairs sharing an encoder directory write the same one
+        encoder = Qwen3Model(encoder_config(spec))
     if spec.encoder_from_decoder:
         _initialise_from(encoder, decoder.model)
     for directory, model in ((decoder_dir, decoder), (encoder_dir, encoder)):

@@ -15,10 +15,12 @@ Loading has its own peak (`load_peak`), and a run fits only if the larger of the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
+from models.kernels import liger_available
 from models.loss import CHUNK_TOKENS
 from models.quantization import QUANTIZE, quantized_bytes, quantized_linears
 from models.trainable import ATTENTION, EXPERTS, MLP, is_added_parameter
@@ -53,6 +55,7 @@ class PlanInput:
     zero_stage: int | None = None  # ZeRO stage 0-3; None: 2 where the whole pair fits each GPU, else 3
     quantize: str = "none"  # none | nf4 | int8: the frozen base's linears in that many bits (model.quantize)
     optimizer: str = "adamw"  # adamw | adamw_8bit: Adam's moments in fp32 or 8 bits (train.optimizer)
+    fused_loss: bool = False  # Liger's fused linear cross-entropy (model.liger on GPU) instead of models/loss.py's
 
     def problems(self) -> list[str]:
         p = [] if self.nodes > 0 and self.gpus_per_node > 0 else ["nodes and gpus_per_node must be positive"]
@@ -152,8 +155,15 @@ def plan_for_stage(config) -> MemoryPlan:
         gradient_checkpointing=config.model.gradient_checkpointing,
         offload_optimizer=config.deepspeed.offload_optimizer, offload_params=config.deepspeed.offload_params,
         fusion=config.model.fusion, zero_stage=config.deepspeed.zero_stage, quantize=config.model.quantize,
-        optimizer=config.train.optimizer,
+        optimizer=config.train.optimizer, fused_loss=uses_liger(config),
     ))
+
+
+def uses_liger(config) -> bool:
+    """model.liger, or by default: on GPU workers where Liger-Kernel is installed (pipelines.train.recipes.stage)."""
+    if config.model.liger is not None:
+        return config.model.liger
+    return config.scaling.use_gpu and liger_available()
 
 
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
@@ -307,15 +317,26 @@ def activation_rows(inputs: PlanInput, model) -> dict[str, float]:
     encoder_h = model.memory_encoder.hidden_size
     encoder_layers = model.memory_encoder.encoder.config.num_hidden_layers
     encoder = 2 * bm * m * encoder_h * (1 if inputs.encoder == "frozen" else encoder_layers * 17)
-    # one chunk of models/loss.py's logits at a time: bf16 logits (2 B), the loss's fp32 log-softmax (4 B) and, in its
-    # backward, the fp32 gradients coming in and going out (4 + 4 B)
-    logits = 14 * min(b * s, CHUNK_TOKENS) * d.vocab_size
-    return {
+    rows = {
         "decoder activations": decoder / GIB,
         "GCA activations and memory K/V": gca / GIB,
         "memory encoder states": encoder / GIB,
-        "logits and loss (one chunk, fp32 upcast)": logits / GIB,
     }
+    if inputs.fused_loss:
+        rows["logits and loss (Liger's fused chunks)"] = fused_loss_bytes(b * s, h, d.vocab_size) / GIB
+    else:
+        # one chunk of models/loss.py's logits at a time: bf16 logits (2 B), the loss's fp32 log-softmax (4 B) and,
+        # in its backward, the fp32 gradients coming in and going out (4 + 4 B)
+        rows["logits and loss (one chunk, fp32 upcast)"] = 14 * min(b * s, CHUNK_TOKENS) * d.vocab_size / GIB
+    return rows
+
+
+def fused_loss_bytes(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's fused linear cross-entropy: one chunk of bf16 logits at a time, its gradient written in place, chunks
+    of as many tokens as make a chunk the size of the hidden states (Liger's own rule), and the hidden states'
+    gradient (bf16) filled in during the forward."""
+    chunk = 1 << max(0, math.ceil(tokens / math.ceil(vocab / hidden)) - 1).bit_length()
+    return 2 * chunk * vocab + 2 * tokens * hidden
 
 
 # Bytes per trained parameter in the optimizer: DeepSpeed's fp32 master copy (4 B) and Adam's two moments, in fp32

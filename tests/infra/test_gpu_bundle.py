@@ -80,6 +80,19 @@ def test_ray_loses_its_jar_maps_and_rllib_and_every_wheel_is_stored(tmp_path):
     assert "jars" not in record and "rllib" not in record and ".map" not in record and "ray/__init__.py" in record
 
 
+def test_bitsandbytes_keeps_only_the_boxs_cuda_13_and_cpu_libraries(tmp_path):
+    libraries = ["cuda118", "cuda121", "cuda128", "cuda130", "cuda132", "rocm64", "rocm715", "xpu2025", "cpu"]
+    files = {"bitsandbytes/__init__.py": b"", **{f"bitsandbytes/libbitsandbytes_{lib}.so": b"so" for lib in libraries}}
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    slim = bundle.restored(wheel(tmp_path / "in" / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl", files),
+                           tmp_path / "out")
+    with zipfile.ZipFile(slim) as z:
+        kept = {n.removeprefix("bitsandbytes/libbitsandbytes_").removesuffix(".so") for n in z.namelist()
+                if n.endswith(".so")}
+    assert kept == {"cuda130", "cuda132", "cpu"}
+
+
 def test_parts_join_back_into_the_wheels(tmp_path):
     (tmp_path / "wheels").mkdir()
     payload = os.urandom(5 << 19)  # 2.5 MiB that xz cannot shrink: 3 parts of at most 1 MiB

@@ -48,8 +48,8 @@ class ModelConfig:
     gca_lora_rank: int = 8  # GCA LoRA rank, when gca=lora
     encoder_grad_scale: float = 1.0  # multiply the gradient reaching the encoder (the plan suggests 10 when weak)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, ~30% more compute
-    # regional torch.compile of the decoder, GCA and encoder layers (AwarenessModel.compile_layers); none: on for
-    # GPU workers under ZeRO 0-2 (ZeRO-3's parameter hooks run inside every layer), off on CPU workers
+    # regional torch.compile of the decoder, GCA and encoder layers (AwarenessModel.compile_layers); none: off
+    # (on a GPU it added nothing to Liger's kernels: pipelines.train.recipes.stage.compiles_layers)
     compile: bool | None = None
     # Liger-Kernel's fused RMSNorm, SwiGLU and RoPE (models/kernels.py; the CUDA lock has it); none: on GPU
     # workers where it is installed

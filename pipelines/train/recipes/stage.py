@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from models import AwarenessModel, get_pair, write_random_checkpoints
-from models.kernels import liger_available, use_liger_kernels
+from models.kernels import use_liger_kernels
 from models.trainable import is_added_parameter, parameter_group
 from pipelines.data.memory_modes import SYSTEM_FILE
 from pipelines.data.streams import validation_rows
@@ -30,7 +30,7 @@ from pipelines.tracking.tracker import Tracker
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.engine import zero3_loading
 from pipelines.train.model import build_model
-from pipelines.train.plan import plan_for_stage
+from pipelines.train.plan import plan_for_stage, uses_liger
 from pipelines.train.recipes import Loss, Prepared, TrainState, model_loss, trainable_groups
 from pipelines.train.recipes.jobs import stage_paths_resolved
 from pipelines.train.streams import make_stream, packing_spec
@@ -53,7 +53,7 @@ class StageRecipe:
 
     def build_model(self, config: StageConfig, worker: dict[str, Any], ds_config: dict[str, Any]) -> AwarenessModel:
         """Under ZeRO-3 built straight into partitions: no rank holds the whole pair."""
-        if config.model.liger or (config.model.liger is None and config.scaling.use_gpu and liger_available()):
+        if uses_liger(config):
             if not use_liger_kernels():
                 raise RuntimeError("model.liger needs Liger-Kernel and a CUDA device: install the CUDA lock "
                                    "(make install LOCK=requirements-cuda.txt) or pass --model.liger false")
@@ -157,10 +157,10 @@ def with_zero_stage(config: StageConfig) -> StageConfig:
 
 
 def compiles_layers(config: StageConfig) -> bool:
-    """model.compile, or by default: on GPU workers whose parameters stay whole (ZeRO 0-2)."""
-    if config.model.compile is not None:
-        return config.model.compile
-    return config.scaling.use_gpu and config.deepspeed.stage != 3
+    """model.compile, off unless asked for: on an H200, compiled layers added nothing to Liger's kernels (proto1's
+    step 0.821 s with both, 0.823 s with Liger alone), recompiled once per GCA block, and stopped the scale pair's
+    stage job with an illegal memory access in an Inductor backward kernel (docs/results/2026-11-28-gpu-h200.md)."""
+    return bool(config.model.compile)
 
 
 def check_memory_plan(config: StageConfig) -> None:

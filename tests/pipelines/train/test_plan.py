@@ -3,7 +3,7 @@ import pytest
 from jobs.plan import main as plan_main
 from pipelines.train.configs.common import ScalingSettings
 from pipelines.train.configs.stage import ModelConfig, StageConfig
-from pipelines.train.plan import GIB, PlanInput, plan_memory
+from pipelines.train.plan import GIB, PlanInput, fused_loss_bytes, plan_for_stage, plan_memory, uses_liger
 
 
 def test_prod_pair_with_lora_fits_two_h100_nodes():
@@ -128,3 +128,24 @@ def test_the_logits_row_is_one_chunk_of_the_loss():
     small, large = (plan_memory(PlanInput(pair="proto1", micro_batch=b, seq_len=2048)) for b in (1, 8))
     row = "logits and loss (one chunk, fp32 upcast)"
     assert small.rows[row] == large.rows[row] == 14 * CHUNK_TOKENS * 151936 / GIB
+
+
+def test_a_run_with_ligers_fused_loss_is_planned_without_the_logits_chunk():
+    # Liger's chunking by hand for 4,096 tokens, hidden 4,096, vocabulary 151,936: ceil(151936 / 4096) = 38 chunks'
+    # worth, ceil(4096 / 38) = 108 tokens, rounded up to 128; bf16 logits of a chunk and the hidden states' gradient
+    assert fused_loss_bytes(4096, 4096, 151936) == 2 * 128 * 151936 + 2 * 4096 * 4096
+    plans = {fused: plan_memory(PlanInput(pair="scale", gpus_per_node=1, gpu_memory_gib=40.0, quantize="nf4",
+                                          optimizer="adamw_8bit", fused_loss=fused)) for fused in (False, True)}
+    chunk = plans[False].rows.pop("logits and loss (one chunk, fp32 upcast)")
+    fused = plans[True].rows.pop("logits and loss (Liger's fused chunks)")
+    assert chunk == pytest.approx(14 * 2048 * 151936 / GIB) and fused == pytest.approx(72450048 / GIB)
+    slack = "allocator's cached slack (12% of the above)"
+    assert plans[False].rows.pop(slack) - plans[True].rows.pop(slack) == pytest.approx(0.12 * (chunk - fused))
+    assert plans[False].rows == plans[True].rows  # nothing else moves
+
+
+def test_the_stage_jobs_plan_counts_the_loss_its_workers_use():
+    gpu = ScalingSettings(num_workers=1, use_gpu=True, gpus_per_node=1)
+    liger = StageConfig(model=ModelConfig(pair="proto1", liger=True), scaling=gpu)
+    assert uses_liger(liger) and not uses_liger(StageConfig(model=ModelConfig(liger=None)))  # here: no CUDA
+    assert "logits and loss (Liger's fused chunks)" in plan_for_stage(liger).rows

@@ -95,9 +95,9 @@ def test_a_stage_job_takes_the_plans_stage_on_gpus_and_zero3_on_cpu_workers():
     assert with_zero_stage(given) is given
 
 
-def test_layers_compile_by_default_on_gpus_whose_parameters_stay_whole():
+def test_layers_compile_only_when_asked():
     gpu = ScalingSettings(num_workers=1, use_gpu=True)
-    assert compiles_layers(StageConfig(scaling=gpu, deepspeed=DeepSpeedSettings(zero_stage=2)))
+    assert not compiles_layers(StageConfig(scaling=gpu, deepspeed=DeepSpeedSettings(zero_stage=2)))
     assert not compiles_layers(StageConfig(scaling=gpu, deepspeed=DeepSpeedSettings(zero_stage=3)))
     assert not compiles_layers(StageConfig(deepspeed=DeepSpeedSettings(zero_stage=2)))  # CPU workers
     assert compiles_layers(StageConfig(model=ModelConfig(compile=True), deepspeed=DeepSpeedSettings(zero_stage=3)))
