@@ -94,7 +94,8 @@ def measure(config: StageConfig, out) -> dict:
              for phase in ("loading", "training")}
     record = {"pair": PAIR, "quantize": config.model.quantize, "optimizer": config.train.optimizer,
               "zero_stage": config.deepspeed.zero_stage, "seconds_per_step": round(seconds, 3),
-              "decoder_tokens_per_s": round(tokens / seconds, 1), "peak_gib": {k: round(v, 2) for k, v in peaks.items()},
+              "decoder_tokens_per_s": round(tokens / seconds, 1),
+              "peak_gib": {k: round(v, 2) for k, v in peaks.items()},
               "plan_gib": {"loading": round(plan.load_gib, 2), "training": round(plan.total_gib, 2)},
               "losses": measured["losses"], "grad_norms": measured["grad_norms"]}
     print(plan.table())
