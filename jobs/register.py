@@ -12,11 +12,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from mlflow.exceptions import MlflowException
-
 from pipelines.cli import parse_config
-from pipelines.serving.register import register_run
-from pipelines.tracking.registry import DEFAULT_NAME, describe, promote
+from pipelines.tracking.registry import DEFAULT_NAME
 from pipelines.tracking.tracker import summary_json
 
 
@@ -39,6 +36,12 @@ class RegisterArgs:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_config(argv, RegisterArgs(), description=__doc__)
+    # lazy: MLflow and the model code, for arguments that parsed (a wrong flag answers in a second)
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.serving.register import register_run
+    from pipelines.tracking.registry import describe, promote
+
     try:
         if args.run_id:
             version = register_run(args.run_id, tracking_uri=args.tracking_uri, name=args.name,

@@ -24,11 +24,10 @@ from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
 from models.partitioning import UNPARTITIONED, Partitioner
 from models.placement import resolve_gca_layers
 from models.reading import MemoryReading
+from models.specs import CONFIG_NAME, WEIGHTS_NAME
 from models.trainable import (LoraPlan, TrainMode, apply_lora, is_added_parameter, merged_state_dict, set_trainable,
                               trainable_modes)
 
-CONFIG_NAME = "awareness_config.json"
-WEIGHTS_NAME = "awareness.safetensors"
 
 
 @dataclass

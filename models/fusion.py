@@ -21,7 +21,6 @@ merged, on to the layer's attention.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -33,9 +32,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 from models.cross_attention import MemoryCrossAttention, self_cross_mlp
 from models.gca import ChunkRouter, GCAMemory, MemoryKV, MemoryPadding
 from models.seq2seq.model import merged_attention, self_queries_keys_values
+from models.specs import FUSIONS
 
-Fusion = Literal["gca", "cross", "merged"]
-FUSIONS: tuple[str, ...] = get_args(Fusion)
 
 
 def check_fusion(fusion: str) -> str:

@@ -24,7 +24,8 @@ from transformers import BitsAndBytesConfig
 from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-QUANTIZE = ("none", "nf4", "int8")
+from models.specs import QUANTIZE
+
 # Bytes a quantized weight takes: NF4's 4 bits plus one 8-bit absmax per 64-weight block and, with double
 # quantization, one fp32 constant per 256 absmaxes (the QLoRA paper's 0.127 bits); int8's byte plus one fp32 scale
 # per output row (small beside the row, counted by `quantized_bytes`).

@@ -6,7 +6,7 @@ import copy
 import re
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
@@ -14,19 +14,11 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-TrainMode = Literal["frozen", "lora", "full"]
-TrainMode = Literal["frozen", "lora", "full"]
-TRAIN_MODES: tuple[str, ...] = get_args(TrainMode)
-ADAPTER_NAME = "default"
+from models.specs import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-# Qwen3-MoE holds all experts of a layer in one module as two 3-D parameters (E, 2I, H) and (E, H, I), not as
-# nn.Linear modules, so module targets cannot reach them: the decoder target `experts` puts LoRA on both through
-# PEFT's target_parameters (one rank-r pair per expert). The router (mlp.gate) is never targeted.
-EXPERTS = "experts"
+ADAPTER_NAME = "default"
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-GROUP_TARGETS = {"decoder": ATTENTION + MLP + (EXPERTS,), "gca": ATTENTION + MLP, "encoder": ATTENTION + MLP}
+
 
 # Module paths of each group inside AwarenessModel (wrapped decoder layers gain a `decoder_layer.` step).
 _GROUP_PATTERNS = {

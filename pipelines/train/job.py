@@ -16,11 +16,12 @@ from pipelines.tracking.tracker import resolve_tracking_uri, summary_json
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
-from pipelines.train.recipes.jobs import job_for
 
 
 def run_job(argv: list[str] | None, default: StageConfig | Ul2Config | TrafficConfig, description: str) -> int:
     config = parse_config(argv, default, description=description, on_dry_run=dry_run_report)
+    from pipelines.train.recipes.jobs import job_for  # lazy: the model code, for a config that parsed
+
     job = job_for(config)
     try:
         checked = job.check(config)
@@ -44,6 +45,8 @@ def run_job(argv: list[str] | None, default: StageConfig | Ul2Config | TrafficCo
 def dry_run_report(config) -> str:
     """What a training job's --dry-run prints: its config with paths resolved as the driver will, then its job's own
     lines (a stage's memory plan, the traffic VLM's shape)."""
+    from pipelines.train.recipes.jobs import job_for
+
     job = job_for(config)
     config = job.resolved(config)
     lines = ["# resolved config", yaml.safe_dump(config.to_dict(), sort_keys=False).rstrip()]

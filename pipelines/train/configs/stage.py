@@ -7,12 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models import PAIRS
-from models.fusion import FUSIONS, Fusion
 from models.placement import resolve_gca_layers
-from models.quantization import QUANTIZE
 from models.reading import NAME_PREFIX, MemoryReading
-from models.trainable import ATTENTION, EXPERTS, GROUP_TARGETS, MLP, TRAIN_MODES, TrainMode
+from models.specs import (ATTENTION, EXPERTS, FUSIONS, GROUP_TARGETS, MLP, PAIRS, QUANTIZE, TRAIN_MODES, Fusion,
+                          TrainMode)
 from pipelines.cli import inline
 from pipelines.data.memory_modes import MemoryKind, MemoryMode
 from pipelines.data.synthetic_needles import NeedleSpec

@@ -7,10 +7,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.awareness import CONFIG_NAME
+from models.specs import CONFIG_NAME
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.format.shards import MANIFEST
-from pipelines.teachers.logits import teacher_identity
 from pipelines.train.configs.stage import StageConfig
 
 K_RANGE = (8, 256)  # top-k stored per target token; the range is 32-64 (k * 6 bytes a token)
@@ -80,6 +79,8 @@ def logits_problems(logits: str, teacher: str, k: int) -> list[str]:
         return []  # computed there
     stored = json.loads(manifest.read_text())
     problems = []
+    from pipelines.teachers.logits import teacher_identity  # lazy: the model code, only where logits are stored
+
     if stored.get("teacher", {}).get("weights_sha256") != teacher_identity(teacher)["weights_sha256"]:
         other = stored.get("teacher", {}).get("export")
         problems.append(f"distill.logits {logits} holds the logits of another teacher ({other}), "

@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from models import AwarenessModel, Qwen3EncoderDecoderConfig, Qwen3EncoderModel, Qwen3ForSeq2SeqLM, build_pair
 from models.loading import load_encoder
-from models.pairs import TINY_DECODER
+from models.specs import TINY_DECODER
 from models.seq2seq.model import Qwen3MergedAttention, merged_attention_mask
 from tests.conftest import random_ids
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from models import PAIRS, write_random_checkpoints
 from models.awareness import WEIGHTS_NAME
-from models.pairs import PairSpec, _embedding, _qwen3
+from models.specs import PairSpec, _embedding, _qwen3
 from models.trainable import is_added_parameter
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.engine import deepspeed_config, quiet_known_warnings
