@@ -38,6 +38,7 @@ from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Wo
                                        needle_spec)
 from pipelines.evaluate.metrics import evidence_reading, rate_interval, string_match_all
 from pipelines.format.rows import IGNORE
+from pipelines.memory.store import STATES_DTYPES, read_memory_as_stored
 
 
 @dataclass
@@ -51,6 +52,9 @@ class NeedleSuite:
     # share (0-1) of each probe's free fact slots holding facts near-identical to the asked ones (stage 0's
     # needle.hard_distractors), the same for every system
     hard_distractors: float = 0.0
+    # read each memory as a memory store in this dtype gives it back (float32 | bfloat16 | float16 | int8:
+    # jobs/encode_memory.py --store_dtype), not as encoded; none: as encoded
+    store_dtype: str | None = None
 
     def problems(self) -> list[str]:
         p = []
@@ -61,6 +65,8 @@ class NeedleSuite:
             p.append("needle.multipliers and needle.memories must be positive")
         if any(h < 2 for h in self.hops):
             p.append("needle.hops must be >= 2 (a chain of one is the single task)")
+        if self.store_dtype is not None and self.store_dtype not in STATES_DTYPES:
+            p.append(f"needle.store_dtype {self.store_dtype!r}: choose one of {', '.join(STATES_DTYPES)}")
         if not 0.0 <= self.hard_distractors <= 1.0:
             p.append(f"needle.hard_distractors ({self.hard_distractors}) is a share of the free fact slots: give one "
                      f"within [0, 1]")
@@ -196,8 +202,11 @@ class NeedleScorer:
     """A Ray Data actor: loads one system, scores batches of probe items."""
 
     def __init__(self, name: str, export: str, system: dict[str, Any], depth_bins: int, seed: int, use_gpu: bool,
-                 served: str | None = None, tracking_uri: str | None = None, hard_distractors: float = 0.0):
+                 served: str | None = None, tracking_uri: str | None = None, hard_distractors: float = 0.0,
+                 store_dtype: str | None = None):
         self.system = load_system(name, export, system, "cuda" if use_gpu else "cpu", served, tracking_uri)
+        if store_dtype is not None and self.system.served is None and self.system.mode.kind == "gca":
+            read_memory_as_stored(self.system.model.memory_encoder, store_dtype, self.system.spec.chunk_len)
         self.depth_bins, self.seed, self.hard_distractors = depth_bins, seed, hard_distractors
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
@@ -227,7 +236,7 @@ def run_needles(settings: NeedleSuite, source: Source, workers: Workers) -> list
         cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
         constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
                             "depth_bins": settings.depth_bins, "seed": settings.seed,
-                            "hard_distractors": settings.hard_distractors,
+                            "hard_distractors": settings.hard_distractors, "store_dtype": settings.store_dtype,
                             "use_gpu": workers.use_gpu, "served": source.served, "tracking_uri": workers.tracking_uri})
     return collect_with_progress(scored.iter_rows(), Progress(f"{source.name}: needle", len(items)))
 

@@ -188,6 +188,37 @@ def dequantize_int8(q: torch.Tensor, token_scale: torch.Tensor, channel_scale: t
     return q.float() * token_scale[:, None] * channel_scale[None, :]
 
 
+def stored_and_read(state: torch.Tensor, states_dtype: str) -> torch.Tensor:
+    """A chunk's states (tokens, H_enc) as a store in `states_dtype` gives them back to its reader
+    (MemoryStore.states), in the states' own dtype and device: what reading from such a store changes, no store
+    written."""
+    if states_dtype == "int8":
+        back = dequantize_int8(*quantize_int8(state.detach().cpu()))
+    else:
+        back = state.detach().to(STATES_DTYPES[states_dtype])
+    return back.to(device=state.device, dtype=state.dtype)
+
+
+def read_memory_as_stored(encoder: torch.nn.Module, states_dtype: str, chunk_len: int):
+    """Makes a MemoryEncoder (states (B, C * chunk_len, H_enc) and mask) return each chunk's real tokens as a store
+    in `states_dtype` would give them back, so a whole evaluation reads what a store would hold; the hook's handle
+    (`.remove()` undoes it)."""
+    if states_dtype not in STATES_DTYPES:
+        raise ValueError(f"states_dtype must be one of {sorted(STATES_DTYPES)}, got {states_dtype!r}")
+
+    def as_stored(module, args, output):
+        states, mask = output
+        b, m, h = states.shape
+        chunks, masks = states.reshape(-1, chunk_len, h), mask.reshape(-1, chunk_len).bool()
+        back = chunks.clone()
+        for i, (chunk, real) in enumerate(zip(chunks, masks)):
+            if real.any():
+                back[i, real] = stored_and_read(chunk[real], states_dtype)
+        return back.reshape(b, m, h), mask
+
+    return encoder.register_forward_hook(as_stored)
+
+
 # ---------------------------------------------------------------------------------------------- writing
 def chunk_entry(*, path: str, index: int, start_line: int = 0, end_line: int = 0, tokens: int, shard: str,
                 key: str) -> dict[str, Any]:

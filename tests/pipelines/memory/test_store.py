@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from models import PAIRS, AwarenessModel, MemoryReading, build_pair, write_random_checkpoints
+from pipelines.evaluate.needle import NeedleSuite
 from pipelines.memory import store as memory_store
 from pipelines.memory.encoding import ChunkEncoder, EncodeMemoryConfig, chunk_rows, finish, list_files
 from pipelines.memory.store import MemoryStore, StoreMismatch, encoder_identity
@@ -323,3 +324,31 @@ def test_a_store_without_token_ids_is_refused_by_lexical_routing_with_the_fix(st
     assert [s.shape for s in opened.states()] == [s.shape for s in MemoryStore(store).states()]
     with pytest.raises(ValueError, match="encode_memory.py"):
         opened.token_ids()
+
+
+def test_reading_a_memory_as_stored_rounds_each_chunks_real_tokens_as_the_store_does(export):
+    """pipelines.memory.store.read_memory_as_stored (the needle suite's needle.store_dtype): the encoder's states of
+    each chunk's real tokens come back as write_shard stores them and MemoryStore.states reads them; padding and a
+    float32 store change nothing, and removing the hook restores the encoder."""
+    model = AwarenessModel.from_pretrained(export).eval()
+    chunk_len = 8
+    ids = torch.randint(0, 1000, (2, 3, chunk_len), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 2, 5:] = 0
+    with torch.no_grad():
+        states, _ = model.memory_encoder(ids, mask)
+        handle = memory_store.read_memory_as_stored(model.memory_encoder, "int8", chunk_len)
+        stored, _ = model.memory_encoder(ids, mask)
+        handle.remove()
+        handle = memory_store.read_memory_as_stored(model.memory_encoder, "float32", chunk_len)
+        as_fp32, _ = model.memory_encoder(ids, mask)
+        handle.remove()
+        again, _ = model.memory_encoder(ids, mask)
+    for b in range(2):
+        for c in range(3):
+            span, real = slice(c * chunk_len, (c + 1) * chunk_len), mask[b, c].bool()
+            want = memory_store.dequantize_int8(*memory_store.quantize_int8(states[b, span][real]))
+            assert torch.equal(stored[b, span][real], want)
+            assert torch.equal(stored[b, span][~real], states[b, span][~real])
+    assert not torch.equal(stored, states) and torch.equal(as_fp32, states) and torch.equal(again, states)
+    assert "needle.store_dtype 'int4'" in " ".join(NeedleSuite(store_dtype="int4").problems())
