@@ -565,6 +565,11 @@ class AwarenessModel(nn.Module):
         directory = Path(directory)
         config = AwarenessConfig.load(directory)
         lora, trainable = AwarenessConfig.load_training(directory)
+        trained_bases = [part for part in ("decoder", "encoder") if trainable.get(part) == "full"]
+        if quantize != "none" and trained_bases:
+            raise ValueError(f"{str(directory)!r} trained its {' and '.join(trained_bases)} in full: those weights are "
+                             f"the export's own, which a {quantize} base cannot hold; load it with quantize none (a "
+                             f"base in fewer bits serves exports whose base stayed frozen or trained through LoRA)")
         model = cls.from_pretrained_pair(
             decoder or _relative_to(directory, config.decoder),
             encoder or _relative_to(directory, config.encoder),

@@ -117,3 +117,14 @@ def test_int8_loads_llm_int8_linears_and_runs(checkpoint_root):
 def test_meta_and_random_init_builds_refuse_quantize():
     with pytest.raises(ValueError, match="quantize apply to pairs loaded from checkpoints"):
         build_pair("tiny", device="meta", quantize="nf4")
+
+
+def test_an_export_whose_decoder_trained_in_full_refuses_a_quantized_base(checkpoint_root, tmp_path):
+    """Its decoder weights are the export's own: a 4-bit base could not hold them, so the load says so instead of
+    failing on a shape (what the Serve app and the pyfunc's `quantize` get)."""
+    model = build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half")
+    set_trainable(model, decoder="full", encoder="frozen", gca="full")
+    export = model.save_pretrained(tmp_path / "export")
+    with pytest.raises(ValueError, match="trained its decoder in full.*load it with quantize none"):
+        AwarenessModel.from_pretrained(export, quantize="nf4")
+    AwarenessModel.from_pretrained(export)  # the stored base still loads it

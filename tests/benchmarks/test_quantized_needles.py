@@ -1,0 +1,37 @@
+"""benchmarks/quantized_needles.py as its docstring shows it, on a tiny LoRA export (random weights: the answers are
+noise, the bookkeeping is not): the stored base's accuracy is the evaluation's own score of the same probes, and a
+4-bit base answers the same cells."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import LoraPlan, LoraSettings, apply_lora, build_pair, set_trainable
+from pipelines.evaluate.common import load_system
+from pipelines.evaluate.needle import NeedleSuite, score_probe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(checkpoint_root, tmp_path):
+    model = build_pair("tiny-shared", checkpoint_root=checkpoint_root, gca_layers="upper_half")
+    apply_lora(model, LoraPlan(decoder=LoraSettings(rank=4)))
+    set_trainable(model, decoder="lora", encoder="frozen", gca="full")
+    export = model.save_pretrained(tmp_path / "export")
+    done = subprocess.run([sys.executable, "benchmarks/quantized_needles.py", "--model", str(export), "--quantize",
+                           "nf4", "--variants", "single", "multi_key", "--multipliers", "1", "--memories", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary["cells"]) == {"single@1x", "multi_key@1x"}
+    system = load_system("none", str(export), {"memory": "gca", "needle": None})
+    for variant in ("single", "multi_key"):
+        rows = [row for index in range(2) for row in score_probe(system, variant, 1, NeedleSuite().seed, index)]
+        cell = summary["cells"][f"{variant}@1x"]
+        assert cell["accuracy"]["none"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
+        assert 0.0 <= cell["accuracy"]["nf4"] <= 1.0 and 0.0 <= cell["changed"]["nf4"] <= 1.0
+    assert summary["max_accuracy_gap"]["nf4"] == max(abs(c["accuracy"]["nf4"] - c["accuracy"]["none"])
+                                                     for c in summary["cells"].values())
