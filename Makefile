@@ -1,5 +1,8 @@
 # Two entry points for a fresh machine with Python 3.11: `make demo` (main job) and `make test`.
 # Both create .venv at the repository root and install the lock into it once (again when the lock changes).
+# uv compiles every installed module to bytecode up front: where PYTHONDONTWRITEBYTECODE is set (many container
+# images) no process would ever cache it, and each new one (a job, a Ray worker) would recompile torch and
+# transformers from source and start several times slower.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -28,7 +31,7 @@ install: $(STAMP)
 $(STAMP): $(LOCK) pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	test -x $(UV) || $(PY) -m pip install --quiet --disable-pip-version-check "uv==$(UV_VERSION)"
-	$(UV) pip sync --quiet --python $(PY) --require-hashes --find-links $(TORCH_WHEELS) $(LOCK)
+	$(UV) pip sync --quiet --python $(PY) --require-hashes --compile-bytecode --find-links $(TORCH_WHEELS) $(LOCK)
 	$(UV) pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .
 	$(UV) pip check --quiet --python $(PY)
 	$(PY) -m pipelines.train.prebuild
@@ -52,7 +55,7 @@ test-latest: install
 	echo "$(TORCH_CPU)" > $(LATEST)/torch-cpu.txt
 	$(UV) pip compile $(RESOLVE) --find-links $(TORCH_WHEELS) --override $(LATEST)/torch-cpu.txt \
 		--upgrade --quiet -o $(LATEST)/resolved.txt
-	$(UV) pip sync --quiet --python $(LATEST)/bin/python --require-hashes --find-links $(TORCH_WHEELS) \
+	$(UV) pip sync --quiet --python $(LATEST)/bin/python --require-hashes --compile-bytecode --find-links $(TORCH_WHEELS) \
 		$(LATEST)/resolved.txt
 	$(UV) pip install --quiet --python $(LATEST)/bin/python --no-deps --no-build-isolation -e .
 	$(UV) pip check --python $(LATEST)/bin/python

@@ -66,6 +66,7 @@ def test_make_install_syncs_the_named_lock_with_hashes():
         commands = _make_dry_run("install", f"LOCK={lock}")
         sync = next(line for line in commands.splitlines() if " pip sync " in line)
         assert "--require-hashes" in sync and sync.endswith(lock)
+        assert "--compile-bytecode" in sync  # no process has to compile torch itself, PYTHONDONTWRITEBYTECODE or not
         assert "pip check" in commands and "-e ." in commands
 
 
