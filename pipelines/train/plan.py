@@ -15,6 +15,7 @@ Loading has its own peak (`load_peak`), and a run fits only if the larger of the
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -169,10 +170,18 @@ def uses_liger(config) -> bool:
 def count_parameters(inputs: PlanInput) -> tuple[dict[str, int], int, object]:
     """Parameter counts by role from the real architecture on the meta device, plus the largest gathered unit.
     Decoder LoRA is counted by injecting it there (apply_lora, no memory), so its shapes are PEFT's own. The model
-    comes back too, LoRA and all (its modules size the activations and the load peak)."""
-    model = build_pair(inputs.pair, device="meta", fusion=inputs.fusion)
-    if inputs.decoder == "lora":
-        apply_lora(model, LoraPlan(decoder=LoraSettings(rank=inputs.lora_rank, targets=inputs.lora_targets)))
+    comes back too, LoRA and all (its modules size the activations and the load peak): read it, never change it."""
+    params, largest, model = _count_parameters(inputs.pair, inputs.fusion, inputs.decoder == "lora", inputs.lora_rank,
+                                               tuple(inputs.lora_targets))
+    return dict(params), largest, model
+
+
+@functools.lru_cache(maxsize=8)  # plans that differ only in bits, optimizer or hardware share one meta model
+def _count_parameters(pair: str, fusion: str, decoder_lora: bool, lora_rank: int,
+                      lora_targets: tuple[str, ...]) -> tuple[dict[str, int], int, object]:
+    model = build_pair(pair, device="meta", fusion=fusion)
+    if decoder_lora:
+        apply_lora(model, LoraPlan(decoder=LoraSettings(rank=lora_rank, targets=lora_targets)))
     decoder = sum(p.numel() for n, p in model.decoder.named_parameters() if not is_added_parameter(n))
     encoder = sum(p.numel() for p in model.memory_encoder.parameters())
     added = sum(p.numel() for n, p in model.named_parameters() if is_added_parameter(n) and "lora_" not in n)
