@@ -1,6 +1,7 @@
 """The needle suite's answers from an export reloaded onto a base in fewer bits (as the Serve app's and the pyfunc's
-`quantize` loads it: models.quantization) against the same export on its stored base: accuracy per cell, and the
-share of questions whose greedy answer changed.
+`quantize` loads it: models.quantization) against the same export on its stored base: accuracy per cell, the share
+of questions whose greedy answer changed, and how far the logits moved (each question's next-token logits after its
+prompt: the largest absolute difference from the stored base's, and the share whose top token is the same).
 
     python benchmarks/quantized_needles.py --model EXPORT                     # nf4 and int8 against the stored base
     python benchmarks/quantized_needles.py --model EXPORT --quantize nf4 --variants single --multipliers 1 --memories 2
@@ -23,7 +24,7 @@ from models.specs import QUANTIZE
 from pipelines.data.memory_modes import read_system, system_mode
 from pipelines.evaluate.common import System, needle_spec
 from pipelines.evaluate.metrics import string_match_all
-from pipelines.evaluate.needle import NeedleSuite, answer_probe, as_text, make_probe
+from pipelines.evaluate.needle import NeedleSuite, answer_probe, as_text, make_probe, system_prompts
 
 TRAINED = ["single", "multi_key", "multi_value", "multi_query"]
 
@@ -35,18 +36,27 @@ def load(export: str, quantize: str, device: str) -> System:
     return System(quantize, model, system_mode(system), needle_spec(system), export=export)
 
 
-def answer_cells(system: System, args: argparse.Namespace) -> dict[str, list[tuple[str, float]]]:
-    """(variant@multiplier) -> one (answer text, RULER score) per question, over every probe memory of the cell."""
+@torch.no_grad()
+def next_token_logits(system: System, probe) -> torch.Tensor:
+    """Each question's logits for the first answer token, in fp32 on the CPU."""
+    inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
+    return system.model(**inputs).logits[:, -1].float().cpu()
+
+
+def answer_cells(system: System, args: argparse.Namespace) -> dict[str, tuple[list[tuple[str, float]], torch.Tensor]]:
+    """(variant@multiplier) -> one (answer text, RULER score) per question over every probe memory of the cell, and
+    the questions' next-token logits."""
     cells = {}
     for variant in args.variants:
         for multiplier in args.multipliers:
-            rows = []
+            rows, logits = [], []
             for index in range(args.memories):
                 probe = make_probe(variant, system.spec, multiplier, args.seed, index)
+                logits.append(next_token_logits(system, probe))
                 for answer, refs in zip(answer_probe(system, probe), probe.references, strict=True):
                     text = as_text(answer)
                     rows.append((text, string_match_all([text], [[as_text(ref) for ref in refs]])))
-            cells[f"{variant}@{multiplier}x"] = rows
+            cells[f"{variant}@{multiplier}x"] = rows, torch.cat(logits)
     return cells
 
 
@@ -63,16 +73,25 @@ def main() -> None:
     torch.manual_seed(0)
     results = {q: answer_cells(load(args.model, q, args.device), args) for q in ["none", *args.quantize]}
     reference = results["none"]
-    print(f"| cell | stored base | {' | '.join(args.quantize)} | answers changed ({', '.join(args.quantize)}) |")
-    print(f"|---|---|{'---|' * len(args.quantize)}---|")
+    print(f"| cell | stored base | {' | '.join(args.quantize)} | answers changed | logits max abs diff | "
+          f"same top token |")
+    print(f"|---|---|{'---|' * len(args.quantize)}---|---|---|")
     summary = {"job": "quantized_needles", "model": args.model, "device": args.device, "cells": {}}
-    for cell, rows in reference.items():
-        accuracy = {q: sum(s for _, s in results[q][cell]) / len(rows) for q in results}
-        changed = {q: sum(a != b for (a, _), (b, _) in zip(results[q][cell], rows, strict=True)) / len(rows)
+    for cell, (rows, logits) in reference.items():
+        accuracy = {q: sum(s for _, s in results[q][cell][0]) / len(rows) for q in results}
+        changed = {q: sum(a != b for (a, _), (b, _) in zip(results[q][cell][0], rows, strict=True)) / len(rows)
                    for q in args.quantize}
+        moved = {q: (results[q][cell][1] - logits).abs().max().item() for q in args.quantize}
+        same_top = {q: (results[q][cell][1].argmax(-1) == logits.argmax(-1)).float().mean().item()
+                    for q in args.quantize}
+
+        def by_quantize(values: dict[str, float], digits: int) -> str:
+            return ", ".join(f"{values[q]:.{digits}f}" for q in args.quantize)
+
         print(f"| {cell} | {accuracy['none']:.3f} | {' | '.join(f'{accuracy[q]:.3f}' for q in args.quantize)} | "
-              f"{', '.join(f'{changed[q]:.3f}' for q in args.quantize)} |", flush=True)
-        summary["cells"][cell] = {"accuracy": accuracy, "changed": changed}
+              f"{by_quantize(changed, 3)} | {by_quantize(moved, 4)} | {by_quantize(same_top, 3)} |", flush=True)
+        summary["cells"][cell] = {"accuracy": accuracy, "changed": changed, "logits_max_abs_diff": moved,
+                                  "same_top_token": same_top}
     summary["max_accuracy_gap"] = {q: max(abs(c["accuracy"][q] - c["accuracy"]["none"])
                                           for c in summary["cells"].values()) for q in args.quantize}
     print(json.dumps(summary))

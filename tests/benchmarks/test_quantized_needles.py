@@ -1,6 +1,6 @@
 """benchmarks/quantized_needles.py as its docstring shows it, on a tiny LoRA export (random weights: the answers are
 noise, the bookkeeping is not): the stored base's accuracy is the evaluation's own score of the same probes, and a
-4-bit base answers the same cells."""
+4-bit base answers the same cells, its logits near the stored base's."""
 
 import json
 import subprocess
@@ -33,5 +33,7 @@ def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(che
         cell = summary["cells"][f"{variant}@1x"]
         assert cell["accuracy"]["none"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
         assert 0.0 <= cell["accuracy"]["nf4"] <= 1.0 and 0.0 <= cell["changed"]["nf4"] <= 1.0
+        assert 0.0 < cell["logits_max_abs_diff"]["nf4"] < 10.0  # 4 bits move the logits, a little
+        assert 0.0 <= cell["same_top_token"]["nf4"] <= 1.0
     assert summary["max_accuracy_gap"]["nf4"] == max(abs(c["accuracy"]["nf4"] - c["accuracy"]["none"])
                                                      for c in summary["cells"].values())
