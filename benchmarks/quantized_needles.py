@@ -5,6 +5,7 @@ prompt: the largest absolute difference from the stored base's, and the share wh
 
     python benchmarks/quantized_needles.py --model EXPORT                     # nf4 and int8 against the stored base
     python benchmarks/quantized_needles.py --model EXPORT --quantize nf4 --variants single --multipliers 1 --memories 2
+    python benchmarks/quantized_needles.py --model EXPORT --quantize nf4 --base_dtype bfloat16  # against a bf16 base
 
 The probes are the evaluation's (pipelines.evaluate.needle: same generator, seed and scoring), answered in this
 process one after another; on CPU the quantized linears compute in fp32 (models.quantization.compute_dtype), on a
@@ -29,9 +30,12 @@ from pipelines.evaluate.needle import NeedleSuite, answer_probe, as_text, make_p
 TRAINED = ["single", "multi_key", "multi_value", "multi_query"]
 
 
-def load(export: str, quantize: str, device: str) -> System:
+def load(export: str, quantize: str, device: str, base_dtype: str = "stored") -> System:
     system = read_system(export)
-    dtype = None if quantize == "none" else compute_dtype(device)
+    if quantize != "none":
+        dtype = compute_dtype(device)
+    else:
+        dtype = None if base_dtype == "stored" else getattr(torch, base_dtype)
     model = AwarenessModel.from_pretrained(export, device=device, dtype=dtype, quantize=quantize).eval()
     return System(quantize, model, system_mode(system), needle_spec(system), export=export)
 
@@ -69,14 +73,18 @@ def main() -> None:
     parser.add_argument("--memories", type=int, default=16, help="probe memories per cell (8 questions each)")
     parser.add_argument("--seed", type=int, default=NeedleSuite().seed, help="the probes' seed (the suite's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--base_dtype", choices=["stored", "bfloat16"], default="stored",
+                        help="the reference: the export on its base in the checkpoints' dtype, or in bf16")
     args = parser.parse_args()
     torch.manual_seed(0)
-    results = {q: answer_cells(load(args.model, q, args.device), args) for q in ["none", *args.quantize]}
+    results = {q: answer_cells(load(args.model, q, args.device, args.base_dtype), args)
+               for q in ["none", *args.quantize]}
     reference = results["none"]
     print(f"| cell | stored base | {' | '.join(args.quantize)} | answers changed | logits max abs diff | "
           f"same top token |")
     print(f"|---|---|{'---|' * len(args.quantize)}---|---|---|")
-    summary = {"job": "quantized_needles", "model": args.model, "device": args.device, "cells": {}}
+    summary = {"job": "quantized_needles", "model": args.model, "device": args.device, "base_dtype": args.base_dtype,
+               "cells": {}}
     for cell, (rows, logits) in reference.items():
         accuracy = {q: sum(s for _, s in results[q][cell][0]) / len(rows) for q in results}
         changed = {q: sum(a != b for (a, _), (b, _) in zip(results[q][cell][0], rows, strict=True)) / len(rows)

@@ -37,3 +37,18 @@ def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(che
         assert 0.0 <= cell["same_top_token"]["nf4"] <= 1.0
     assert summary["max_accuracy_gap"]["nf4"] == max(abs(c["accuracy"]["nf4"] - c["accuracy"]["none"])
                                                      for c in summary["cells"].values())
+
+
+def test_a_bf16_base_is_the_reference_when_asked(checkpoint_root, tmp_path):
+    model = build_pair("tiny-shared", checkpoint_root=checkpoint_root, gca_layers="upper_half")
+    apply_lora(model, LoraPlan(decoder=LoraSettings(rank=4)))
+    set_trainable(model, decoder="lora", encoder="frozen", gca="full")
+    export = model.save_pretrained(tmp_path / "export")
+    done = subprocess.run([sys.executable, "benchmarks/quantized_needles.py", "--model", str(export), "--quantize",
+                           "nf4", "--base_dtype", "bfloat16", "--variants", "single", "--multipliers", "1",
+                           "--memories", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["base_dtype"] == "bfloat16" and set(summary["cells"]) == {"single@1x"}
+    # the reference is bf16 now, so even its own logits differ from a 4-bit base's by more than rounding
+    assert summary["cells"]["single@1x"]["logits_max_abs_diff"]["nf4"] > 0
