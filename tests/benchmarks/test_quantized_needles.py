@@ -16,16 +16,27 @@ from pipelines.evaluate.needle import NeedleSuite, score_probe
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(checkpoint_root, tmp_path):
+@pytest.fixture(scope="module")
+def lora_export(checkpoint_root, tmp_path_factory) -> Path:
+    """A tiny decoder-LoRA export, as a QLoRA run writes one."""
     model = build_pair("tiny-shared", checkpoint_root=checkpoint_root, gca_layers="upper_half")
     apply_lora(model, LoraPlan(decoder=LoraSettings(rank=4)))
     set_trainable(model, decoder="lora", encoder="frozen", gca="full")
-    export = model.save_pretrained(tmp_path / "export")
-    done = subprocess.run([sys.executable, "benchmarks/quantized_needles.py", "--model", str(export), "--quantize",
-                           "nf4", "--variants", "single", "multi_key", "--multipliers", "1", "--memories", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return model.save_pretrained(tmp_path_factory.mktemp("quantized") / "export")
+
+
+def run_benchmark(*args: str) -> dict:
+    """The benchmark as a process; its one-line JSON summary."""
+    done = subprocess.run([sys.executable, "benchmarks/quantized_needles.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(lora_export):
+    export = lora_export
+    summary = run_benchmark("--model", str(export), "--quantize", "nf4", "--variants", "single", "multi_key",
+                            "--multipliers", "1", "--memories", "2")
     assert set(summary["cells"]) == {"single@1x", "multi_key@1x"}
     system = load_system("none", str(export), {"memory": "gca", "needle": None})
     for variant in ("single", "multi_key"):
@@ -39,16 +50,8 @@ def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(che
                                                      for c in summary["cells"].values())
 
 
-def test_a_bf16_base_is_the_reference_when_asked(checkpoint_root, tmp_path):
-    model = build_pair("tiny-shared", checkpoint_root=checkpoint_root, gca_layers="upper_half")
-    apply_lora(model, LoraPlan(decoder=LoraSettings(rank=4)))
-    set_trainable(model, decoder="lora", encoder="frozen", gca="full")
-    export = model.save_pretrained(tmp_path / "export")
-    done = subprocess.run([sys.executable, "benchmarks/quantized_needles.py", "--model", str(export), "--quantize",
-                           "nf4", "--base_dtype", "bfloat16", "--variants", "single", "--multipliers", "1",
-                           "--memories", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+def test_a_bf16_base_is_the_reference_when_asked(lora_export):
+    summary = run_benchmark("--model", str(lora_export), "--quantize", "nf4", "--base_dtype", "bfloat16",
+                            "--variants", "single", "--multipliers", "1", "--memories", "1")
     assert summary["base_dtype"] == "bfloat16" and set(summary["cells"]) == {"single@1x"}
-    # the reference is bf16 now, so even its own logits differ from a 4-bit base's by more than rounding
     assert summary["cells"]["single@1x"]["logits_max_abs_diff"]["nf4"] > 0
