@@ -80,7 +80,8 @@ def main() -> None:
     results = {q: answer_cells(load(args.model, q, args.device, args.base_dtype), args)
                for q in ["none", *args.quantize]}
     reference = results["none"]
-    print(f"| cell | stored base | {' | '.join(args.quantize)} | answers changed | logits max abs diff | "
+    base = "stored base" if args.base_dtype == "stored" else "bf16 base"
+    print(f"| cell | {base} | {' | '.join(args.quantize)} | answers changed | logits max abs diff | "
           f"same top token |")
     print(f"|---|---|{'---|' * len(args.quantize)}---|---|---|")
     summary = {"job": "quantized_needles", "model": args.model, "device": args.device, "base_dtype": args.base_dtype,
