@@ -20,7 +20,8 @@ from pipelines.format.tokenizer import (AGENT_SPECIAL, N_RANKS, QWEN3_SPECIAL, Q
 def real_texts(package_roots) -> list[str]:
     files = sorted(p for root in package_roots.values() for p in root.rglob("*.py"))
     texts = [p.read_text(encoding="utf-8") for p in files]
-    texts.append("Ünïcödé naïve café — 漢字かな 🙂 e\u0301\n\t\r\n  x  \n")  # NFC, CJK, emoji, odd whitespace
+    # accents, NFC, CJK, emoji, odd whitespace
+    texts.append("Ünïcödé naïve café — 漢字かな 🙂 e\u0301\n\t\r\n  x  \n")
     return texts
 
 
