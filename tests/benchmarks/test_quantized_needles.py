@@ -33,10 +33,14 @@ def run_benchmark(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(lora_export):
-    export = lora_export
-    summary = run_benchmark("--model", str(export), "--quantize", "nf4", "--variants", "single", "multi_key",
-                            "--multipliers", "1", "--memories", "2")
+@pytest.fixture(scope="module")
+def stored_base_summary(lora_export) -> dict:
+    return run_benchmark("--model", str(lora_export), "--quantize", "nf4", "--variants", "single", "multi_key",
+                         "--multipliers", "1", "--memories", "2")
+
+
+def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(lora_export, stored_base_summary):
+    export, summary = lora_export, stored_base_summary
     assert set(summary["cells"]) == {"single@1x", "multi_key@1x"}
     system = load_system("none", str(export), {"memory": "gca", "needle": None})
     for variant in ("single", "multi_key"):
@@ -50,8 +54,12 @@ def test_the_stored_base_scores_as_the_evaluation_and_nf4_answers_every_cell(lor
                                                      for c in summary["cells"].values())
 
 
-def test_a_bf16_base_is_the_reference_when_asked(lora_export):
+def test_a_bf16_base_is_the_reference_when_asked(lora_export, stored_base_summary):
+    """Only the reference changes: the nf4 model answers exactly as against the stored base, the bf16 reference's
+    logits differ from the stored (fp32) base's, so the distance to them does too."""
     summary = run_benchmark("--model", str(lora_export), "--quantize", "nf4", "--base_dtype", "bfloat16",
-                            "--variants", "single", "--multipliers", "1", "--memories", "1")
+                            "--variants", "single", "--multipliers", "1", "--memories", "2")
     assert summary["base_dtype"] == "bfloat16" and set(summary["cells"]) == {"single@1x"}
-    assert summary["cells"]["single@1x"]["logits_max_abs_diff"]["nf4"] > 0
+    bf16, stored = summary["cells"]["single@1x"], stored_base_summary["cells"]["single@1x"]
+    assert bf16["accuracy"]["nf4"] == stored["accuracy"]["nf4"]
+    assert 0.0 < bf16["logits_max_abs_diff"]["nf4"] != stored["logits_max_abs_diff"]["nf4"]
