@@ -25,7 +25,7 @@ RESOLVE := pyproject.toml --extra test --extra install --generate-hashes --pytho
 FAST_TESTS := -m "not slow and not ray" tests/models tests/pipelines/data
 LATEST := .venv-latest
 
-.PHONY: install lock test-latest demo generate lint test test-fast test-slow bench bench-gpu gpu-check corpus
+.PHONY: install lock test-latest demo generate lint test test-e2e test-fast test-slow bench bench-gpu gpu-check corpus
 install: $(STAMP)
 
 $(STAMP): $(LOCK) pyproject.toml Makefile
@@ -74,8 +74,15 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file whole in one (its Ray session and fixtures once).
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: lint
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow and not e2e"
+
+test-e2e: install   # the longer end-to-end runs; CI runs them after make test (.ci/run)
+	$(PY) -m pytest $(XDIST) -m "e2e and not slow"
 
 test-fast: install   # models and data without Ray: a quick check while editing
 	$(PY) -m pytest $(FAST_TESTS)

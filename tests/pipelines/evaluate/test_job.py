@@ -52,6 +52,7 @@ def test_config_errors_name_the_field():
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root):
     """The issue's command on a stage-0 export and a baseline's, through Ray Data actors; the training run gets the
     metrics too when the model is named by run id."""

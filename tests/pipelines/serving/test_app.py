@@ -163,6 +163,7 @@ def _replicas() -> list[str]:
                   if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::awareness#AwarenessServer#"))
 
 
+@pytest.mark.e2e
 def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor_reads_memories_from_disk(server):
     """Measures what clients see when the only replica dies under their requests, and what the next replica knows.
 
@@ -298,6 +299,7 @@ def largest(shapes):
 """
 
 
+@pytest.mark.e2e
 def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, tmp_path):
     """POST /v1/memories {"files": [...]}: the corpora's chunker (tree-sitter cuts, a path header a chunk) over the
     model's own tokenizer gives the chunks, so the memory is the one those chunk texts make; a path is only a label.
@@ -338,7 +340,8 @@ def test_a_repository_sent_as_files_is_chunked_as_the_corpora_chunk_it(server, t
         restart()
 
 
-@pytest.mark.parametrize("reads", ["rag", pytest.param("in_context", marks=pytest.mark.slow)])  # each: a restart
+@pytest.mark.parametrize("reads", [pytest.param("rag", marks=pytest.mark.e2e),
+                                   pytest.param("in_context", marks=pytest.mark.slow)])  # each: a restart
 def test_a_baseline_is_served_with_its_memory_in_the_prompt(server, tmp_path, checkpoint_root, reads):
     """A baseline export behind the same routes: its memory is the chunk texts (no encoder runs, no encoder identity),
     deduplicated by content, and every answer, plain or streamed, is the pyfunc's `predict` over the same chunks
@@ -516,6 +519,7 @@ def test_no_response_names_a_server_path(server, registered, checkpoint_root, ml
         assert not [p for p in paths if p in seen], (response.request.url, seen[:500])
 
 
+@pytest.mark.e2e
 def test_without_keys_the_server_answers_loopback_only_and_refuses_to_listen_elsewhere(server, tmp_path,
                                                                                           monkeypatch):
     """No keys configured: `serve run` on loopback answers without a key and logs that it does; a server on any
@@ -617,6 +621,7 @@ def test_every_bad_input_gets_a_clear_4xx_and_the_next_request_is_answered(serve
     assert _greedy(client) == expected
 
 
+@pytest.mark.e2e
 def test_a_request_past_its_time_limit_ends_and_overload_answers_503_with_retry_after(server):
     """request_timeout_s bounds every generate: a plain request past it gets 504, a stream an error event and its
     end (no [DONE]); with max_ongoing_requests 1 and max_queued_requests 1 the requests beyond get Serve's 503 with

@@ -55,6 +55,7 @@ def check(outcome: subprocess.CompletedProcess) -> None:
     assert "No issues found" in outcome.stdout, outcome.stdout[-3000:]
 
 
+@pytest.mark.e2e
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(schema_server, tmp_path):
     """Bounded: a few examples an operation, each phase once (~1 minute on 2 shared cores)."""
     check(schemathesis(schema_server, tmp_path, max_examples=10, phases="examples,coverage,fuzzing,stateful"))

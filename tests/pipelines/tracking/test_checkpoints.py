@@ -16,7 +16,7 @@ from pipelines.tracking.checkpoints import LATEST_TAG, RECORDS, record_name, ste
 from pipelines.train.configs.common import RunSettings, TrackingSettings, TrainConfig
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 
-pytestmark = pytest.mark.ray  # starts Ray
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]  # a stage-0 run through Ray Train
 
 ROOT = Path(__file__).resolve().parents[3]
 NAME = "awareness-checkpoint-test"

@@ -110,6 +110,7 @@ def corpus_config(tmp_path, checkpoint_root, steps: int, name: str = "corpus", g
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_corpus_stage_trains_resumes_and_validates(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.recipes.jobs import train
 

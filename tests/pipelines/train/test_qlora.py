@@ -67,7 +67,8 @@ def test_8bit_adamw_is_the_client_optimizer_deepspeed_is_allowed_to_wrap(tmp_pat
 
 # ~225 s each at load ~10 on the shared 2 cores; ZeRO-3 (the 4-bit weights partitioned) in `make test`
 @pytest.mark.ray
-@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow),
+                                        pytest.param(3, marks=pytest.mark.e2e)])
 def test_a_4bit_base_trains_under_zero_and_its_export_reloads_onto_4bit_and_fp32_bases(
         tmp_path, checkpoint_root, local_ray, zero_stage):
     """Two workers, the 4-bit weights replicated (ZeRO-2) or partitioned with the rest (ZeRO-3, in the compute dtype's

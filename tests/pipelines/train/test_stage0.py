@@ -171,7 +171,7 @@ def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, 
     assert scores.accuracy == summary["needle_accuracy"]
 
 
-@pytest.mark.slow  # make test trains cross fusion in test_zero3_trains_expert_lora_under_cross_fusion
+@pytest.mark.slow  # make test-e2e trains cross fusion in test_zero3_trains_expert_lora_under_cross_fusion
 @pytest.mark.parametrize("fusion", ["cross", "merged"])
 def test_zero3_trains_each_fusion_and_its_export_reloads(tmp_path, checkpoint_root, local_ray, fusion):
     """--model.fusion cross / merged through Ray Train and ZeRO-3 (the added cross-attention created partitioned,
@@ -201,6 +201,7 @@ def test_zero3_trains_the_moe_pair(tmp_path, checkpoint_root, local_ray):
     assert summary["error"] is None and summary["steps"] == 2
 
 
+@pytest.mark.e2e
 def test_zero3_trains_expert_lora_under_cross_fusion(tmp_path, checkpoint_root, local_ray):
     """One run for two things ZeRO-3 partitions: the expert adapters sit inside the sparse block, a ZeRO-3 leaf, so
     they are gathered with it, and cross fusion adds a cross-attention block to every layer, created partitioned.

@@ -27,6 +27,7 @@ from pipelines.train.engine import deepspeed_config, quiet_known_warnings
 from pipelines.train.model import build_model
 from pipelines.train.recipes.stage import STAGE
 
+pytestmark = pytest.mark.e2e  # spawns 2 ranks per build
 WORLD = 2
 
 

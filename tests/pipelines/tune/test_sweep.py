@@ -51,6 +51,7 @@ def sweep(tmp_path_factory, checkpoint_root, mlflow_server):
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -88,6 +89,7 @@ def test_two_trials_nest_under_the_sweep_run_with_table_and_plot(sweep, mlflow_s
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -102,6 +104,7 @@ def test_no_run_holds_the_planted_secret(sweep, mlflow_server):
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(sweep, mlflow_server, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -136,6 +139,7 @@ def test_best_trial_is_registered_as_candidate_and_answers_a_needle_question(swe
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_register_job_registers_any_run_and_promotes(sweep, mlflow_server, capsys):
     from mlflow.tracking import MlflowClient
 
