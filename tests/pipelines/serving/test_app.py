@@ -543,13 +543,17 @@ def test_without_keys_the_server_answers_loopback_only_and_refuses_to_listen_els
         load_keys(None, "NOT_SET_ANYWHERE_42")
     assert KEYS["alice"] not in repr(keys) and "carol-key" not in repr(keys)  # keys never in a log line
 
-    log_dir = Path("/tmp/ray/session_latest/logs/serve")
     restart(api_keys_env=None)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anonymous:
             assert anonymous.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 2}).status_code == 200
             assert anonymous.get("/v1/stats").status_code == 200
-        logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("replica_awareness_*.log"))
+        # these replicas' own logs (by replica id: another Ray session on the machine may be the latest)
+        ids = [name.rsplit("#", 1)[1] for name in _replicas()]
+        files = {f.resolve() for id in ids  # session_latest too: a link
+                 for f in Path("/tmp/ray").glob(f"session_*/logs/serve/replica_awareness_*_{id}.log")}
+        assert len(files) == len(ids) >= 1, (ids, files)
+        logs = "".join(f.read_text(errors="replace") for f in files)
         assert "no API keys configured: answering loopback clients only" in logs
     finally:
         restart()
