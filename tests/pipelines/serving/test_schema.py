@@ -1,7 +1,7 @@
 """schemathesis over the live Serve app (conftest's `server`, on loopback): requests generated from the schema the
 app itself serves (GET /openapi.json, as a key sees it), sent with Carol's key, every check on (`st run --checks
 all`: no 5xx, every status, media type and body as documented, schema-invalid requests refused, schema-valid ones
-accepted, OPTIONS and undeclared methods answered 405 with the right Allow). A bounded, seeded run in `make test`; a
+accepted, OPTIONS and undeclared methods answered 405 with the right Allow). A bounded, seeded run in `make test-e2e`; a
 longer one in the slow tests."""
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_8bit_adamw_is_the_client_optimizer_deepspeed_is_allowed_to_wrap(tmp_pat
         dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer="sgd")).validate()
 
 
-# ~225 s each at load ~10 on the shared 2 cores; ZeRO-3 (the 4-bit weights partitioned) in `make test`
+# ~225 s each at load ~10 on the shared 2 cores; ZeRO-3 (the 4-bit weights partitioned) in `make test-e2e`
 @pytest.mark.ray
 @pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow),
                                         pytest.param(3, marks=pytest.mark.e2e)])

@@ -111,8 +111,8 @@ def test_stage0_trains_on_a_mixture_of_sizes_tasks_and_similar_facts(tmp_path, c
         assert 0 <= metrics[name] <= 1, name
 
 
-# ~95 s; in `make test` resume stays checked by the corpus stage (a second epoch resumed) and by a worker failing
-# mid-save (restarted from the last complete checkpoint, nothing seen twice or skipped)
+# ~95 s; resume stays checked in `make test` by a worker failing mid-save (restarted from the last complete
+# checkpoint, nothing seen twice or skipped) and in `make test-e2e` by the corpus stage (a second epoch resumed)
 @pytest.mark.slow
 def test_resume_continues_where_it_stopped(tmp_path, checkpoint_root, local_ray):
     from pipelines.train.recipes.jobs import train

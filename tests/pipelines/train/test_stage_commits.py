@@ -62,7 +62,7 @@ def test_stage1_trains_on_a_built_commit_corpus(tmp_path, checkpoint_root):
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # ~120 s; make test keeps corpus-fed training, resume and validation (test_corpus_training.py)
+@pytest.mark.slow  # ~120 s; make test-e2e keeps corpus-fed training, resume and validation (test_corpus_training.py)
 def test_stage2_trains_with_zero3_and_its_export_reloads_to_the_same_val_loss(tmp_path, checkpoint_root):
     split = build_commit_corpus(tmp_path)
     variants = pq.read_table(split, columns=["variant"]).column("variant").to_pylist()
