@@ -9,9 +9,11 @@ at rising concurrency (issue 27).
     python benchmarks/serve_load.py --ingress direct    (clients reach the replica itself, not Serve's HTTP proxy)
 
 (a) The Ray Serve application (pipelines/serving/app.py), started in this process on a local Ray: the memory created
-once with POST /v1/memories, every question a POST /v1/completions naming it (`memory: id`). Two passes per level:
-plain requests (what `@serve.batch` batches across clients: requests/s and latency) and `stream: true` requests (time
-to the first server-sent `data:` event; streamed requests decode alone, so they are not batched). `--ingress direct`
+once with POST /v1/memories, every question a POST /v1/completions naming it (`memory: id`), behind an API key (the
+app's `api_keys_env`, a key made for the run; every request sends it). Two passes per level: plain requests
+(requests/s and latency) and `stream: true` requests (time to the first server-sent `data:` event); both go through
+the replica's continuous batching (pipelines/serving/decoding.py), which admits new questions at every decoding
+step. `--ingress direct`
 turns on Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS, experimental in Ray 2.60): the ingress replica
 runs its own HTTP server, on a port pinned here, and clients skip the proxy's hop (docs/serving.md, "Direct ingress").
 (b) `mlflow models serve -m models:/NAME/VERSION --env-manager local` of the same version, a subprocess, each question
@@ -23,8 +25,8 @@ serving. The pyfunc's own way to avoid it is a memory store: the same chunks enc
 encoder into the store format jobs/encode_memory.py writes (AwarenessPyfunc.write_store, the same encode path as
 Serve's POST /v1/memories), and each row names it (`memory_store`). The pyfunc keeps the last store it read, so the
 store is read from disk once and every request pays only for the decoder. What remains different is the design
-being measured: Serve also keeps each GCA layer's memory keys/values (computed once per memory) and batches
-questions from different clients into one generate, while the pyfunc projects the memory and computes its
+being measured: Serve also keeps each GCA layer's memory keys/values (computed once per memory) and decodes
+questions from different clients as one batch, while the pyfunc projects the memory and computes its
 keys/values inside every generate and mlflow answers one request per predict call (its requests run concurrently in
 threads over one model). Both sides get one model copy (one Serve replica, `--workers 1`) and the same torch
 threads (`--threads`, OMP_NUM_THREADS for both processes). Requests go round the needle questions of one memory.
@@ -50,6 +52,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -65,6 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "awareness-serve-load"  # the registered model of the self-made setup
 QUESTION_SEED = 5  # needle questions as tests/pipelines/serving/test_app.py asks them
+KEYS_ENV = "AWARENESS_LOAD_API_KEYS"  # the Serve app reads the run's key from it (api_keys_env)
 
 
 @dataclass
@@ -79,7 +83,6 @@ class Plan:
     request_timeout_s: float
     threads: int
     max_batch_size: int
-    batch_wait_ms: float
     workdir: str
     serve_port: int  # Serve's HTTP proxy
     mlflow_port: int | None  # mlflow models serve; None with --serve-only
@@ -101,8 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level and system")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each server (and this process)")
-    p.add_argument("--max-batch-size", type=int, default=8, help="the Serve app's serve.batch max_batch_size")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="the Serve app's batch_wait_timeout_s, in ms")
+    p.add_argument("--max-batch-size", type=int, default=16,
+                   help="the Serve app's max_batch_size: rows decoding at once")
     p.add_argument("--device", default="auto",
                    help="where both servers place the model: auto (a GPU if seen), cpu, cuda")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoints' own), float32, bfloat16 or float16")
@@ -154,7 +157,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     plan = Plan(model=args.model, tracking_uri=registry.uri if registry else tracking, levels=list(args.levels),
                 requests={c: args.requests or max(64, 8 * c) for c in args.levels}, time_limit_s=args.time_limit,
                 request_timeout_s=args.request_timeout, threads=args.threads, max_batch_size=args.max_batch_size,
-                batch_wait_ms=args.batch_wait_ms, workdir=workdir, serve_port=free_port(),
+                workdir=workdir, serve_port=free_port(),
                 mlflow_port=None if args.serve_only else free_port(), registry_port=registry.port if registry else None,
                 device=args.device, dtype=args.dtype, gpus=gpus,
                 direct_port=free_port() if args.ingress == "direct" else None)
@@ -170,8 +173,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                               + f"ray.init(address='local', num_cpus={os.cpu_count()}); serve.start(http_options="
                               f"{{'host': '127.0.0.1', 'port': {plan.serve_port}}}); serve.run(AwarenessServer.options("
                               f"ray_actor_options={replica_options(plan)}).bind(model='{model}', memory_dir="
-                              f"'{workdir}/memories', max_batch_size={args.max_batch_size}, batch_wait_timeout_s="
-                              f"{args.batch_wait_ms / 1000}, device='{args.device}', dtype='{args.dtype}'))")
+                              f"'{workdir}/memories', max_batch_size={args.max_batch_size}, api_keys_env='{KEYS_ENV}', "
+                              f"device='{args.device}', dtype='{args.dtype}'))")
     return plan
 
 
@@ -244,8 +247,9 @@ def setup_model(plan: Plan, stack: ExitStack):
     return f"models:/{NAME}/{version.version}", registry
 
 
-def start_serve(plan: Plan, model: str, stack: ExitStack) -> None:
-    """The Serve app on a local Ray of its own (never an existing cluster), torn down by `stack`."""
+def start_serve(plan: Plan, model: str, key: str, stack: ExitStack) -> None:
+    """The Serve app on a local Ray of its own (never an existing cluster), torn down by `stack`, answering to `key`
+    (an admin key: GET /v1/stats)."""
     import ray
     from ray import serve
 
@@ -254,7 +258,8 @@ def start_serve(plan: Plan, model: str, stack: ExitStack) -> None:
     # this repository first, then whatever this process was given (a GPU box's bundled site, benchmarks/gpu_check.py)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(plan.threads),
-           **({"MLFLOW_TRACKING_URI": plan.tracking_uri} if plan.tracking_uri else {}), **direct_ingress_env(plan)}
+           **({"MLFLOW_TRACKING_URI": plan.tracking_uri} if plan.tracking_uri else {}), **direct_ingress_env(plan),
+           KEYS_ENV: f"load:{key}:admin"}
     os.environ.update(direct_ingress_env(plan))  # Serve's controller reads it at start, in the Ray this process starts
     ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=plan.gpus, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": env})
@@ -263,8 +268,7 @@ def start_serve(plan: Plan, model: str, stack: ExitStack) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": plan.serve_port})
     app = AwarenessServer.options(ray_actor_options=replica_options(plan)).bind(
         model=model, memory_dir=str(Path(plan.workdir) / "memories"), tracking_uri=plan.tracking_uri,
-        max_batch_size=plan.max_batch_size, batch_wait_timeout_s=plan.batch_wait_ms / 1000, device=plan.device,
-        dtype=plan.dtype)
+        max_batch_size=plan.max_batch_size, api_keys_env=KEYS_ENV, device=plan.device, dtype=plan.dtype)
     try:
         serve.run(app, name="serve-load", route_prefix="/")
     except RuntimeError as error:  # Serve says only that the deployment failed; its status holds the replica's error
@@ -457,22 +461,22 @@ async def run_level(system, client, concurrency: int, requests: int, time_limit:
 def batching_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
     """What the replica did during one pass (GET /v1/stats' `batching`, after minus before)."""
     b, a = before["batching"], after["batching"]
-    batches, questions = a["batches"] - b["batches"], a["questions"] - b["questions"]
+    steps, rows = a["steps"] - b["steps"], a["rows"] - b["rows"]
     sizes = {k: v - b["sizes"].get(k, 0) for k, v in a["sizes"].items() if v - b["sizes"].get(k, 0)}
-    generate_s = a["generate_s"] - b["generate_s"]
-    return {"batches": batches, "mean_batch": round(questions / batches, 2) if batches else None,
+    forward_s = a["forward_s"] - b["forward_s"]
+    return {"steps": steps, "mean_batch": round(rows / steps, 2) if steps else None,
             "batch_sizes": dict(sorted(sizes.items(), key=lambda kv: int(kv[0]))),
-            "generates": a["generates"] - b["generates"], "generate_s": round(generate_s, 3),
-            "generate_share": round(generate_s / seconds, 3) if seconds else None}
+            "prefills": a["prefills"] - b["prefills"], "forwards": a["forwards"] - b["forwards"],
+            "forward_s": round(forward_s, 3), "forward_share": round(forward_s / seconds, 3) if seconds else None}
 
 
 async def run_levels(plan: Plan, systems: dict[str, Any], questions: list[str], expected: dict[str, str],
-                     roots: dict[str, int]):
+                     roots: dict[str, int], headers: dict[str, str]):
     import httpx
 
     limits = httpx.Limits(max_connections=max(plan.levels), max_keepalive_connections=max(plan.levels))
     rows = []
-    async with httpx.AsyncClient(limits=limits, timeout=plan.request_timeout_s) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=plan.request_timeout_s, headers=headers) as client:
         stats_url = f"{systems['serve'].url}/v1/stats"
         check = {name: [await ask_safely(system, client, q) for q in questions] for name, system in systems.items()}
         correctness = {name: {"asked": len(out), "errors": sum(o.answer is None for o in out),
@@ -520,15 +524,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def cpu_table(rows: list[dict[str, Any]]) -> str:
-    """Where the CPU goes: per request, each role's CPU ms (Serve's replica with the wall ms its generate calls took
-    per request), and how many of the machine's cores this run's processes and all processes kept busy."""
-    lines = ["| clients | system | req/s | replica ms (in generate) | proxy ms | mlflow server ms | client ms | "
+    """Where the CPU goes: per request, each role's CPU ms (Serve's replica with the wall ms its decoder forwards
+    took per request), and how many of the machine's cores this run's processes and all processes kept busy."""
+    lines = ["| clients | system | req/s | replica ms (in forwards) | proxy ms | mlflow server ms | client ms | "
              "Ray rest ms | cores busy: this run / machine |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for name in [n for n in ("serve", "serve_stream", "mlflow") if n in row]:
             r = row[name]
             ms, cpu = r["cpu"]["ms_per_request"], r["cpu"]
-            generate = (f" ({r['batching']['generate_s'] / max(r['ok'], 1) * 1000:.1f})" if "batching" in r else "")
+            generate = (f" ({r['batching']['forward_s'] / max(r['ok'], 1) * 1000:.1f})" if "batching" in r else "")
             lines.append(f"| {row['concurrency']} | {name} | {r['rps']} | {ms.get('serve_replica', '-')}{generate} | "
                          f"{ms.get('serve_proxy', '-')} | {ms.get('mlflow_server', '-')} | {ms.get('client', '-')} | "
                          f"{ms.get('ray_other', '-')} | {cpu['ours_cores']} / {cpu['machine_busy_cores']} "
@@ -551,7 +555,7 @@ def summary(plan: Plan, model: str, floor: dict[str, float], correctness, rows) 
             "ports": {"serve": plan.serve_port, "mlflow": plan.mlflow_port, "registry": plan.registry_port,
                       "direct": plan.direct_port},
             "ingress": "direct" if plan.direct_port else "proxy",
-            "max_batch_size": plan.max_batch_size, "batch_wait_ms": plan.batch_wait_ms,
+            "max_batch_size": plan.max_batch_size,
             "in_process_ms": floor, "correctness": correctness, "errors": errors,
             "mismatches": mismatches, "rps_ratio": {str(r["concurrency"]): r["rps_ratio"] for r in rows},
             "serve_4x_at_16": None if at16 is None else at16 >= 4, "levels": rows}
@@ -566,6 +570,8 @@ def run(plan: Plan) -> dict[str, Any]:
     from pipelines.serving.tiny import needle_questions
 
     torch.set_num_threads(plan.threads)
+    key = secrets.token_urlsafe(32)
+    headers = {"Authorization": f"Bearer {key}"}  # Serve's clients; mlflow models serve has no keys
     with ExitStack() as stack:
         model, registry = setup_model(plan, stack)
         served = None
@@ -580,7 +586,7 @@ def run(plan: Plan) -> dict[str, Any]:
                  + (f", mlflow models serve on 127.0.0.1:{plan.mlflow_port}" if served else ""))
         with ThreadPoolExecutor(1) as pool:  # mlflow models serve loads while Ray and Serve start
             starting = pool.submit(served.start) if served else None
-            start_serve(plan, model, stack)
+            start_serve(plan, model, key, stack)
             # the reference, in this process: the very pyfunc both servers load, placed as they place it
             pyfunc = load_pyfunc(model, plan.tracking_uri, plan.device, plan.dtype)
             if starting:
@@ -602,7 +608,7 @@ def run(plan: Plan) -> dict[str, Any]:
                                  f"vs {list(expected.values())}")
         import httpx
 
-        created = httpx.post(f"{serve_url(plan)}/v1/memories", json={"chunks": chunks}, timeout=120)
+        created = httpx.post(f"{serve_url(plan)}/v1/memories", json={"chunks": chunks}, timeout=120, headers=headers)
         created.raise_for_status()
         memory = created.json()["id"]
         progress(f"memory {memory[:12]} ({len(chunks)} chunks) created on Serve, store {store} for mlflow; "
@@ -612,7 +618,7 @@ def run(plan: Plan) -> dict[str, Any]:
         systems = {"serve": ServeClient(serve_url(plan), memory, stream=False),
                    "serve_stream": ServeClient(serve_url(plan), memory, stream=True),
                    **({"mlflow": MlflowModelClient(served.url, str(store))} if served else {})}
-        correctness, levels = asyncio.run(run_levels(plan, systems, questions, expected, roots))
+        correctness, levels = asyncio.run(run_levels(plan, systems, questions, expected, roots, headers))
         return summary(plan, model, floor, correctness, levels)
 
 

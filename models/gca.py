@@ -45,7 +45,7 @@ Measurements behind these choices: docs/results/2026-11-27-code-comment-measurem
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -601,6 +601,24 @@ class GCAMemory:
     @property
     def batch_size(self) -> int:
         return self.mask.shape[0]
+
+    def question_rows(self, rows: torch.Tensor) -> "GCAMemory":
+        """This memory with its routing priors (AwarenessModel.with_question: one per decoder row) kept for `rows`
+        only, in that order: what a decoding batch keeps when some of its rows finish."""
+        return self._with_priors(lambda prior: prior.index_select(1, rows.to(prior.device)))
+
+    def joined(self, other: "GCAMemory") -> "GCAMemory":
+        """This memory read by this one's decoder rows and then `other`'s (the same memory, other questions): the
+        rows' routing priors concatenated, as a decoding batch admits new rows."""
+        priors = {i: kv.routing.prior for i, kv in other.layers.items() if kv.routing is not None}
+        return self._with_priors(lambda prior, i: torch.cat([prior, priors[i]], dim=1), by_layer=True)
+
+    def _with_priors(self, change, by_layer: bool = False) -> "GCAMemory":
+        layers = {i: kv if kv.routing is None or kv.routing.prior is None else
+                  replace(kv, routing=replace(kv.routing, prior=change(kv.routing.prior, i) if by_layer
+                                              else change(kv.routing.prior)))
+                  for i, kv in self.layers.items()}
+        return replace(self, layers=layers)
 
 
 def gca_parameter_count(

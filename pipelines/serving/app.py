@@ -27,14 +27,9 @@ owner's memories on disk have a budget; every generate stops at the request's ti
 when a streaming client leaves; a stream that fails sends an error event and ends; Serve's `max_ongoing_requests` and
 `max_queued_requests` answer overload with 503 and Retry-After.
 
-Batching: `@serve.batch` gathers the questions that arrive within `batch_wait_timeout_s` (up to `max_batch_size`)
-from every client, and each group of them over one memory with one prompt length and the same decoding settings
-runs as one `generate` over that memory's GCAMemory (batch 1: attention folds the group's rows onto it, so the
-memory's keys and values are shared, not copied). We take that over a continuous-batching loop because this model's
-decoding is transformers' `generate` (no paged KV cache, no step-level scheduler to admit a request mid-generation);
-a continuous loop would need its own decoding loop and cache management, while serve.batch gives cross-client
-batching at request granularity with Serve's own queueing, backpressure and metrics. Streaming requests decode alone
-(a thread pushes each token as a server-sent event).
+Batching: continuous (pipelines.serving.decoding): one decoding loop per replica admits new questions at every
+step, plain and streamed alike, up to `max_batch_size` rows decoding at once; rows over one memory read its prepared
+GCA keys/values together (shared, not copied). A streamed request gets each token as the loop makes it.
 """
 
 
@@ -68,13 +63,13 @@ from ray.serve import metrics
 from ray.serve.config import BackpressureConfig
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models import AwarenessConfig
-from models.awareness import CONFIG_NAME, allowing_memory_keyword
+from models.awareness import CONFIG_NAME
 from models.quantization import check_quantize, is_quantized
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
+from pipelines.serving.decoding import DecodingLoop, Question
 from pipelines.serving.memories import ID, MemoryCache, OverDiskBudget, StoreMismatch, TextMemories, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
 from pipelines.tracking.tracker import for_other_nodes
@@ -637,56 +632,14 @@ def replica_tracking_uri(tracking_uri: str | None) -> str | None:
     return for_other_nodes(tracking_uri, head)
 
 
-@dataclass
-class Pending:
-    """One question waiting in a batch."""
-
-    ids: list[int]
-    memory: Any  # Memory | None
-    max_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    deadline: float = float("inf")  # time.monotonic() by which its generate stops
-
-
-class _Timing:
-    """A transformers streamer that notes when the first generated token exists (the first put is the prompt)."""
-
-    def __init__(self, on_token=None):
-        self.puts, self.first, self.on_token = 0, None, on_token
-
-    def put(self, value):
-        self.puts += 1
-        if self.puts == 2 and self.first is None:
-            self.first = time.perf_counter()
-        if self.puts >= 2 and self.on_token:
-            self.on_token(value)
-
-    def end(self):
-        pass
-
-
-class _Until(StoppingCriteria):
-    """Stops a generate at a deadline (time.monotonic()) or when `cancelled` is set (a streaming client left)."""
-
-    def __init__(self, deadline: float, cancelled: threading.Event | None = None):
-        self.deadline, self.cancelled, self.expired = deadline, cancelled, False
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.expired = self.expired or time.monotonic() > self.deadline
-        stop = self.expired or (self.cancelled is not None and self.cancelled.is_set())
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
-
-
 # overload past max_ongoing_requests + max_queued_requests: Serve answers 503 with Retry-After itself
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64,
                   backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
 @serve.ingress(app)
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
-                 max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 8,
-                 batch_wait_timeout_s: float = 0.01, device: str = "auto", dtype: str = "auto", quantize: str = "none",
+                 max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 16,
+                 device: str = "auto", dtype: str = "auto", quantize: str = "none",
                  api_keys_file: str | None = None, api_keys_env: str | None = None, model_name: str | None = None,
                  memory_disk_mb_per_owner: float = 4096.0, max_request_mb: float = 8.0,
                  request_timeout_s: float = 60.0, max_tokens_limit: int = MAX_TOKENS):
@@ -724,11 +677,10 @@ class AwarenessServer:
         if self.reads == "in_context":  # the whole memory goes in the prompt: the decoder's positions bound it
             positions = int(self.pyfunc.model.decoder.config.max_position_embeddings)
             self.max_memory_tokens = min(self.max_memory_tokens, positions - IN_CONTEXT_QUESTION_ROOM)
-        self.generate_batch.set_max_batch_size(int(max_batch_size))
-        self.generate_batch.set_batch_wait_timeout_s(float(batch_wait_timeout_s))
-        self.model_lock = threading.Lock()  # one generate at a time per replica (torch uses every core it has)
-        # where the time goes (GET /v1/stats): questions per serve.batch call, generate calls and seconds inside them
-        self.batching = {"batches": 0, "questions": 0, "sizes": {}, "generates": 0, "generate_s": 0.0}
+        self.model_lock = threading.Lock()  # one forward at a time per replica (torch uses every core it has)
+        eos = self.pyfunc.eos_token_id
+        self.decoding = DecodingLoop(self.pyfunc.model, eos if isinstance(eos, list) else [eos], int(max_batch_size),
+                                     self.model_lock)
 
     def authorize(self, request: Request) -> Caller:
         """The caller of a request: its key's owner; without keys configured, any loopback client (as LOCAL_OWNER,
@@ -763,53 +715,24 @@ class AwarenessServer:
         with self.model_lock:
             return model.prepare_memory(**inputs)
 
-    def _generate(self, ids: list[list[int]], memory, settings: Pending, until: _Until, streamer=None):
-        """One generate over the group's rows (one memory, prompt length and settings): their new tokens."""
-        model = self.pyfunc.model
-        input_ids = torch.tensor(ids, device=model.device)
-        sampling = ({"do_sample": True, "temperature": settings.temperature, "top_p": settings.top_p}
-                    if settings.temperature > 0 else {"do_sample": False})
-        with self.model_lock, torch.no_grad(), allowing_memory_keyword(model.decoder):
-            began = time.perf_counter()
-            if settings.seed is not None and settings.temperature > 0:
-                torch.manual_seed(settings.seed)  # under the lock: no other generate draws from the generator now
-            # the decoder's generate: every row of the group reads the one memory row (models.gca.attend_memory);
-            # with lexical routing each row's question prior on a copy, the cached memory left as it was
-            gca_memory = (model.with_question(memory.gca_memory, input_ids, torch.ones_like(input_ids))
-                          if memory and memory.gca_memory is not None else None)
-            out = model.decoder.generate(input_ids=input_ids, gca_memory=gca_memory,
-                                         max_new_tokens=settings.max_tokens, eos_token_id=self.pyfunc.eos_token_id,
-                                         pad_token_id=self.pyfunc.pad_token_id, streamer=streamer,
-                                         stopping_criteria=StoppingCriteriaList([until]), **sampling)
-            self.batching["generates"] += 1
-            self.batching["generate_s"] += time.perf_counter() - began
-        return out[:, input_ids.shape[1]:].tolist()
+    async def _answered(self, questions: list[Question]) -> None:
+        """Until the decoding loop has ended every question; a request that is cancelled (its client left) ends its
+        questions at the loop's next step."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in questions]
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def generate_batch(self, requests: list[Pending]) -> list[tuple[list[int], float | None, bool]]:
-        """(new tokens, when the first existed, whether the request's time ran out) for each question."""
-        sizes = self.batching["sizes"]
-        self.batching["batches"] += 1
-        self.batching["questions"] += len(requests)
-        sizes[str(len(requests))] = sizes.get(str(len(requests)), 0) + 1
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):  # a seeded sample decodes alone: its draws are its own
-            alone = i if r.seed is not None and r.temperature > 0 else None
-            key = (r.memory.id if r.memory else None, len(r.ids), r.max_tokens, r.temperature, r.top_p, alone)
-            groups.setdefault(key, []).append(i)
-        results: list[Any] = [None] * len(requests)
-        for members in groups.values():
-            timing, first = _Timing(), requests[members[0]]
-            until = _Until(min(requests[i].deadline for i in members))
-            try:
-                outs = await asyncio.to_thread(self._generate, [requests[i].ids for i in members], first.memory,
-                                               first, until, timing)
-            except Exception as e:  # noqa: BLE001 - this group's requests fail; the batch's others are answered
-                logger.exception("generate failed")
-                outs = [e] * len(members)
-            for i, out in zip(members, outs):
-                results[i] = (out, timing.first, until.expired)
-        return results
+        def resolve(done: asyncio.Future) -> None:  # (nested: Serve ships this class's methods by value)
+            if not done.done():
+                done.set_result(None)
+
+        for q, done in zip(questions, futures):
+            q.on_done = lambda _, done=done: loop.call_soon_threadsafe(resolve, done)
+            self.decoding.submit(q)
+        try:
+            await asyncio.gather(*futures)
+        finally:
+            for q in questions:
+                q.cancel()
 
     # ------------------------------------------------------------------------------------------------- memories
     def _memory(self, owner: str, id: str):
@@ -899,7 +822,7 @@ class AwarenessServer:
             held = {"memories": len(self.memories.entries),
                     "bytes": sum(m.nbytes for m in self.memories.entries.values())}
         return {"model": self.model_name, "budget_bytes": self.memories.budget_bytes, **held, **self.memories.counts,
-                "batching": self.batching, "errors": dict(self.errors.counts)}
+                "batching": self.decoding.stats, "errors": dict(self.errors.counts)}
 
     @app.get("/v1/models", responses=answers({200: {"model": ModelList}}))
     async def models(self, who: Caller = Depends(caller)):
@@ -964,24 +887,24 @@ class AwarenessServer:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if body.stream:
-            settings = Pending(prompt_ids[0], memory, max_tokens, temperature, body.top_p, body.seed, deadline)
+            question = Question(prompt_ids[0], memory, max_tokens, temperature, body.top_p, body.seed, deadline)
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(head, settings, stops, usage, start), media_type="text/event-stream")
-        asked = [Pending(ids, memory, max_tokens, temperature, body.top_p,
-                         None if body.seed is None else body.seed + j, deadline)
+            return StreamingResponse(self._stream(head, question, stops, usage, start), media_type="text/event-stream")
+        asked = [Question(ids, memory, max_tokens, temperature, body.top_p,
+                          None if body.seed is None else body.seed + j, deadline)
                  for ids in prompt_ids for j in range(body.n)]
-        answers = await asyncio.gather(*(self.generate_batch(p) for p in asked))
+        await self._answered(asked)
         choices, completion_tokens = [], 0
-        for index, (out, first, expired) in enumerate(answers):
-            if isinstance(out, Exception):
-                raise out
-            if expired:
+        for index, q in enumerate(asked):
+            if q.error is not None:
+                raise q.error
+            if q.expired:
                 raise ApiError(504, f"the request ran past this server's {self.request_timeout_s:g} s limit "
                                     f"(request_timeout_s): ask for fewer max_tokens", "timeout")
-            text, reason = self._finish(out, stops, max_tokens)
+            text, reason = self._finish(q.tokens, stops, max_tokens)
             choices.append({"index": index, "text": text, "finish_reason": reason, "logprobs": None})
-            completion_tokens += len(out)
-            self._log(memory, len(asked[index].ids), len(out), first, start)
+            completion_tokens += len(q.tokens)
+            self._log(memory, len(q.ids), len(q.tokens), q.first, start)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         return head | {"memory": memory.id if memory else None, "choices": choices,
                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -1000,68 +923,61 @@ class AwarenessServer:
             return text[:cut], "stop"
         return text, "stop" if ended or len(out) < max_tokens else "length"
 
-    async def _stream(self, head: dict[str, Any], settings: Pending, stops: list[str], usage: bool, start: float):
+    async def _stream(self, head: dict[str, Any], question: Question, stops: list[str], usage: bool, start: float):
         """The completion's server-sent events: its text as it grows, the finish reason, `usage` when asked, then
-        [DONE]; an error event (and no [DONE]) when the generate fails or runs out of time. A client that leaves
-        stops the generate at its next token."""
-        loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
-        timing = _Timing(lambda value: loop.call_soon_threadsafe(queue.put_nowait, value.reshape(-1).tolist()))
-        until = _Until(settings.deadline, cancelled)
-
-        def run():
-            try:
-                return self._generate([settings.ids], settings.memory, settings, until, timing)
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
+        [DONE]; an error event (and no [DONE]) when decoding fails or runs out of time. A client that leaves ends
+        the question at the decoding loop's next step."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        question.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
+        question.on_done = lambda _: loop.call_soon_threadsafe(queue.put_nowait, None)
 
         def event(choice: dict[str, Any] | None, **more) -> str:
             data = head | {"choices": [] if choice is None else [{"index": 0, "logprobs": None} | choice]}
             return f"data: {json.dumps(data | ({'usage': None} if usage else {}) | more)}\n\n"
 
-        task = asyncio.ensure_future(asyncio.to_thread(run))
-        out, sent, done = [], "", False
+        self.decoding.submit(question)
+        out, sent, ended = [], "", False
         try:
-            while not done:
-                step = await queue.get()
-                if step is None:
+            while True:
+                token = await queue.get()
+                if token is None:
+                    ended = True
                     break
-                out += step
-                answer, ended = self._answer_ids(out)
+                out.append(token)
+                answer, finished = self._answer_ids(out)
                 text = self.pyfunc.decode(answer)
                 cut = min((text.index(s) for s in stops if s and s in text), default=None)
                 if cut is not None:
-                    text, done = text[:cut], True
-                if ended:
-                    done = True
+                    text = text[:cut]
                 if len(text) > len(sent) and text.startswith(sent):
                     yield event({"text": text[len(sent):], "finish_reason": None})
                     sent = text
-            cancelled.set()  # an answer cut at a stop string needs no more tokens
-            try:
-                await task
-            except Exception as e:  # noqa: BLE001 - the client gets an error event, the log the traceback
-                logger.exception("streamed generate failed")
+                if cut is not None or finished:  # an answer cut at a stop string needs no more tokens
+                    break
+            question.cancel()
+            if ended and question.error is not None:  # the client gets an error event, the log the traceback
                 _count(500, "stream_failed")
-                failed = error_body(500, f"the generate failed ({type(e).__name__}); the log says why", "stream_failed")
+                failed = error_body(500, f"decoding failed ({type(question.error).__name__}); the log says why",
+                                    "stream_failed")
                 yield f"data: {json.dumps(failed)}\n\n"
                 return
-            if until.expired:
+            if ended and question.expired:
                 _count(504, "timeout")
                 message = (f"the request ran past this server's {self.request_timeout_s:g} s limit "
                            f"(request_timeout_s): ask for fewer max_tokens")
                 yield f"data: {json.dumps(error_body(504, message, 'timeout'))}\n\n"
                 return
-            final, reason = self._finish(out, stops, settings.max_tokens)
+            final, reason = self._finish(out, stops, question.max_tokens)
             if final.startswith(sent) and len(final) > len(sent):
                 yield event({"text": final[len(sent):], "finish_reason": None})
             yield event({"text": "", "finish_reason": reason})
             if usage:
-                yield event(None, usage={"prompt_tokens": len(settings.ids), "completion_tokens": len(out),
-                                         "total_tokens": len(settings.ids) + len(out)})
+                yield event(None, usage={"prompt_tokens": len(question.ids), "completion_tokens": len(out),
+                                         "total_tokens": len(question.ids) + len(out)})
             yield "data: [DONE]\n\n"
-            self._log(settings.memory, len(settings.ids), len(out), timing.first, start)
+            self._log(question.memory, len(question.ids), len(out), question.first, start)
         finally:
-            cancelled.set()  # a client that left stops the generate at its next token
+            question.cancel()  # a client that left ends the question at the loop's next step
 
     def _log(self, memory, tokens_in: int, tokens_out: int, first: float | None, start: float) -> None:
         now = time.perf_counter()

@@ -128,7 +128,7 @@ def test_a_quick_run_reports_both_systems_with_no_errors_and_the_pyfuncs_answers
             assert measured["rps"] > 0 and 0 < measured["p50_ms"] <= measured["p99_ms"]
             assert 0 < measured["ttft_p50_ms"] <= measured["p50_ms"]
         assert row["mlflow"]["ttft_p50_ms"] == row["mlflow"]["p50_ms"]  # no streaming: its TTFT is its latency
-        assert row["serve"]["batching"]["batches"] >= 1 and row["rps_ratio"] > 0
+        assert row["serve"]["batching"]["steps"] >= 1 and row["rps_ratio"] > 0
     assert report["errors"] == 0 and report["mismatches"] == 0
     assert all(c == {"asked": 8, "errors": 0, "mismatches": 0} for c in report["correctness"].values())
     tables = [line for line in done.stdout.splitlines() if line.startswith("|")]
