@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=120.0, help="seconds per level and system")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--threads", type=int, default=1, help="torch threads in each server (and this process)")
-    p.add_argument("--max-batch-size", type=int, default=16,
+    p.add_argument("--max-batch-size", type=int, default=128,
                    help="the Serve app's max_batch_size: rows decoding at once")
     p.add_argument("--device", default="auto",
                    help="where both servers place the model: auto (a GPU if seen), cpu, cuda")

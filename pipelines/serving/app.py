@@ -69,7 +69,7 @@ from models.awareness import CONFIG_NAME
 from models.quantization import check_quantize, is_quantized
 from pipelines.corpora.tasks import readable_text, text_chunks
 from pipelines.format.tokenizer import VOCAB_SIZE, QwenTokenizer
-from pipelines.serving.decoding import DecodingLoop, Question
+from pipelines.serving.decoding import MIN_TEMPERATURE, DecodingLoop, Question
 from pipelines.serving.memories import ID, MemoryCache, OverDiskBudget, StoreMismatch, TextMemories, UnknownMemory
 from pipelines.serving.pyfunc import AwarenessPyfunc, ensure_tokenizer, placement
 from pipelines.tracking.tracker import for_other_nodes
@@ -79,7 +79,6 @@ logger = logging.getLogger("ray.serve")
 CREATE = 'create one with POST /v1/memories {"chunks": ["chunk text", ...]} or {"files": [{"path": ..., "text": ...}]}'
 MAX_CHARS_PER_TOKEN = 16  # files larger than this many characters a memory token are refused before tokenizing
 IN_CONTEXT_QUESTION_ROOM = 256  # decoder positions an in_context memory leaves for the question and its answer
-MIN_TEMPERATURE = 1e-4  # a temperature below this decodes greedily (its limit): dividing logits by less overflows
 # a chunk or prompt holds some text: a character no regex dialect or tokenizer calls whitespace (Unicode's White_Space,
 # Python's \s, ECMAScript's \s), spelled out so that the schema's `pattern` and this check agree everywhere
 NON_BLANK = re.compile(r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]")
@@ -632,13 +631,15 @@ def replica_tracking_uri(tracking_uri: str | None) -> str | None:
     return for_other_nodes(tracking_uri, head)
 
 
-# overload past max_ongoing_requests + max_queued_requests: Serve answers 503 with Retry-After itself
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=64,
+# overload past max_ongoing_requests + max_queued_requests: Serve answers 503 with Retry-After itself. A request
+# inside the replica waits for a decoding row in the loop's own queue, at no cost; one held back by Serve's router
+# waits out its retry backoff, so max_ongoing_requests sits well above max_batch_size
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=256, max_queued_requests=512,
                   backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
 @serve.ingress(app)
 class AwarenessServer:
     def __init__(self, model: str, memory_dir: str, memory_budget_mb: float = 512.0, max_memory_tokens: int = 65536,
-                 max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 16,
+                 max_memory_chunks: int = 4096, tracking_uri: str | None = None, max_batch_size: int = 128,
                  device: str = "auto", dtype: str = "auto", quantize: str = "none",
                  api_keys_file: str | None = None, api_keys_env: str | None = None, model_name: str | None = None,
                  memory_disk_mb_per_owner: float = 4096.0, max_request_mb: float = 8.0,

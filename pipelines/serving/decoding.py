@@ -33,6 +33,7 @@ from models.awareness import AwarenessModel
 from models.gca import GCAMemory
 
 logger = logging.getLogger("ray.serve")
+MIN_TEMPERATURE = 1e-4  # a temperature below this decodes greedily (its limit): dividing logits by less overflows
 
 
 @dataclass(eq=False)
@@ -42,7 +43,7 @@ class Question:
     ids: list[int]
     memory: Any  # the served memory (pipelines.serving.memories: `.gca_memory`), or None
     max_tokens: int
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below MIN_TEMPERATURE: greedy
     top_p: float = 1.0
     seed: int | None = None
     deadline: float = float("inf")  # time.monotonic() by which it stops
@@ -92,7 +93,7 @@ class DecodingLoop:
         self.thread.start()
 
     def submit(self, question: Question) -> None:
-        if question.temperature > 0:
+        if question.temperature >= MIN_TEMPERATURE:
             question.warpers = [TemperatureLogitsWarper(question.temperature)]
             question.warpers += [TopKLogitsWarper(self.top_k)] if self.top_k else []
             question.warpers += [TopPLogitsWarper(question.top_p)] if question.top_p < 1 else []

@@ -168,8 +168,8 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     """Measures what clients see when the only replica dies under their requests, and what the next replica knows.
 
     A memory is created and a greedy question over it answered. Then a streamed completion (max_tokens 4096,
-    sampled, so it decodes for seconds) starts from a thread, and a plain one queues behind it in the replica (one
-    generate at a time); once the stream's first tokens have arrived, the replica actor is killed with
+    sampled, so it decodes for seconds) starts from a thread, and a plain one joins it in the replica's decoding
+    loop; once the stream's first tokens have arrived, the replica actor is killed with
     `ray.kill(actor, no_restart=False)` (Serve creates replicas with max_restarts=0: its controller, not Ray, replaces
     it). Measured: each in-flight client ends within 60 s of the kill (it ends in well under a second: the streamed
     one with a broken chunked body after its 200 and no `[DONE]`, the plain one with Ray Serve's 500), a request sent
@@ -658,6 +658,59 @@ def test_a_request_past_its_time_limit_ends_and_overload_answers_503_with_retry_
         assert client.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 2}).status_code == 200
     finally:
         restart()
+
+
+@pytest.mark.e2e
+def test_64_slow_or_broken_streams_do_not_stop_a_normal_request(server):
+    """The issue's hang, 64 times at once: streams with temperature 5e-324 and max_tokens 4096 (greedy now, and this
+    model's greedy answer to "k1 =" never ends, so each runs until its time limit); half never read a byte after the
+    headers, half leave after their first event. They all decode in the replica's loop beside each other, so a
+    normal request sent after them gets its answer (the same as alone) within a few times its usual latency; the
+    unread streams were still decoding (their buffered events run on)."""
+    import asyncio
+
+    import httpx
+
+    client, _, _, port = server
+    expected = _greedy(client)
+    began = time.perf_counter()
+    assert _greedy(client) == expected
+    usual = time.perf_counter() - began
+    long = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 5e-324, "stream": True}
+
+    async def attack() -> tuple[float, float, str, int]:
+        began = time.perf_counter()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=ALICE, timeout=120,
+                                     limits=httpx.Limits(max_connections=80)) as http:
+            opened = [http.stream("POST", "/v1/completions", json=long) for _ in range(64)]
+            responses = await asyncio.gather(*(s.__aenter__() for s in opened))
+            assert all(r.status_code == 200 for r in responses)
+            for response in responses[32:]:  # broken: one event, then gone
+                await anext(response.aiter_lines())
+                await response.aclose()
+            await asyncio.sleep(1.0)
+            asked = time.perf_counter()
+            answer = await http.post("/v1/completions", json={"prompt": "k1 =", "max_tokens": 4})
+            took = time.perf_counter() - asked
+            events = 0
+            async for line in responses[0].aiter_lines():  # a slow one, read at last: it kept decoding
+                if not line:
+                    continue
+                if not line.startswith('data: {"id"'):  # [DONE] or an error event (its time ran out)
+                    break
+                events += 1
+                if events == 100:
+                    break
+            for s in opened[:32]:
+                await s.__aexit__(None, None, None)
+            assert answer.status_code == 200, answer.text
+            return asked - began, took, answer.json()["choices"][0]["text"], events
+
+    before, took, text, events = asyncio.run(attack())
+    assert before < 30  # well inside the streams' 60 s time limit: they were all still decoding
+    assert text == expected and took < max(10 * usual, 3.0), (took, usual)
+    assert events == 100
+    assert _greedy(client) == expected
 
 
 # ------------------------------------------------------------------------------------------- OpenAI's wire format

@@ -105,7 +105,8 @@ def test_lexically_routed_rows_keep_their_own_question_prior_as_rows_join_and_le
         assert all(torch.equal(prior, expected) for prior in layers)
 
 
-def test_a_seeded_sample_is_the_same_alone_and_in_a_batch_and_top_p_near_zero_is_greedy(checkpoint_root):
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch_and_top_p_or_temperature_near_zero_is_greedy(
+        checkpoint_root):
     model = reading(pair(checkpoint_root, "gca"))
     memory = served(model, seed=1)
     prompt = random_ids(1, 5, vocab=DEC_VOCAB, seed=3)[0].tolist()
@@ -117,10 +118,10 @@ def test_a_seeded_sample_is_the_same_alone_and_in_a_batch_and_top_p_near_zero_is
     by_itself = sampled(seed=11)
     answer(loop, [by_itself], [])
     batched = [sampled(seed=11), sampled(seed=12), sampled(), Question(prompt, memory, MAX_TOKENS)]
-    narrow = sampled(top_p=1e-9)
-    answer(loop, batched[:2], batched[2:] + [narrow], after=1)
+    narrow, tiny = sampled(top_p=1e-9), Question(prompt, memory, MAX_TOKENS, temperature=5e-324)
+    answer(loop, batched[:2], batched[2:] + [narrow, tiny], after=1)
     assert batched[0].tokens == by_itself.tokens and batched[1].tokens != by_itself.tokens
-    assert narrow.tokens == batched[3].tokens == alone(model, batched[3])
+    assert narrow.tokens == tiny.tokens == batched[3].tokens == alone(model, batched[3])  # 5e-324: greedy, no NaN
 
 
 def test_a_cancelled_or_expired_row_stops_alone_and_a_failed_forward_fails_only_its_rows(checkpoint_root):
