@@ -143,11 +143,10 @@ class DecodingLoop:
                 self.running[key] = self._join(self.running[key], new) if key in self.running else new
         if not self.running:
             return
-        sizes = self.stats["sizes"]
-        rows = self.rows
+        active, sizes = self.rows, self.stats["sizes"]
         self.stats["steps"] += 1
-        self.stats["rows"] += rows
-        sizes[str(rows)] = sizes.get(str(rows), 0) + 1
+        self.stats["rows"] += active
+        sizes[str(active)] = sizes.get(str(active), 0) + 1
         for key, rows in list(self.running.items()):
             rows = self._keep(rows, [i for i, q in enumerate(rows.questions) if not self._stopped(q)])
             if rows is not None:
