@@ -883,15 +883,14 @@ class AwarenessServer:
             raise ApiError(422, f"max_tokens {body.max_tokens}: this server writes at most {self.max_tokens_limit} "
                                 f"tokens a completion (max_tokens_limit)", "invalid_request", "max_tokens")
         max_tokens = body.max_tokens or min(self.pyfunc.max_new_tokens, self.max_tokens_limit)
-        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if body.stream:
-            question = Question(prompt_ids[0], memory, max_tokens, temperature, body.top_p, body.seed, deadline)
+            question = Question(prompt_ids[0], memory, max_tokens, body.temperature, body.top_p, body.seed, deadline)
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(head, question, stops, usage, start), media_type="text/event-stream")
-        asked = [Question(ids, memory, max_tokens, temperature, body.top_p,
+        asked = [Question(ids, memory, max_tokens, body.temperature, body.top_p,
                           None if body.seed is None else body.seed + j, deadline)
                  for ids in prompt_ids for j in range(body.n)]
         await self._answered(asked)
