@@ -637,7 +637,7 @@ def test_a_request_past_its_time_limit_ends_and_overload_answers_503_with_retry_
     client, _, restart, port = server
     restart(request_timeout_s=1.5, max_ongoing_requests=1, max_queued_requests=1)
     try:
-        slow = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 1.0, "seed": 3}
+        slow = {"prompt": "k1 =", "max_tokens": 4096}  # greedy: this model's answer to "k1 =" never ends
         began = time.monotonic()
         plain = client.post("/v1/completions", json=slow)
         assert plain.status_code == 504 and "request_timeout_s" in message(plain), plain.text
