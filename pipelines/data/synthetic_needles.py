@@ -24,7 +24,11 @@ Training for size and for similar facts, each off by default, so the default tas
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
   token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own). `three_hop` is
-  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. Alias keys come
+  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. A chain's
+  answer names each key it passes before the value (`BOS ka` -> `kb d d d`): the decoder reads again at the key it
+  named, so every read is one lookup, as the seed's `<read>` has the decoder say what it reads; in one forward, a
+  second GCA layer routed by the first one's read did not learn in 7,000 steps (variable tracking,
+  docs/results/2026-11-26-variable-tracking.md). variable_tracking keeps RULER's answer, the value alone. Alias keys come
   from the len(ALIASES) key tokens that have an alias, so alias_multi_key holds at most that many one-token keys.
 - `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
@@ -151,9 +155,10 @@ class NeedleSpec:
         return parse_mixture(self.variants)[0]
 
     def row_len(self, variant: str = "single") -> int:
-        """Tokens of one question row: BOS, the key(s), the answer's tokens, EOS."""
+        """Tokens of one question row: BOS, the key(s), the answer's tokens (a chain's path, the value(s)), EOS."""
         two = variant in ("multi_query", "multi_value")
-        return self.prompt_len + self.key_tokens * (variant == "multi_query") + self.value_digits * (1 + two) + 1
+        path = self.key_tokens * (CHAIN_HOPS.get(variant, 1) - 1)
+        return self.prompt_len + self.key_tokens * (variant == "multi_query") + path + self.value_digits * (1 + two) + 1
 
     @property
     def longest_row(self) -> int:
@@ -234,9 +239,10 @@ def draw_variant(spec: NeedleSpec, seed: int, index: int) -> tuple[str, int]:
 @dataclass
 class NeedleMemory:
     """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, the
-    answer a model is trained to give (the references one after another; multi_value's two in memory order),
-    where (as a fraction of the memory) the fact holding the answer starts, and the chunks its evidence lies in
-    (every fact the answer needs: both values, both keys, every hop)."""
+    answer a model is trained to give (the path, then the references one after another; multi_value's two in memory
+    order), where (as a fraction of the memory) the fact holding the answer starts, the chunks its evidence lies in
+    (every fact the answer needs: both values, both keys, every hop), and its path: the keys a chain's answer names
+    before the value (two_hop, three_hop; empty elsewhere)."""
 
     memory: np.ndarray
     questions: list[list[int]]
@@ -244,6 +250,7 @@ class NeedleMemory:
     depth: list[float]
     evidence: list[list[int]]
     answers: list[list[int]]
+    paths: list[list[int]]
 
 
 def draw_keys(rng: np.random.Generator, spec: NeedleSpec, n: int, vocabulary: range = KEYS) -> list[list[int]]:
@@ -287,7 +294,8 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
 
 class DrawnFacts(NamedTuple):
     """A memory's facts before placement and, per question: its prompt, its references, the fact holding its
-    (first) answer, every fact it needs; and the (key, value) facts hard distractors imitate."""
+    (first) answer, every fact it needs; the (key, value) facts hard distractors imitate; and per question the keys
+    its answer names before the value (chains; None: none)."""
 
     facts: list[list[int]]
     asked: list[list[int]]
@@ -295,10 +303,13 @@ class DrawnFacts(NamedTuple):
     answer_fact: list[int]
     needed: list[list[int]]
     targets: list[tuple[list[int], list[int]]]
+    paths: list[list[int]] | None = None
 
 
-def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generator, digits) -> DrawnFacts:
-    """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: up to spec.questions, as many as fit."""
+def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generator, digits,
+                named: bool = False) -> DrawnFacts:
+    """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: up to spec.questions, as many as fit.
+    `named`: each answer names the keys it passes (`kb d d d`), else the value alone."""
     questions = min(spec.questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
     keys = draw_keys(rng, spec, questions * hops)
     chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
@@ -309,7 +320,8 @@ def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generato
     links = hops - 1
     needed = [[q * links + h for h in range(links)] + [answer_fact[q]] for q in range(questions)]
     return DrawnFacts(facts, [[BOS, *chain[0]] for chain in chains], [[v] for v in values], answer_fact, needed,
-                      [(chain[-1], v) for chain, v in zip(chains, values, strict=True)])
+                      [(chain[-1], v) for chain, v in zip(chains, values, strict=True)],
+                      [[t for key in chain[1:] for t in key] for chain in chains] if named else None)
 
 
 def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.random.Generator,
@@ -355,7 +367,7 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         return [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist() for _ in range(n)]
 
     if variant == "variable_tracking" or variant in CHAIN_HOPS:
-        drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits)
+        drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits, named=variant in CHAIN_HOPS)
     else:
         drawn = keyed_facts(variant, spec, scale, slots, rng, digits)
     facts, refs, needed = drawn.facts, drawn.refs, drawn.needed
@@ -367,14 +379,15 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         memory, starts = place_apart(facts, needed, spec, chunks, rng)
     else:
         memory, starts = place(facts, spec, chunks, rng, ALIAS_FILLER if variant in ALIAS_VARIANTS else FILLER)
-    answers = [[t for _, ref in sorted(zip((starts[f] for f in facts_needed), refs_q)) for t in ref]
-               if variant == "multi_value" else [t for ref in refs_q for t in ref]
-               for refs_q, facts_needed in zip(refs, needed, strict=True)]
+    paths = drawn.paths or [[] for _ in drawn.asked]
+    answers = [path + ([t for _, ref in sorted(zip((starts[f] for f in facts_needed), refs_q)) for t in ref]
+                       if variant == "multi_value" else [t for ref in refs_q for t in ref])
+               for path, refs_q, facts_needed in zip(paths, refs, needed, strict=True)]
     return NeedleMemory(memory=memory, questions=drawn.asked, references=refs,
                         depth=[starts[f] / (chunks * spec.chunk_len) for f in drawn.answer_fact],
                         evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed})
                                   for facts_needed in needed],
-                        answers=answers)
+                        answers=answers, paths=paths)
 
 
 def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator,

@@ -7,7 +7,8 @@ value needles, one asked per question: the others are distractors that look like
 asked key holds two values; both must be answered), `multi_query` (one question names two keys; both values must be
 answered), `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`), and the tasks retrieval by the
 question's words cannot solve: `alias` and `alias_multi_key` (asked by the key's alias, sharing no token with the
-evidence), `two_hop` and `three_hop` (each link in a chunk of its own; three_hop is never trained). Memory size
+evidence), `two_hop` and `three_hop` (each link in a chunk of its own, the answer naming each key it passes before the value:
+`kb d d d`; three_hop is never trained). Memory size
 counts chunks; facts are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler),
 so `single` at 1x is the training distribution and the memory's size does not depend on its contents. Scoring is
 RULER's string match: a question's references must appear in the generated answer. A probe is built by the generator
@@ -116,9 +117,15 @@ def served_answers(system: System, probe: Probe) -> list[list[int]]:
     words = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     memory = [words(chunk) for chunk in probe.memory.tolist()]
     rows = [{"question": words(question[1:]), "memory": memory} for question in probe.questions]  # BOS: the tokenizer's
-    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
+    new = answer_budget(probe)
     answers = system.served.predict(rows, params={"max_new_tokens": new})
     return [tokenizer.encode(answer, add_special_tokens=False).ids for answer in answers]
+
+
+def answer_budget(probe: Probe) -> int:
+    """New tokens a probe's answers may take: the longest path and references of a question, plus EOS."""
+    return max(len(path) + sum(len(r) for r in refs) for path, refs in zip(probe.paths, probe.references,
+                                                                            strict=True)) + 1
 
 
 @torch.no_grad()
@@ -127,7 +134,7 @@ def answer_probe(system: System, probe: Probe) -> list[list[int]]:
     if system.served is not None:
         return served_answers(system, probe)
     inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
-    new = max(sum(len(r) for r in refs) for refs in probe.references) + 1
+    new = answer_budget(probe)
     out = system.model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
     answers = []
     for row in out[:, inputs["input_ids"].shape[1] :].tolist():
@@ -158,7 +165,7 @@ def answer_end_loss(system: System, probe: Probe) -> list[float]:
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
-    found), whole (the answer is its references and nothing else, in some order, ended within the budget: RULER's
+    found), whole (the answer is its path and references and nothing else, in some order, ended within the budget: RULER's
     match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the answer,
     the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no logits),
     and for gca where its attention went."""
@@ -168,13 +175,13 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
     reading = memory_attention(system, probe) if local and system.mode.kind == "gca" else [{}] * len(answers)
     end_losses = answer_end_loss(system, probe) if local else [float("nan")] * len(answers)
     rows = []
-    for answer, refs, depth, read, end_loss in zip(answers, probe.references, probe.depth, reading, end_losses,
-                                                   strict=True):
+    for answer, refs, path, depth, read, end_loss in zip(answers, probe.references, probe.paths, probe.depth, reading,
+                                                         end_losses, strict=True):
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
         rows.append({"system": system.name,
                      "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
                      "multiplier": multiplier, "memory_tokens": probe.memory.size, "index": index,
-                     "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs),
+                     "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs, path),
                      "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
                      "end_loss": end_loss, "evidence_mass": read.get("evidence_mass", float("nan")),
                      "top_chunk": read.get("top_chunk", float("nan"))})
@@ -257,9 +264,10 @@ def collect_with_progress(rows: Iterable[dict[str, Any]], progress: Progress) ->
     return out
 
 
-def is_whole_answer(answer: list[int], references) -> bool:
-    """The answer (cut at EOS) is the references' tokens, one after another in some order, and nothing else."""
-    return any(answer == [token for ref in order for token in ref]
+def is_whole_answer(answer: list[int], references, path: list[int] = ()) -> bool:
+    """The answer (cut at EOS) is the path (the keys a chain names), then the references' tokens one after another
+    in some order, and nothing else."""
+    return any(answer == [*path, *(token for ref in order for token in ref)]
                for order in itertools.permutations([list(ref) for ref in references]))
 
 

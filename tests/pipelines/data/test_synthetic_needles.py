@@ -92,9 +92,11 @@ def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> li
     if variant == "multi_value":
         return [t for value in facts[keys[0]] for t in value]
     (value,) = facts[keys[0]]
+    path = []  # the keys a two_hop or three_hop answer names on the way (variable_tracking: RULER's value alone)
     while variant in ("variable_tracking", "two_hop", "three_hop") and tuple(value) in facts:  # a link: follow it
+        path += value if variant != "variable_tracking" else []
         (value,) = facts[tuple(value)]
-    return value
+    return path + value
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -361,10 +363,13 @@ def test_a_chain_question_cannot_be_answered_without_every_one_of_its_chunks(var
     spec = NeedleSpec(key_tokens=key_tokens)
     for index in range(4):
         probe = make_probe(variant, spec, scale, seed=2, index=index, hard_distractors=hard)
-        for question, evidence, answer in zip(probe.questions, probe.evidence, probe.answers, strict=True):
+        for question, evidence, answer, path, (value,) in zip(probe.questions, probe.evidence, probe.answers,
+                                                              probe.paths, probe.references, strict=True):
             asked = tuple(question[1:])
             assert len(evidence) == CHAIN_HOPS[variant]  # every link in a chunk of its own
-            assert follow(asked, facts_in(probe.memory)) == answer
+            assert follow(asked, facts_in(probe.memory)) == value
+            assert answer == path + value and len(path) == key_tokens * (CHAIN_HOPS[variant] - 1)
+            assert follow(tuple(path[-key_tokens:]), facts_in(probe.memory)) == value  # the last key named binds it
             for removed in evidence:
                 rest = np.delete(probe.memory, removed, axis=0)
                 assert follow(asked, facts_in(rest)) is None  # the chain breaks: nothing binds the key to a value

@@ -16,9 +16,9 @@ from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_exam
 from pipelines.evaluate.common import Progress, load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
-from pipelines.evaluate.needle import (VARIANTS, answer_end_loss, answer_probe, as_text, collect_with_progress,
-                                       is_whole_answer, make_probe, memory_attention, needle_metrics, score_probe,
-                                       system_prompts)
+from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
+                                       collect_with_progress, is_whole_answer, make_probe, memory_attention,
+                                       needle_metrics, score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
@@ -90,6 +90,18 @@ def test_a_whole_answer_is_its_references_and_nothing_else():
     assert not is_whole_answer([11, 12], [value])
     assert is_whole_answer(value + other, [value, other]) and is_whole_answer(other + value, [value, other])
     assert not is_whole_answer(value, [value, other]) and not is_whole_answer(value + value, [value, other])
+    key = [150]  # a two_hop answer names the key it reads next, then the value
+    assert is_whole_answer(key + value, [value], key)
+    assert not is_whole_answer(value, [value], key) and not is_whole_answer(value + key, [value], key)
+
+
+def test_a_chain_probe_budgets_its_path_and_value():
+    """Greedy decoding gets room for the keys a chain names, the value and EOS (else a right answer is cut short)."""
+    spec = NeedleSpec()
+    for variant, hops in [("two_hop", 2), ("three_hop", 3), ("single", 1)]:
+        probe = make_probe(variant, spec, 1, seed=0, index=0)
+        assert answer_budget(probe) == (hops - 1) + spec.value_digits + 1
+        assert all(len(answer) == answer_budget(probe) - 1 for answer in probe.answers)
 
 
 def test_needle_metrics_count_rates_intervals_and_the_heatmap():
