@@ -81,20 +81,29 @@ def top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: int) -
     return ranked
 
 
-def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
-    """The memory tokens a prompt-memory system puts before its prompt: every chunk in memory order (in_context) or
-    the top-k by BM25 in memory order (rag), whole chunks up to the budget. Chunks come unpadded (corpus rows and
-    needle memories both are): no id is taken for padding, since Qwen3's id 0 is `!`, a real token of code."""
+def chunks_in_prompt(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
+    """Indices of the chunks a prompt-memory system puts before its prompt, in memory order: every chunk (in_context)
+    or BM25's top k (rag), whole chunks up to the budget; none for gca and none (the evaluation's retriever recall)."""
     if mode.kind == "rag":
-        chunks = [chunks[i] for i in sorted(top_chunks(chunks, query, mode.rag_k))]
-    elif mode.kind != "in_context":
+        order = sorted(top_chunks(chunks, query, mode.rag_k))
+    elif mode.kind == "in_context":
+        order = list(range(len(chunks)))
+    else:
         return []
-    tokens: list[int] = []
-    for chunk in chunks:
-        if len(tokens) + len(chunk) > mode.context_budget:
+    kept, used = [], 0
+    for i in order:
+        if used + len(chunks[i]) > mode.context_budget:
             break
-        tokens += chunk
-    return tokens
+        kept.append(i)
+        used += len(chunks[i])
+    return kept
+
+
+def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
+    """The memory tokens a prompt-memory system puts before its prompt (chunks_in_prompt's, one after another).
+    Chunks come unpadded (corpus rows and needle memories both are): no id is taken for padding, since Qwen3's id 0
+    is `!`, a real token of code."""
+    return [t for i in chunks_in_prompt(chunks, query, mode) for t in chunks[i]]
 
 
 def memory_into_prompt(example: dict, mode: MemoryMode) -> dict:

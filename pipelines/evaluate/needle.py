@@ -7,9 +7,8 @@ value needles, one asked per question: the others are distractors that look like
 asked key holds two values; both must be answered), `multi_query` (one question names two keys; both values must be
 answered), `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`), and the tasks retrieval by the
 question's words cannot solve: `alias` and `alias_multi_key` (asked by the key's alias, sharing no token with the
-evidence), `two_hop` and `three_hop` (each link in a chunk of its own, the answer naming each key it passes before the value:
-`kb d d d`; three_hop is never trained). Memory size
-counts chunks; facts are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler),
+evidence), `two_hop` and `three_hop` (each link in a chunk of its own, the answer naming each key it passes before
+the value, `kb d d d`; three_hop is never trained). Memory size counts chunks; facts are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler),
 so `single` at 1x is the training distribution and the memory's size does not depend on its contents. Scoring is
 RULER's string match: a question's references must appear in the generated answer. A probe is built by the generator
 stage 0's training mixture uses (synthetic_needles.generate_memory, `--needle.variants` in training), so each
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.memory_modes import MemoryMode, prompt_memory
+from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt, prompt_memory
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant, generate_memory
 from pipelines.evaluate import probes
@@ -165,18 +164,19 @@ def answer_end_loss(system: System, probe: Probe) -> list[float]:
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
-    found), whole (the answer is its path and references and nothing else, in some order, ended within the budget: RULER's
-    match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the answer,
-    the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no logits),
-    and for gca where its attention went."""
+    found), whole (the answer is its path and references and nothing else, in some order, ended within the budget:
+    RULER's match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the
+    answer, the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no
+    logits), for gca where its attention went, and for rag and in_context whether the evidence reached the prompt."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
     answers = answer_probe(system, probe)
     local = system.served is None  # a pyfunc shows neither its logits nor its attention
     reading = memory_attention(system, probe) if local and system.mode.kind == "gca" else [{}] * len(answers)
     end_losses = answer_end_loss(system, probe) if local else [float("nan")] * len(answers)
+    recalls = evidence_recall(probe, system.mode)
     rows = []
-    for answer, refs, path, depth, read, end_loss in zip(answers, probe.references, probe.paths, probe.depth, reading,
-                                                         end_losses, strict=True):
+    for answer, refs, path, depth, read, end_loss, recall in zip(answers, probe.references, probe.paths, probe.depth,
+                                                                 reading, end_losses, recalls, strict=True):
         score = string_match_all([as_text(answer)], [[as_text(ref) for ref in refs]])
         rows.append({"system": system.name,
                      "variant": variant if variant != "variable_tracking" else f"{variant}_{hops}",
@@ -184,8 +184,18 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
                      "score": score, "exact": score == 1.0, "whole": is_whole_answer(answer, refs, path),
                      "depth_bin": min(int(depth * depth_bins), depth_bins - 1),
                      "end_loss": end_loss, "evidence_mass": read.get("evidence_mass", float("nan")),
-                     "top_chunk": read.get("top_chunk", float("nan"))})
+                     "top_chunk": read.get("top_chunk", float("nan")), "evidence_recall": recall})
     return rows
+
+
+def evidence_recall(probe: Probe, mode: MemoryMode) -> list[float]:
+    """Per question, for a system that puts chunks in its prompt (rag, in_context): 1.0 when every evidence chunk is
+    there (the most it could answer from), else 0.0; NaN for gca (its reading: attention/...) and none."""
+    if not mode.in_prompt:
+        return [float("nan")] * len(probe.questions)
+    chunks = probe.memory.tolist()
+    return [float(set(evidence) <= set(chunks_in_prompt(chunks, question, mode)))
+            for question, evidence in zip(probe.questions, probe.evidence, strict=True)]
 
 
 @torch.no_grad()
@@ -291,6 +301,9 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
         ends = [float(r["end_loss"]) for r in group if not math.isnan(r.get("end_loss", math.nan))]
         if ends:  # a local model's rows (a served pyfunc shows no logits)
             metrics[f"{name}/end_loss"] = sum(ends) / len(ends)
+        recalled = [r["evidence_recall"] for r in group if not math.isnan(r.get("evidence_recall", math.nan))]
+        if recalled:  # a rag or in_context system's rows: its retriever's recall of the evidence
+            metrics[f"{name}/evidence_recall"] = sum(recalled) / len(recalled)
         read = [r for r in group if not math.isnan(r.get("evidence_mass", math.nan))]  # a gca system's rows
         if read:
             mass = sum(r["evidence_mass"] for r in read) / len(read)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from pipelines.evaluate.common import Progress, load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
-                                       collect_with_progress, is_whole_answer, make_probe, memory_attention,
+                                       collect_with_progress, evidence_recall, is_whole_answer, make_probe, memory_attention,
                                        needle_metrics, score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
@@ -265,3 +266,20 @@ def test_probes_with_hard_distractors_and_two_token_keys(tmp_path, checkpoint_ro
     rows = score_probe(system, "multi_query", 2, seed=0, index=0)
     probe = make_probe("multi_query", system.spec, 2, seed=0, index=0)
     assert all(len(q) == 1 + 2 * 2 for q in probe.questions) and len(rows) == len(probe.questions)
+
+
+def test_evidence_recall_is_what_reaches_the_prompt():
+    """rag's recall: BM25 finds a key named in the question and not an alias; in_context holds what fits its
+    budget; gca and none put nothing in the prompt (NaN: their reading is reported otherwise)."""
+    spec = NeedleSpec()
+    single, aliased = (make_probe(v, spec, 16, seed=1, index=0) for v in ("single", "alias"))
+    assert evidence_recall(single, MemoryMode("rag", rag_k=2)) == [1.0] * len(single.questions)
+    assert sum(evidence_recall(aliased, MemoryMode("rag", rag_k=2))) <= len(aliased.questions) / 2
+    assert evidence_recall(single, MemoryMode("in_context", context_budget=10**6)) == [1.0] * len(single.questions)
+    first = evidence_recall(single, MemoryMode("in_context", context_budget=spec.chunk_len))  # chunk 0 only
+    assert first == [float(evidence == [0]) for evidence in single.evidence]
+    assert all(math.isnan(r) for kind in ("gca", "none") for r in evidence_recall(single, MemoryMode(kind)))
+    rows = [{"variant": "alias", "multiplier": 16, "exact": False, "score": 0.0, "whole": False, "depth_bin": 0,
+             "evidence_recall": r} for r in (1.0, 0.0, 0.0, 0.0)]
+    metrics, _, _ = needle_metrics(rows, spec, depth_bins=1)
+    assert metrics["needle/alias/16x/evidence_recall"] == 0.25
