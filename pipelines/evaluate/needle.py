@@ -8,13 +8,13 @@ asked key holds two values; both must be answered), `multi_query` (one question 
 answered), `variable_tracking` (2-3 hops: `ka = kb ; kb = d d d ;`, asked `ka`), and the tasks retrieval by the
 question's words cannot solve: `alias` and `alias_multi_key` (asked by the key's alias, sharing no token with the
 evidence), `two_hop` and `three_hop` (each link in a chunk of its own, the answer naming each key it passes before
-the value, `kb d d d`; three_hop is never trained). Memory size counts chunks; facts are packed into fact-sized slots as stage 0 packs them (a shorter fact is followed by filler),
-so `single` at 1x is the training distribution and the memory's size does not depend on its contents. Scoring is
-RULER's string match: a question's references must appear in the generated answer. A probe is built by the generator
-stage 0's training mixture uses (synthetic_needles.generate_memory, `--needle.variants` in training), so each
-variant's format is the one a system trained on it learned; `--needle.hard_distractors` fills a share of every
-probe's free fact slots with facts near-identical to the asked ones. A system trained on two-token keys is asked
-two-token keys.
+the value, `kb d d d`; three_hop is never trained). Memory size counts chunks; facts are packed into fact-sized slots as
+stage 0 packs them (a shorter fact is followed by filler), so `single` at 1x is the training distribution and the
+memory's size does not depend on its contents. Scoring is RULER's string match: a question's references must appear in
+the generated answer. A probe is built by the generator stage 0's training mixture uses
+(synthetic_needles.generate_memory, `--needle.variants` in training), so each variant's format is the one a system
+trained on it learned; `--needle.hard_distractors` fills a share of every probe's free fact slots with facts
+near-identical to the asked ones. A system trained on two-token keys is asked two-token keys.
 
 `score_probe` is what one worker does with one loaded system; it takes no Ray, so a test calls it directly.
 """

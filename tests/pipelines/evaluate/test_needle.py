@@ -18,8 +18,8 @@ from pipelines.evaluate.common import Progress, load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
-                                       collect_with_progress, evidence_recall, is_whole_answer, make_probe, memory_attention,
-                                       needle_metrics, score_probe, system_prompts)
+                                       collect_with_progress, evidence_recall, is_whole_answer, make_probe,
+                                       memory_attention, needle_metrics, score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
