@@ -23,7 +23,7 @@ from pipelines.evaluate.code_qa import CodeQaEvaluation, CodeQaSuite
 from pipelines.evaluate.commits import CommitsEvaluation, CommitsSuite
 from pipelines.evaluate.common import Source, Suite, Workers, name_sources, resolve_model
 from pipelines.evaluate.efficiency import EfficiencyEvaluation, EfficiencySuite
-from pipelines.evaluate.needle import NeedleEvaluation, NeedleSuite
+from pipelines.evaluate.needle import NeedleEvaluation, NeedleSuite, needle_table
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 
 # name -> the suite, built from EvaluateConfig's field of that name; they run in this order on each system, and
@@ -31,6 +31,7 @@ from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 SUITES: dict[str, type[Suite]] = {suite.name: suite for suite in (NeedleEvaluation, CodeQaEvaluation,
                                                                    EfficiencyEvaluation, CommitsEvaluation)}
 RESULTS = "results.json"
+NEEDLE_TABLE = "needle_table.md"  # every system, task and size of the needle suite, beside results.json
 # each suite's headline numbers, in the job's one-line summary
 HEADLINE = ("needle/single/1x", "code_qa/exact", "code_qa/read_compliance", "commits/exact", "commits/pass@1",
             "efficiency/encoder_chunks_per_s")
@@ -102,6 +103,9 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         for suite in suites:
             suite.close()
     (out / RESULTS).write_text(json.dumps(results, indent=1, allow_nan=True))
+    table = needle_table(results["systems"])
+    if table:
+        (out / NEEDLE_TABLE).write_text(table)
     figures = plots.evaluation_figures(results)
     for name, figure in figures.items():
         figure.savefig(out / name, dpi=110, bbox_inches="tight")
@@ -150,6 +154,9 @@ def log_to_mlflow(config: EvaluateConfig, results: dict[str, Any], figures: dict
                             tags={"job": "evaluate", "systems": ",".join(results["systems"])})
     tracker.log_metrics(flat, step=0)
     tracker.log_dict(results, RESULTS)
+    table = needle_table(results["systems"])
+    if table:
+        tracker.log_text(table, NEEDLE_TABLE)
     for name, figure in figures.items():
         tracker.log_figure(figure, name)
     tracker.close()

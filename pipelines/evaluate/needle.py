@@ -281,6 +281,37 @@ def is_whole_answer(answer: list[int], references, path: list[int] = ()) -> bool
                for order in itertools.permutations([list(ref) for ref in references]))
 
 
+def needle_table(systems: dict[str, dict[str, Any]]) -> str:
+    """The needle suite as one markdown table, every task a block of rows, one row per system, one column per memory
+    size: `whole / match` (whole answers, RULER's match), and for rag and in_context their recall of the evidence
+    (`r`); empty when no system ran the suite. `systems`: results.json's systems."""
+    cells: dict[str, dict[str, dict[int, str]]] = {}
+    sizes: set[int] = set()
+    for system, entry in systems.items():
+        metrics = entry.get("metrics", {})
+        for name, value in metrics.items():
+            parts = name.split("/")
+            if len(parts) != 3 or parts[0] != "needle" or not isinstance(value, (int, float)):
+                continue
+            task, size = parts[1], int(parts[2].rstrip("x"))
+            text = f"{metrics.get(f'{name}/whole_answer', float('nan')):.2f} / {value:.2f}"
+            if f"{name}/evidence_recall" in metrics:
+                text += f" (r {metrics[f'{name}/evidence_recall']:.2f})"
+            cells.setdefault(task, {}).setdefault(system, {})[size] = text
+            sizes.add(size)
+    if not cells:
+        return ""
+    order = sorted(sizes)
+    lines = ["| task | system | " + " | ".join(f"{m}x" for m in order) + " |", "|---|---|" + "---|" * len(order)]
+    tasks = sorted(cells, key=lambda t: (VARIANTS.index(t) if t in VARIANTS else len(VARIANTS), t))
+    for task in tasks:
+        for system in systems:
+            if system in cells[task]:
+                row = cells[task][system]
+                lines.append(f"| {task} | {system} | " + " | ".join(row.get(m, "-") for m in order) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int) -> tuple[dict, dict, dict]:
     """metrics (rates with their 95% Wilson intervals), counts, and the single-needle heatmap (depth x size)."""
     metrics: dict[str, Any] = {}

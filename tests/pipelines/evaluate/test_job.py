@@ -93,7 +93,10 @@ def test_evaluate_job_writes_results_plots_and_mlflow(tmp_path, checkpoint_root)
     logged = client.get_run(summary["mlflow_run_id"])
     assert logged.data.metrics["gca/needle/single/1x"] == results["systems"]["gca"]["metrics"]["needle/single/1x"]
     assert ({a.path for a in client.list_artifacts(logged.info.run_id)}
-            >= {"results.json", "needle_accuracy_by_size.png"})
+            >= {"results.json", "needle_accuracy_by_size.png", "needle_table.md"})
+    table = (out / "needle_table.md").read_text().splitlines()  # every task and system, rag with its recall
+    assert table[0] == "| task | system | 1x | 4x |" and len(table) == 2 + 2 * 2
+    assert any(line.startswith("| single | rag | ") and "(r 1.00)" in line for line in table)
     trained = client.get_run(run.info.run_id)  # the evaluated training run carries its own results
     assert trained.data.metrics["eval/needle/single/4x"] == results["systems"]["rag"]["metrics"]["needle/single/4x"]
     assert trained.data.tags["eval.run_id"] == logged.info.run_id

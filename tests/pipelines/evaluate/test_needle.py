@@ -19,7 +19,8 @@ from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
                                        collect_with_progress, evidence_recall, is_whole_answer, make_probe,
-                                       memory_attention, needle_metrics, score_probe, system_prompts)
+                                       memory_attention, needle_metrics, needle_table, score_probe,
+                                       system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
@@ -283,3 +284,19 @@ def test_evidence_recall_is_what_reaches_the_prompt():
              "evidence_recall": r} for r in (1.0, 0.0, 0.0, 0.0)]
     metrics, _, _ = needle_metrics(rows, spec, depth_bins=1)
     assert metrics["needle/alias/16x/evidence_recall"] == 0.25
+
+
+def test_the_needle_table_has_a_row_per_task_and_system_and_a_column_per_size():
+    systems = {"gca": {"metrics": {"needle/alias/1x": 0.9, "needle/alias/1x/whole_answer": 0.85,
+                                   "needle/alias/4x": 0.8, "needle/alias/4x/whole_answer": 0.75,
+                                   "needle/single/1x": 1.0, "needle/single/1x/whole_answer": 1.0,
+                                   "needle/alias/1x/ci95": [0.8, 0.95], "attention/alias/1x/top_chunk": 1.0}},
+               "rag": {"metrics": {"needle/alias/1x": 0.5, "needle/alias/1x/whole_answer": 0.5,
+                                   "needle/alias/1x/evidence_recall": 0.56}},
+               "none": {"metrics": {"efficiency/ttft_s": 0.1}}}
+    lines = needle_table(systems).splitlines()
+    assert lines[0] == "| task | system | 1x | 4x |"
+    assert lines[2:] == ["| single | gca | 1.00 / 1.00 | - |",  # the suite's task order: single before alias
+                         "| alias | gca | 0.85 / 0.90 | 0.75 / 0.80 |",
+                         "| alias | rag | 0.50 / 0.50 (r 0.56) | - |"]
+    assert needle_table({"none": {"metrics": {}}}) == ""
