@@ -144,7 +144,8 @@ class AwarenessModel(nn.Module):
                 else nn.Identity()
             )
             if fusion == "gca":
-                blocks = {i: _build_gca(dcfg, gca_mlp, router=reading.routes) for i in self.gca_layers}
+                blocks = {i: _build_gca(dcfg, gca_mlp, router=reading.routes, lexical_gate=reading.lexical_gate)
+                          for i in self.gca_layers}
             elif fusion == "cross":
                 blocks = {i: FusedCrossAttention(dcfg, i, router=reading.routes) for i in self.gca_layers}
             else:
@@ -204,12 +205,14 @@ class AwarenessModel(nn.Module):
     def _init_added(blocks: list[nn.Module], std: float, partitioner: Partitioner = UNPARTITIONED,
                     zero_output: bool = False) -> None:
         """Normal(0, std) projections, zero biases; with `zero_output` (fusion cross) o_proj at 0 instead, so the
-        untrained block changes nothing. One nn.Linear gathered at a time when partitioned."""
+        untrained block changes nothing; a lexical gate at 0 (it passes the whole prior until trained). One nn.Linear
+        gathered at a time when partitioned."""
         for module in blocks:
             for sub in module.modules():
                 if isinstance(sub, nn.Linear) and sub.weight.device.type != "meta":
+                    zero = (zero_output and sub is module.o_proj) or sub is getattr(module, "lexical_gate", None)
                     with partitioner.gathered(list(sub.parameters(recurse=False))):
-                        nn.init.normal_(sub.weight, std=0.0 if zero_output and sub is module.o_proj else std)
+                        nn.init.normal_(sub.weight, std=0.0 if zero else std)
                         if sub.bias is not None:
                             nn.init.zeros_(sub.bias)
 
@@ -226,6 +229,10 @@ class AwarenessModel(nn.Module):
             raise ValueError(f"memory_top_k {reading.top_k}: routing needs the routers of a model built with "
                              f"memory_top_k > 0 (build_pair(..., reading=MemoryReading(top_k=K)), --model.memory_top_k "
                              f"K); 0 reads the whole memory")
+        if reading.lexical_gate and not any(getattr(reader, "lexical_gate", None) is not None
+                                            for reader in self.memory_readers().values()):
+            raise ValueError("memory_lexical_gate: this model was built without lexical gates; build it with "
+                             "MemoryReading(lexical_gate=True) (--model.memory_lexical_gate true) to train them")
         self._reading = reading
 
     @property
@@ -654,7 +661,7 @@ def _routing_loss(gca_memory: GCAMemory | None) -> torch.Tensor | None:
     return torch.stack(losses).mean() if losses else None
 
 
-def _build_gca(dcfg, gca_mlp: bool, router: bool = False) -> GatedCrossAttention:
+def _build_gca(dcfg, gca_mlp: bool, router: bool = False, lexical_gate: bool = False) -> GatedCrossAttention:
     return GatedCrossAttention(
         hidden_size=dcfg.hidden_size,
         num_heads=dcfg.num_attention_heads,
@@ -665,6 +672,7 @@ def _build_gca(dcfg, gca_mlp: bool, router: bool = False) -> GatedCrossAttention
         mlp_intermediate_size=dcfg.intermediate_size if gca_mlp else None,
         hidden_act=dcfg.hidden_act,
         router=router,
+        lexical_gate=lexical_gate,
     )
 
 

@@ -30,6 +30,9 @@ chunk as the memory grows. Routing keeps each query's top-k chunks and attends t
   chunk, the k outputs mixed by the softmax of their router scores, with gradients, so the answer loss trains the
   router too. It reads differently from full attention at any k < C.
 * **GQA**: one selection per kv head (its query heads' mean query), so the group shares one gathered key/value set.
+* **Lexical gate** (`lexical_gate`): the question's prior (models/lexical.py) is scaled per query token by a learned
+  2 sigmoid(w x + b), 1 at initialisation, so a token that no longer asks the question (the key a two_hop answer
+  names before reading it) can turn the prior down rather than be held to the question's chunk by it.
 * **Padding**: a chunk with nothing the query may read scores -inf; a row with no memory reads nothing.
 * **Cost**: summary keys are computed once per forward or generation. Few queries (a decoding step) gather their k
   chunks (`gathered`: O(Q * k * L)); long query blocks attend over the whole memory with the unchosen chunks masked
@@ -145,6 +148,7 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         mlp_intermediate_size: int | None = None,
         hidden_act: str = "silu",
         router: bool = False,
+        lexical_gate: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -160,6 +164,10 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.gate = nn.Parameter(torch.zeros(1))
         # chunk routing's summary keys (top_k > 0): the module docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
+        # memory_lexical_gate: how much of the question's lexical prior each query token takes, 2 sigmoid(w x + b),
+        # 1 at initialisation (w, b = 0): a token that no longer asks the question (a chain's named key) can turn the
+        # prior down instead of being held to the question's chunk by it
+        self.lexical_gate = nn.Linear(hidden_size, 1) if lexical_gate else None
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -192,26 +200,36 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         hidden): SDPA computes it without keeping it, so it is computed again here, for probes (where a block reads,
         its entropy), e.g. from a forward pre-hook."""
         with torch.no_grad():
-            query = self._queries(self.input_norm(hidden_states))  # (B, T, H, hd)
-            return memory_probabilities(fold_queries(query, memory), memory, scale=self.head_dim**-0.5)
+            x = self.input_norm(hidden_states)
+            return memory_probabilities(fold_queries(self._queries(x), memory), memory, scale=self.head_dim**-0.5,
+                                        prior_scale=self._prior_scale(x, memory))
 
     def _attend(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
-        out, _ = attend_memory(self._queries(x), memory)  # (B, T, H*hd)
+        out, _ = attend_memory(self._queries(x), memory, prior_scale=self._prior_scale(x, memory))  # (B, T, H*hd)
         return self.o_proj(out)
+
+    def _prior_scale(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor | None:
+        """Each query token's share of the lexical prior, folded as its queries are, (B_mem, 1, r*T, 1) float32; None
+        without a gate or a prior."""
+        if self.lexical_gate is None or memory.routing is None or memory.routing.prior is None:
+            return None
+        gate = 2 * torch.sigmoid(self.lexical_gate(x).float())  # (B, T, 1)
+        return fold_queries(gate[..., None], memory)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         return self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))  # (B, T, H, hd)
 
 
-def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None,
-                  dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None = None, dropout_p: float = 0.0,
+                  prior_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries (B, T, H, hd), QK-normed, over one memory-reading layer's keys/values -> (B, T, H*hd), and the queries
     as attended, (B_mem, H, r*T, hd). B may be r * B_mem (beams, several questions per memory): row i reads memory
     i // r, by folding the r rows into the query length instead of copying the memory r times. A row whose memory is
     all padding reads nothing (zeros, not NaN). Shared by GCA blocks and the cross-attention layers. With
     `memory.routing` each query reads only its top-k chunks (and in training the routing loss is left in
-    `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train)."""
+    `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train). `prior_scale`
+    (B_mem, 1, r*T, 1): how much of the lexical prior each folded query takes (the block's lexical gate)."""
     b, t, h, hd = query.shape
     padding = memory.padding
     folded = fold_queries(query, memory)  # (B_mem, H, r*T, hd)
@@ -226,7 +244,7 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
         out = grouped_sdpa(attended, memory.key, memory.value, padding.attn_mask, dropout_p=dropout_p,
                            scale=scale)  # (B_mem, H, r*T, hd)
     else:
-        out = _attend_routed(folded, memory, scale or hd**-0.5, dropout_p)  # (B_mem, H, r*T, hd)
+        out = _attend_routed(folded, memory, scale or hd**-0.5, dropout_p, prior_scale)  # (B_mem, H, r*T, hd)
     if padding.has_memory is not None:
         out = out * padding.has_memory.to(out.dtype)
     return out.transpose(1, 2).reshape(b, t, h * hd), folded  # (B, T, H*hd)
@@ -263,7 +281,8 @@ def kernel_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return key, value, group > 1
 
 
-def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float) -> torch.Tensor:
+def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float,
+                         prior_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The attention (B_mem, H, Q, M) that `attend_memory` gives the folded queries (B_mem, H, Q, hd) over every
     memory token, in float32 (probes: entropy, evidence mass, top chunk). Routed, the unselected chunks' tokens are
     at 0 and the selected ones' sum to 1, as the routed softmax reads them."""
@@ -272,7 +291,7 @@ def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float)
     n_kv, m = key.shape[1], key.shape[2]
     routing = memory.routing
     if routing is not None and routing.selects:
-        chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
+        chosen = _select(query, routing, scale, prior_scale)  # (B_mem, H_kv, Q, k)
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
         if memory.logn_base:
             query = query * _per_query_head(_logn_factor(mask.sum(-1, keepdim=True), memory.logn_base, query.dtype), h)
@@ -290,7 +309,8 @@ def memory_probabilities(query: torch.Tensor, memory: MemoryKV, *, scale: float)
         c = routing.num_chunks
         within = scores.view(b_mem, n_kv, h // n_kv, q, c, m // c).softmax(-1).nan_to_num(0.0)
         weights = torch.zeros(b_mem, n_kv, q, c, device=query.device)
-        weights.scatter_(-1, chosen, chunk_weights(chunk_scores(query, routing, scale), chosen))
+        weights.scatter_(-1, chosen, chunk_weights(chunk_scores(query, routing, scale, prior_scale=prior_scale),
+                                                    chosen))
         return (within * weights[:, :, None, :, :, None]).reshape(b_mem, h, q, m)
     return scores.softmax(-1).reshape(b_mem, h, q, m)
 
@@ -332,12 +352,13 @@ def chunk_mask(padding: MemoryPadding, chunk_len: int) -> torch.Tensor | None:
     return padding.attn_mask.view(b, 1, rows, m // chunk_len, chunk_len).any(-1)
 
 
-def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *,
-                 train_queries: bool = False, with_prior: bool = True) -> torch.Tensor:
+def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *, train_queries: bool = False,
+                 with_prior: bool = True, prior_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) -> chunk scores (B_mem, H_kv, Q, C) in float32, -inf where the query may
     not read the chunk; with S summaries a chunk, the best of its blocks' scores, plus the question's lexical prior
     when there is one (not `with_prior`: the routing loss, which trains the router's own scores). The queries are
-    detached unless `train_queries` (the router-weighted read): the routing loss trains the summary keys only."""
+    detached unless `train_queries` (the router-weighted read): the routing loss trains the summary keys only.
+    `prior_scale` (B_mem, 1, Q, 1): each query's share of the prior (the lexical gate); None: all of it."""
     b_mem, h, q, hd = query.shape
     n_kv = routing.summary.shape[1]
     grouped = (query if train_queries else query.detach()).view(b_mem, n_kv, h // n_kv, q, hd).mean(2)
@@ -347,7 +368,8 @@ def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *,
             scores = scores.masked_fill(~routing.summary_mask, float("-inf"))
         scores = scores.view(b_mem, n_kv, q, routing.num_chunks, routing.summaries).amax(-1)  # (B_mem, H_kv, Q, C)
     if with_prior and routing.prior is not None:
-        scores = scores + _per_query(routing.prior, q)
+        prior = _per_query(routing.prior, q)
+        scores = scores + (prior if prior_scale is None else prior * prior_scale)
     if routing.chunk_mask is not None:
         scores = scores.masked_fill(~routing.chunk_mask, float("-inf"))
     return scores
@@ -363,11 +385,12 @@ def _per_query(prior: torch.Tensor, q: int) -> torch.Tensor:
     return prior.repeat_interleave(q // rows, dim=1)[:, None] if rows > 1 else prior[:, None]
 
 
-def _select(query: torch.Tensor, routing: ChunkRouting, scale: float) -> torch.Tensor:
+def _select(query: torch.Tensor, routing: ChunkRouting, scale: float,
+            prior_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The top-k chunks of each query and kv head, (B_mem, H_kv, Q, k) indices. A query with fewer readable chunks
     than k also gets unreadable ones, whose tokens its padding mask then hides."""
     with torch.no_grad():
-        return chunk_scores(query, routing, scale).topk(routing.top_k, dim=-1).indices
+        return chunk_scores(query, routing, scale, prior_scale=prior_scale).topk(routing.top_k, dim=-1).indices
 
 
 def _selected_tokens(chosen: torch.Tensor, routing: ChunkRouting, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -377,7 +400,8 @@ def _selected_tokens(chosen: torch.Tensor, routing: ChunkRouting, attn_mask: tor
     return tokens if attn_mask is None else tokens & attn_mask
 
 
-def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_p: float) -> torch.Tensor:
+def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_p: float,
+                   prior_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Folded queries (B_mem, H, Q, hd) over the tokens of their top-k chunks -> (B_mem, H, Q, hd)."""
     routing = memory.routing
     b_mem, h, q, hd = query.shape
@@ -385,14 +409,14 @@ def _attend_routed(query: torch.Tensor, memory: MemoryKV, scale: float, dropout_
     if routing.train:
         routing.loss = _routing_loss(query, memory, scale)
     if routing.weights == "router":  # the scores, with gradients, both choose the chunks and mix them
-        scores = chunk_scores(query, routing, scale, train_queries=True)  # (B_mem, H_kv, Q, C)
+        scores = chunk_scores(query, routing, scale, train_queries=True, prior_scale=prior_scale)  # (B_mem,H_kv,Q,C)
         chosen = scores.detach().topk(k, dim=-1).indices
         weights = chunk_weights(scores, chosen)
         if _reads_gathered(routing, q, query.device):
             return _attend_router_weighted(query, memory, chosen, weights, scale, dropout_p)
         return _attend_every_chunk(query, memory, torch.zeros_like(scores, dtype=weights.dtype).scatter(
             -1, chosen, weights), scale, dropout_p)
-    chosen = _select(query, routing, scale)  # (B_mem, H_kv, Q, k)
+    chosen = _select(query, routing, scale, prior_scale)  # (B_mem, H_kv, Q, k)
     gathered = _reads_gathered(routing, q, query.device)
     if not gathered:  # the whole memory, the unselected chunks masked: O(Q * M), for long query blocks
         mask = _selected_tokens(chosen, routing, memory.padding.attn_mask)  # (B_mem, H_kv, Q, M)
@@ -632,12 +656,14 @@ def gca_parameter_count(
     attention_bias: bool = False,
     mlp_intermediate_size: int | None = None,
     router: bool = False,
+    lexical_gate: bool = False,
 ) -> int:
     """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks (with chunk routers when `router`,
-    memory_top_k > 0) plus the shared projection."""
+    memory_top_k > 0, and lexical gates when `lexical_gate`) plus the shared projection."""
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     attention = hidden_size + hidden_size * q + 2 * hidden_size * kv + q * hidden_size + 2 * head_dim + 1
     attention += hidden_size * kv + head_dim if router else 0
+    attention += hidden_size + 1 if lexical_gate else 0
     if attention_bias:
         attention += q + 2 * kv + hidden_size
     mlp = hidden_size + 3 * hidden_size * mlp_intermediate_size + 1 if mlp_intermediate_size else 0

@@ -35,6 +35,10 @@ class MemoryReading:
     # None: memory_lexical_routing. A router trained beside a small prior still learns to rank; a larger prior when
     # reading outvotes it where it misranks
     lexical_reading: float | None = None
+    # With lexical routing (fusion gca): a learned gate per query token on the prior, 2 sigmoid(w x + b) of the block's
+    # input (1 at initialisation), so a token that no longer asks the question, e.g. the key a two_hop answer names
+    # before reading it, can turn the question's prior down: the prior stays one input and cannot veto a learned match
+    lexical_gate: bool = False
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     logn_scale: int = 0
@@ -49,7 +53,8 @@ class MemoryReading:
         router's chunk weights, the lexical prior), which mean nothing without it. The logn scale stays."""
         if k:
             return replace(self, top_k=k)
-        return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None)
+        return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None,
+                       lexical_gate=False)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
@@ -80,6 +85,9 @@ class MemoryReading:
         if self.lexical_reading is not None and (self.lexical_reading < 0 or not self.lexical_routing):
             p.append(f"{prefix}lexical_reading ({self.lexical_reading}) is the lexical prior's weight when reading: "
                      f"give a weight >= 0 with a positive {prefix}lexical_routing (the prior trained with), or None")
+        if self.lexical_gate and (not self.lexical_routing or fusion == "cross"):
+            p.append(f"{prefix}lexical_gate scales the lexical prior per query token in the GCA blocks: it needs "
+                     f"{prefix}lexical_routing > 0 and fusion gca")
         if fusion == "merged" and (self.top_k or self.logn_scale):
             # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
             # nor the scale fits there without changing the pretrained attention

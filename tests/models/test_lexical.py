@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models import AwarenessModel
+from models import AwarenessModel, MemoryReading, build_pair, gca_parameter_count
 from models.gca import chunk_scores
 from models.lexical import packed_question_prior, question_mask_of, question_prior
 from pipelines.evaluate.probes import memory_attention
@@ -232,3 +232,88 @@ def test_one_prepared_memory_serves_each_question_with_its_own_prior(checkpoint_
     two = routed.with_question(prepared, torch.tensor([[1, ASKED], [1, ASKED + 1]]), torch.ones(2, 2, dtype=torch.bool))
     priors = next(iter(two.layers.values())).routing.prior  # (1, 2, C): each row its own
     assert priors[0, 0].argmax() == 1 and priors[0, 1].argmax() == 3
+
+
+def gated(checkpoint_root, k: int = 1, **reading):
+    """The routed pair with lexical gates (memory_lexical_gate), the gates as built (passing the whole prior)."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=k, chunk_weights="router", lexical_routing=2.0,
+                            lexical_gate=True, **reading)
+    return routed
+
+
+def gates(model):
+    return [block.lexical_gate for block in model.memory_readers().values()]
+
+
+def test_the_lexical_gate_passes_the_whole_prior_until_trained_and_can_turn_it_off(checkpoint_root):
+    """Built, every gate is 2 sigmoid(0) = 1: the model reads as one without gates. A gate shut (bias -30) reads as
+    a model without the prior; one wide open (+30) as one with twice the weight."""
+    routed = gated(checkpoint_root)
+    mem, mask = memory_batch(chunks=4)
+    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
+    reference = logits(routed, prompt, mem, mask)
+    built = gates(routed)
+    assert all(g.weight.eq(0).all() and g.bias.eq(0).all() for g in built)
+    for block in routed.memory_readers().values():
+        block.lexical_gate = None
+    torch.testing.assert_close(logits(routed, prompt, mem, mask), reference, rtol=0, atol=0)
+    for block, gate in zip(routed.memory_readers().values(), built, strict=True):
+        block.lexical_gate = gate
+    for bias, weight in ((-30.0, 0.0), (30.0, 4.0)):
+        with torch.no_grad():
+            for gate in built:
+                gate.bias.fill_(bias)
+        expected_model = gated(checkpoint_root)
+        expected_model.load_state_dict(routed.state_dict())
+        for block in expected_model.memory_readers().values():
+            block.lexical_gate = None
+        expected_model.reading = replace(expected_model.reading, lexical_routing=weight, lexical_gate=False) \
+            if weight else replace(expected_model.reading, lexical_routing=0.0, lexical_gate=False)
+        torch.testing.assert_close(logits(routed, prompt, mem, mask), logits(expected_model, prompt, mem, mask),
+                                   rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits(routed, prompt, mem, mask), reference)
+
+
+def test_the_lexical_gate_learns_decodes_as_a_full_forward_and_is_saved(checkpoint_root, tmp_path):
+    """k = 2: the router-weighted read mixes two chunks by their scores, prior included, so the answer's loss reaches
+    the gates (with k = 1 the one chunk weighs 1 whatever its score)."""
+    routed = gated(checkpoint_root, k=2)
+    with torch.no_grad():
+        for n, gate in enumerate(gates(routed)):
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(n)))
+    mem, mask = memory_batch(chunks=4)
+    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
+    continuation = mem[:, 0, :4]
+    ids = torch.cat([prompt, continuation], dim=1)
+    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    full = logits(routed, ids, mem, mask, labels=labels)
+    torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert loaded.reading.lexical_gate
+    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
+    routed.train()
+    routed(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+    assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in gates(routed))
+
+
+def test_the_lexical_gate_needs_a_prior_and_the_gca_fusion_and_is_counted():
+    with pytest.raises(ValueError, match="lexical_gate"):
+        MemoryReading(top_k=2, lexical_gate=True).check("gca")
+    with pytest.raises(ValueError, match="lexical_gate"):
+        MemoryReading(top_k=2, lexical_routing=1.0, lexical_gate=True).check("cross")
+    plain = build_pair("tiny", device="meta", reading=MemoryReading(top_k=2, lexical_routing=1.0))
+    with pytest.raises(ValueError, match="built without lexical gates"):
+        plain.reading = replace(plain.reading, lexical_gate=True)
+    added = {}
+    for gate in (False, True):
+        model = build_pair("tiny", device="meta", reading=MemoryReading(top_k=2, lexical_routing=1.0,
+                                                                        lexical_gate=gate))
+        added[gate] = sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n)
+    d = model.decoder.config
+    shape = dict(hidden_size=d.hidden_size, num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads,
+                 head_dim=d.head_dim, num_gca_layers=len(model.gca_layers), encoder_hidden_size=d.hidden_size,
+                 router=True)
+    assert added[True] - added[False] == len(model.gca_layers) * (d.hidden_size + 1)
+    assert added[True] - added[False] == (gca_parameter_count(**shape, lexical_gate=True)
+                                          - gca_parameter_count(**shape))
