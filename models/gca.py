@@ -164,9 +164,7 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         self.gate = nn.Parameter(torch.zeros(1))
         # chunk routing's summary keys (top_k > 0): the module docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
-        # memory_lexical_gate: how much of the question's lexical prior each query token takes, 2 sigmoid(w x + b),
-        # 1 at initialisation (w, b = 0): a token that no longer asks the question (a chain's named key) can turn the
-        # prior down instead of being held to the question's chunk by it
+        # memory_lexical_gate: each query token's share of the lexical prior (the module docstring says why)
         self.lexical_gate = nn.Linear(hidden_size, 1) if lexical_gate else None
         self.mlp = None
         if mlp_intermediate_size:

@@ -122,9 +122,9 @@ def served_answers(system: System, probe: Probe) -> list[list[int]]:
 
 
 def answer_budget(probe: Probe) -> int:
-    """New tokens a probe's answers may take: the longest path and references of a question, plus EOS."""
-    return max(len(path) + sum(len(r) for r in refs) for path, refs in zip(probe.paths, probe.references,
-                                                                            strict=True)) + 1
+    """New tokens a probe's answers may take: its longest trained answer (a chain's path, then the references), plus
+    EOS."""
+    return max(len(answer) for answer in probe.answers) + 1
 
 
 @torch.no_grad()

@@ -267,8 +267,7 @@ def test_the_lexical_gate_passes_the_whole_prior_until_trained_and_can_turn_it_o
         expected_model.load_state_dict(routed.state_dict())
         for block in expected_model.memory_readers().values():
             block.lexical_gate = None
-        expected_model.reading = replace(expected_model.reading, lexical_routing=weight, lexical_gate=False) \
-            if weight else replace(expected_model.reading, lexical_routing=0.0, lexical_gate=False)
+        expected_model.reading = replace(expected_model.reading, lexical_routing=weight, lexical_gate=False)
         torch.testing.assert_close(logits(routed, prompt, mem, mask), logits(expected_model, prompt, mem, mask),
                                    rtol=1e-5, atol=1e-5)
     assert not torch.allclose(logits(routed, prompt, mem, mask), reference)
