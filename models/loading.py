@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeForCausalLM
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from models.quantization import compute_dtype, quantization_config
+from models.quantization import compute_dtype, keep_cpu_path_exact, quantization_config
 
 DECODER_CLASSES = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}
 ENCODER_CLASSES = {"qwen3": Qwen3Model}
@@ -50,16 +50,18 @@ def load_decoder(path: str | Path, *, dtype: torch.dtype | None = None, device: 
     `quantize` nf4 | int8 loads its linears through bitsandbytes (models.quantization)."""
     config = load_config(path, "decoder", DECODER_CLASSES)
     cls = DECODER_CLASSES[config.model_type]
-    return cls.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
-                               attn_implementation="sdpa", **_placement(dtype, device, quantize))
+    return keep_cpu_path_exact(cls.from_pretrained(path, use_safetensors=True, local_files_only=True,
+                                                   trust_remote_code=False, attn_implementation="sdpa",
+                                                   **_placement(dtype, device, quantize)))
 
 
 def load_encoder(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                  quantize: str = "none") -> Qwen3Model:
     """Qwen3Model from a Qwen3-Embedding (or any Qwen3) checkpoint; a causal-LM checkpoint loads without its head."""
     load_config(path, "encoder", ENCODER_CLASSES)
-    return Qwen3Model.from_pretrained(path, use_safetensors=True, local_files_only=True, trust_remote_code=False,
-                                      attn_implementation="sdpa", **_placement(dtype, device, quantize))
+    return keep_cpu_path_exact(Qwen3Model.from_pretrained(path, use_safetensors=True, local_files_only=True,
+                                                          trust_remote_code=False, attn_implementation="sdpa",
+                                                          **_placement(dtype, device, quantize)))
 
 
 def _placement(dtype: torch.dtype | None, device: str | torch.device, quantize: str) -> dict:

@@ -31,6 +31,7 @@ from models.specs import QUANTIZE
 # per output row (small beside the row, counted by `quantized_bytes`).
 NF4_BLOCK, NF4_DOUBLE_BLOCK = 64, 256
 WEIGHT_BITS = {"nf4": 4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_DOUBLE_BLOCK), "int8": 8.0}
+CPU_PACK_ROWS = 32  # bitsandbytes' AVX512-BF16 CPU kernel packs 4-bit weights in blocks of this many output rows
 
 
 def check_quantize(quantize: str) -> str:
@@ -68,6 +69,19 @@ def quantized_bytes(linear: nn.Linear, quantize: str) -> float:
     weights = linear.in_features * linear.out_features
     rows = linear.out_features if quantize == "int8" else 0
     return weights * WEIGHT_BITS[quantize] / 8 + 4 * rows
+
+
+def keep_cpu_path_exact(model: nn.Module) -> nn.Module:
+    """bitsandbytes' 4-bit inference on CPUs with AVX512-BF16 repacks each weight at its first eval forward and then
+    computes in bf16, whatever the compute dtype; it also fails on widths that are not multiples of CPU_PACK_ROWS
+    output rows and NF4_BLOCK inputs (a tiny pair's 48-wide encoder). Linears computing in another dtype, or of such
+    widths, keep its generic path, so evaluation reads as training computes."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False) and (
+                module.compute_dtype != torch.bfloat16 or module.out_features % CPU_PACK_ROWS
+                or module.in_features % NF4_BLOCK):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def is_quantized(model: nn.Module) -> bool:

@@ -86,6 +86,8 @@ def test_a_training_step_changes_only_what_trains(checkpoint_root):
 
 def test_4bit_forward_is_the_fp32_forward_over_its_dequantized_weights(checkpoint_root):
     quantized = open_gates(nf4_pair(checkpoint_root)).eval()
+    # bitsandbytes' AVX512-BF16 CPU path would compute in bf16 in eval mode only: off for an fp32 compute dtype
+    assert not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in quantized.modules())
     torch.manual_seed(0)
     reference = open_gates(build_pair("tiny", checkpoint_root=checkpoint_root, gca_layers="upper_half")).eval()
     original = logits(reference)
