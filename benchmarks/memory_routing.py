@@ -2,10 +2,11 @@
 query reading its top-k chunks (`memory_top_k`, models/gca.py) against full attention over the whole memory.
 
     python benchmarks/memory_routing.py [--quick] [--top-k 4] [--chunk-len 128] [--tokens 1024 4096 16384 65536]
-                                        [--threads N] [--chunk-weights router] [--lexical W]
+                                        [--threads N] [--chunk-weights router] [--lexical W] [--lexical-tokens]
 
 `--chunk-weights router --lexical 1 --top-k 2` is the stage-0 preset's reading (router-mixed chunks, the question's
-lexical prior; the memory's token ids random, the prompt naming some of them).
+lexical prior; the memory's token ids random, the prompt naming some of them). `--lexical-tokens` adds the token
+prior and the lexical gates (`memory_lexical_tokens`, `memory_lexical_gate`): each step looks its own token up.
 
 One model, the tiny pair (random weights, fp32), built with routers; full attention is the same model with
 memory_top_k set to 0, so both sides have the same weights. The memory is given as encoder states (as a memory store
@@ -32,10 +33,12 @@ from timing import timed_side_by_side
 STEPS_A_TURN = 5  # timed decoding steps a side takes in a row (after one untimed: its caches, not the other's)
 
 
-def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0):
+def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0,
+          lexical_tokens: bool = False):
     torch.manual_seed(0)
-    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers,
-                       reading=MemoryReading(top_k=top_k, chunk_weights=chunk_weights, lexical_routing=lexical)).eval()
+    reading = MemoryReading(top_k=top_k, chunk_weights=chunk_weights, lexical_routing=lexical,
+                            lexical_gate=lexical_tokens, lexical_tokens=lexical_tokens)
+    model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, reading=reading).eval()
     if fusion == "gca":
         model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)
     return model
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--chunk-weights", default="attention", choices=["attention", "router"],
                         help="how the routed side mixes its chunks (models/gca.py)")
     parser.add_argument("--lexical", type=float, default=0.0, help="the routed side's memory_lexical_routing weight")
+    parser.add_argument("--lexical-tokens", action="store_true",
+                        help="with --lexical: the token prior and lexical gates too (memory_lexical_tokens)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier "
                         "on a machine shared with other work")
     args = parser.parse_args()
@@ -86,11 +91,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sizes, repeats = ([1024, 4096], 5) if args.quick else (args.tokens, args.repeats)
     torch.set_grad_enabled(False)
-    model = build(args.top_k, args.fusion, args.gca_layers, args.chunk_weights, args.lexical)
+    model = build(args.top_k, args.fusion, args.gca_layers, args.chunk_weights, args.lexical, args.lexical_tokens)
     width = model.memory_encoder.hidden_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; tiny pair, fusion {args.fusion}, "
           f"{len(model.gca_layers)} memory-reading layers, chunks of {args.chunk_len}, routed top-{args.top_k}, "
-          f"chunk weights {args.chunk_weights}, lexical prior {args.lexical}")
+          f"chunk weights {args.chunk_weights}, lexical prior {args.lexical}"
+          f"{', token prior' if args.lexical_tokens else ''}")
     print(f"| {'memory tokens':>13} | {'chunks':>6} | {'full (ms)':>9} | {'routed (ms)':>11} | {'full t/t0':>9} | "
           f"{'routed t/t0':>11} | {'full / routed':>13} | {'prepare full / routed (ms)':>26} |")
     print("|" + "|".join("-" * (w + 2) for w in (13, 6, 9, 11, 9, 11, 13, 26)) + "|")

@@ -144,8 +144,8 @@ class AwarenessModel(nn.Module):
                 else nn.Identity()
             )
             if fusion == "gca":
-                blocks = {i: _build_gca(dcfg, gca_mlp, router=reading.routes, lexical_gate=reading.lexical_gate)
-                          for i in self.gca_layers}
+                blocks = {i: _build_gca(dcfg, gca_mlp, router=reading.routes, lexical_gate=reading.lexical_gate,
+                                        lexical_tokens=reading.lexical_tokens) for i in self.gca_layers}
             elif fusion == "cross":
                 blocks = {i: FusedCrossAttention(dcfg, i, router=reading.routes) for i in self.gca_layers}
             else:
@@ -162,6 +162,8 @@ class AwarenessModel(nn.Module):
             for layer in layers:
                 adopt_merged_attention(layer.self_attn)
         set_trainable(self)
+        # every decoder forward, generate's steps included, passes through the decoder's model with its input ids
+        decoder.model.register_forward_pre_hook(self._hold_tokens, with_kwargs=True)
 
     # ----------------------------------------------------------------------------------------------- building
     @classmethod
@@ -233,6 +235,11 @@ class AwarenessModel(nn.Module):
                                             for reader in self.memory_readers().values()):
             raise ValueError("memory_lexical_gate: this model was built without lexical gates; build it with "
                              "MemoryReading(lexical_gate=True) (--model.memory_lexical_gate true) to train them")
+        if reading.lexical_gate and reading.lexical_tokens and any(
+                reader.lexical_gate.out_features != 2 for reader in self.memory_readers().values()):
+            raise ValueError("memory_lexical_tokens with memory_lexical_gate: this model's gates were built for the "
+                             "question's prior alone; build it with both (--model.memory_lexical_tokens true "
+                             "--model.memory_lexical_gate true) to train the token prior's gate")
         self._reading = reading
 
     @property
@@ -340,6 +347,20 @@ class AwarenessModel(nn.Module):
             return False
         routed = [kv.routing for kv in gca_memory.layers.values() if kv.routing is not None]
         return bool(routed) and routed[0].prior is None
+
+    def _hold_tokens(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder's model: with memory_lexical_tokens, the memory's token prior for this
+        forward's input ids (GCAMemory.hold_tokens); without, none left from an earlier forward."""
+        memory = kwargs.get("gca_memory")
+        if memory is None:
+            return
+        if not (self.reading.lexical_tokens and self.reading.routes):
+            memory.hold_tokens(None, 0.0)
+            return
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise ValueError("memory_lexical_tokens reads each token's id: pass input_ids, not inputs_embeds")
+        memory.hold_tokens(input_ids, self.lexical_weight())
 
     def lexical_weight(self) -> float:
         """The question prior's weight now: reading.lexical_routing in training, reading.lexical_reading (when set)
@@ -661,7 +682,8 @@ def _routing_loss(gca_memory: GCAMemory | None) -> torch.Tensor | None:
     return torch.stack(losses).mean() if losses else None
 
 
-def _build_gca(dcfg, gca_mlp: bool, router: bool = False, lexical_gate: bool = False) -> GatedCrossAttention:
+def _build_gca(dcfg, gca_mlp: bool, router: bool = False, lexical_gate: bool = False,
+               lexical_tokens: bool = False) -> GatedCrossAttention:
     return GatedCrossAttention(
         hidden_size=dcfg.hidden_size,
         num_heads=dcfg.num_attention_heads,
@@ -673,6 +695,7 @@ def _build_gca(dcfg, gca_mlp: bool, router: bool = False, lexical_gate: bool = F
         hidden_act=dcfg.hidden_act,
         router=router,
         lexical_gate=lexical_gate,
+        lexical_tokens=lexical_tokens,
     )
 
 

@@ -33,6 +33,9 @@ chunk as the memory grows. Routing keeps each query's top-k chunks and attends t
 * **Lexical gate** (`lexical_gate`): the question's prior (models/lexical.py) is scaled per query token by a learned
   2 sigmoid(w x + b), 1 at initialisation, so a token that no longer asks the question (the key a two_hop answer
   names before reading it) can turn the prior down rather than be held to the question's chunk by it.
+* **Token prior** (`lexical_tokens`): each query also scores up the chunks holding the token it reads
+  (`GCAMemory.hold_tokens`, once per forward or decoding step), so the key an answer names is read next; with the gate,
+  its own gate output.
 * **Padding**: a chunk with nothing the query may read scores -inf; a row with no memory reads nothing.
 * **Cost**: summary keys are computed once per forward or generation. Few queries (a decoding step) gather their k
   chunks (`gathered`: O(Q * k * L)); long query blocks attend over the whole memory with the unchosen chunks masked
@@ -57,6 +60,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 # norms and the MLP are looked up in transformers' module when a block is built, so kernels patched in there
 # (models/kernels.py, Liger-Kernel) reach the GCA blocks too
 from transformers.models.qwen3 import modeling_qwen3
+
+from models.lexical import TokenIndex
 
 
 @dataclass
@@ -89,6 +94,8 @@ class ChunkRouting:
     path: str = "auto"
     weights: str = "attention"  # attention: one softmax over the chosen chunks' tokens | router: GCA's fusion
     prior: torch.Tensor | None = None  # (B_mem, 1 or R, C) float32: added to the chunk scores (models/lexical.py)
+    # (B_mem, Q, C) float32, per folded query of the current forward: the token prior (GCAMemory.hold_tokens)
+    token_prior: torch.Tensor | None = None
     loss: torch.Tensor | None = None
 
     @property
@@ -149,6 +156,7 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         hidden_act: str = "silu",
         router: bool = False,
         lexical_gate: bool = False,
+        lexical_tokens: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -165,7 +173,8 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         # chunk routing's summary keys (top_k > 0): the module docstring says why a projection of its own
         self.router = ChunkRouter(hidden_size, num_kv_heads, head_dim, rms_norm_eps) if router else None
         # memory_lexical_gate: each query token's share of the lexical prior (the module docstring says why)
-        self.lexical_gate = nn.Linear(hidden_size, 1) if lexical_gate else None
+        # and with the token prior a second output, its share of that
+        self.lexical_gate = nn.Linear(hidden_size, 2 if lexical_tokens else 1) if lexical_gate else None
         self.mlp = None
         if mlp_intermediate_size:
             mlp_config = _MLPConfig(hidden_size, mlp_intermediate_size, hidden_act)
@@ -207,12 +216,13 @@ class GatedCrossAttention(GradientCheckpointingLayer):
         return self.o_proj(out)
 
     def _prior_scale(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor | None:
-        """Each query token's share of the lexical prior, folded as its queries are, (B_mem, 1, r*T, 1) float32; None
-        without a gate or a prior."""
-        if self.lexical_gate is None or memory.routing is None or memory.routing.prior is None:
+        """Each query token's share of the lexical priors, folded as its queries are, (B_mem, 1, r*T, G) float32 (G:
+        the question's, then the token prior's when gated apart); None without a gate or a prior."""
+        routing = memory.routing
+        if self.lexical_gate is None or routing is None or (routing.prior is None and routing.token_prior is None):
             return None
-        gate = 2 * torch.sigmoid(self.lexical_gate(x).float())  # (B, T, 1)
-        return fold_queries(gate[..., None], memory)
+        gate = 2 * torch.sigmoid(self.lexical_gate(x).float())  # (B, T, G)
+        return fold_queries(gate[..., None, :], memory)  # (B_mem, 1, r*T, G)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -227,7 +237,7 @@ def attend_memory(query: torch.Tensor, memory: MemoryKV, *, scale: float | None 
     all padding reads nothing (zeros, not NaN). Shared by GCA blocks and the cross-attention layers. With
     `memory.routing` each query reads only its top-k chunks (and in training the routing loss is left in
     `memory.routing.loss`); with `memory.logn_base` queries are scaled by max(1, log n / log n_train). `prior_scale`
-    (B_mem, 1, r*T, 1): how much of the lexical prior each folded query takes (the block's lexical gate)."""
+    (B_mem, 1, r*T, G): how much of the lexical priors each folded query takes (the block's lexical gate)."""
     b, t, h, hd = query.shape
     padding = memory.padding
     folded = fold_queries(query, memory)  # (B_mem, H, r*T, hd)
@@ -356,7 +366,8 @@ def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *, tr
     not read the chunk; with S summaries a chunk, the best of its blocks' scores, plus the question's lexical prior
     when there is one (not `with_prior`: the routing loss, which trains the router's own scores). The queries are
     detached unless `train_queries` (the router-weighted read): the routing loss trains the summary keys only.
-    `prior_scale` (B_mem, 1, Q, 1): each query's share of the prior (the lexical gate); None: all of it."""
+    `prior_scale` (B_mem, 1, Q, G): each query's share of the question's prior and (last column) of the token prior
+    (the lexical gate); None: all of both."""
     b_mem, h, q, hd = query.shape
     n_kv = routing.summary.shape[1]
     grouped = (query if train_queries else query.detach()).view(b_mem, n_kv, h // n_kv, q, hd).mean(2)
@@ -367,7 +378,13 @@ def chunk_scores(query: torch.Tensor, routing: ChunkRouting, scale: float, *, tr
         scores = scores.view(b_mem, n_kv, q, routing.num_chunks, routing.summaries).amax(-1)  # (B_mem, H_kv, Q, C)
     if with_prior and routing.prior is not None:
         prior = _per_query(routing.prior, q)
-        scores = scores + (prior if prior_scale is None else prior * prior_scale)
+        scores = scores + (prior if prior_scale is None else prior * prior_scale[..., :1])
+    if with_prior and routing.token_prior is not None:
+        if routing.token_prior.shape[1] != q:
+            raise ValueError(f"a token prior for {routing.token_prior.shape[1]} queries does not fit {q}: hold the "
+                             f"tokens of the rows being read (GCAMemory.hold_tokens; AwarenessModel does)")
+        tokens = routing.token_prior[:, None]  # (B_mem, 1, Q, C)
+        scores = scores + (tokens if prior_scale is None else tokens * prior_scale[..., -1:])
     if routing.chunk_mask is not None:
         scores = scores.masked_fill(~routing.chunk_mask, float("-inf"))
     return scores
@@ -619,10 +636,31 @@ class GCAMemory:
     mask: torch.Tensor  # (B_mem, M) bool
     chunk_len: int | None = None  # L when the memory is C chunks of L positions (routing needs it); None: unknown
     chunk_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunks' token ids and mask (B_mem, C, L) each
+    token_index: TokenIndex | None = None  # the chunks' tokens indexed for the token prior, built at its first use
 
     @property
     def batch_size(self) -> int:
         return self.mask.shape[0]
+
+    def hold_tokens(self, input_ids: torch.Tensor | None, weight: float) -> None:
+        """Sets each routing layer's token prior for this forward's rows (B, T), B = r * B_mem, times `weight`
+        (memory_lexical_tokens); `input_ids` None clears it. In place: generate hands the same memory to every
+        decoding step, and each step's prior is its own token's. A memory read in full (no routing) takes none."""
+        routings = [kv.routing for kv in self.layers.values() if kv.routing is not None]
+        prior = None
+        if input_ids is not None and routings:
+            if self.chunk_ids is None:
+                raise ValueError("memory_lexical_tokens compares each token with the memory's, and this memory came "
+                                 "without them: pass memory_input_ids (B, C, L), or chunked memory_states with "
+                                 "memory_chunk_ids (MemoryStore.token_ids)")
+            if self.token_index is None:
+                self.token_index = TokenIndex.of(*self.chunk_ids)
+            if input_ids.shape[0] % self.batch_size:
+                raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch "
+                                 f"{self.batch_size}")
+            prior = weight * self.token_index.prior(input_ids.reshape(self.batch_size, -1))  # (B_mem, r*T, C)
+        for routing in routings:
+            routing.token_prior = prior
 
     def question_rows(self, rows: torch.Tensor) -> "GCAMemory":
         """This memory with its routing priors (AwarenessModel.with_question: one per decoder row) kept for `rows`
@@ -655,13 +693,15 @@ def gca_parameter_count(
     mlp_intermediate_size: int | None = None,
     router: bool = False,
     lexical_gate: bool = False,
+    lexical_tokens: bool = False,
 ) -> int:
     """Closed form of the parameters AwarenessModel adds to the pair: GCA blocks (with chunk routers when `router`,
-    memory_top_k > 0, and lexical gates when `lexical_gate`) plus the shared projection."""
+    memory_top_k > 0, and lexical gates when `lexical_gate`, two outputs each with `lexical_tokens`) plus the shared
+    projection."""
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     attention = hidden_size + hidden_size * q + 2 * hidden_size * kv + q * hidden_size + 2 * head_dim + 1
     attention += hidden_size * kv + head_dim if router else 0
-    attention += hidden_size + 1 if lexical_gate else 0
+    attention += (hidden_size + 1) * (2 if lexical_tokens else 1) if lexical_gate else 0
     if attention_bias:
         attention += q + 2 * kv + hidden_size
     mlp = hidden_size + 3 * hidden_size * mlp_intermediate_size + 1 if mlp_intermediate_size else 0

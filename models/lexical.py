@@ -13,11 +13,20 @@ step pays nothing for it beyond adding a (C,) vector to the chunk scores. Scores
 frequency: for each distinct question token present in the memory, idf = ln(1 + (C - n + 0.5) / (n + 0.5)), n the
 chunks that hold it, added to every chunk that holds it. Both sides share the tokenizer (a pair's encoder and decoder
 ids name the same tokens), so ids are compared directly.
+
+The token prior (`memory_lexical_tokens`) is the same score for one token, each query its own: the chunks holding the
+token a query position reads (in a decoding step, the token just generated) gain its idf. An answer that names a key
+then reads that key's chunk next, where the question's words do not lead (a two_hop chain's second fact). Each memory's
+distinct tokens are indexed once (`TokenIndex`), so a step looks its token up in O(log V + C).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+PAD_TOKEN = torch.iinfo(torch.long).max  # sorts after every token id
 
 
 def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chunk_ids: torch.Tensor,
@@ -35,6 +44,38 @@ def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chun
     chunks = chunk_mask.any(-1).sum(-1).float()[:, None, None]  # (B_mem, 1, 1): real chunks
     held_by = holds.sum(-1).float()  # (B_mem, R, T)
     return (holds.float() * (idf(chunks, held_by) * counted)[..., None]).sum(2)
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """Each memory's distinct chunk tokens, sorted (B_mem, V) and padded with PAD_TOKEN, which chunks hold each
+    (B_mem, V, C) bool, and its idf (B_mem, V) float32 (0 on padding)."""
+
+    tokens: torch.Tensor
+    held: torch.Tensor
+    idf: torch.Tensor
+
+    @classmethod
+    def of(cls, chunk_ids: torch.Tensor, chunk_mask: torch.Tensor) -> "TokenIndex":
+        """The memory's chunks (B_mem, C, L) and their token mask (B_mem, C, L) bool."""
+        b, c = chunk_ids.shape[:2]
+        vocabularies = [torch.unique(chunk_ids[m][chunk_mask[m]]) for m in range(b)]
+        v = max(1, max(len(vocab) for vocab in vocabularies))
+        tokens = torch.full((b, v), PAD_TOKEN, dtype=chunk_ids.dtype, device=chunk_ids.device)
+        held = torch.zeros(b, v, c, dtype=torch.bool, device=chunk_ids.device)
+        for m, vocab in enumerate(vocabularies):
+            tokens[m, : len(vocab)] = vocab
+            held[m, : len(vocab)] = _held(vocab, chunk_ids[m], chunk_mask[m])
+        chunks = chunk_mask.any(-1).sum(-1).float()[:, None]  # (B_mem, 1): real chunks
+        return cls(tokens=tokens, held=held, idf=idf(chunks, held.sum(-1).float()))
+
+    def prior(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (B_mem, Q) -> the token prior (B_mem, Q, C) float32: each token's idf on the chunks holding it;
+        0 for a token no chunk holds."""
+        at = torch.searchsorted(self.tokens, ids.to(self.tokens.dtype)).clamp_max(self.tokens.shape[1] - 1)
+        found = self.tokens.gather(1, at) == ids
+        held = self.held.gather(1, at[..., None].expand(-1, -1, self.held.shape[-1]))  # (B_mem, Q, C)
+        return held * (self.idf.gather(1, at) * found)[..., None]
 
 
 def idf(chunks: torch.Tensor, held_by: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ class MemoryReading:
     # input (1 at initialisation), so a token that no longer asks the question, e.g. the key a two_hop answer names
     # before reading it, can turn the question's prior down: the prior stays one input and cannot veto a learned match
     lexical_gate: bool = False
+    # With lexical routing: each query token also scores up the chunks holding its own token, by that token's idf (the
+    # token prior): a decoder that names a key, e.g. the next key of a two_hop answer, reads that key's chunk at once,
+    # the seed's <read> without a second pass. With lexical_gate, a second gate output weighs it per token
+    lexical_tokens: bool = False
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     logn_scale: int = 0
@@ -54,7 +58,7 @@ class MemoryReading:
         if k:
             return replace(self, top_k=k)
         return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None,
-                       lexical_gate=False)
+                       lexical_gate=False, lexical_tokens=False)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
@@ -88,6 +92,9 @@ class MemoryReading:
         if self.lexical_gate and (not self.lexical_routing or fusion == "cross"):
             p.append(f"{prefix}lexical_gate scales the lexical prior per query token in the GCA blocks: it needs "
                      f"{prefix}lexical_routing > 0 and fusion gca")
+        if self.lexical_tokens and not self.lexical_routing:
+            p.append(f"{prefix}lexical_tokens adds each query token's own lexical prior to routing's chunk scores: it "
+                     f"needs {prefix}lexical_routing > 0 (the weight of both priors)")
         if fusion == "merged" and (self.top_k or self.logn_scale):
             # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
             # nor the scale fits there without changing the pretrained attention

@@ -21,9 +21,10 @@ def test_every_problem_is_collected_and_named_by_the_given_prefix():
 
 
 def test_reading_the_whole_memory_turns_routings_companions_off():
-    routed = MemoryReading(top_k=2, chunk_weights="router", lexical_routing=3.0, lexical_reading=6.0, logn_scale=0)
+    routed = MemoryReading(top_k=2, chunk_weights="router", lexical_routing=3.0, lexical_reading=6.0, logn_scale=0,
+                           lexical_gate=True, lexical_tokens=True)
     assert routed.with_top_k(4) == MemoryReading(top_k=4, chunk_weights="router", lexical_routing=3.0,
-                                                 lexical_reading=6.0)
+                                                 lexical_reading=6.0, lexical_gate=True, lexical_tokens=True)
     whole = routed.with_top_k(0)
     assert whole == MemoryReading() and not whole.routes and whole.problems() == []
     assert routed.problems() == [] and MemoryReading(logn_scale=64).with_top_k(0).logn_scale == 64

@@ -1,0 +1,138 @@
+"""The token prior (memory_lexical_tokens): each query token scores up the chunks holding its own token, so a key the
+decoder names is read next."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from models import AwarenessModel, MemoryReading, build_pair, gca_parameter_count
+from models.lexical import TokenIndex
+from pipelines.evaluate.probes import memory_attention
+from tests.conftest import random_ids
+from tests.models.test_awareness import cached_logits
+from tests.models.test_fusion import DEC_VOCAB, logits, memory_batch
+from tests.models.test_lexical import ASKED, idf, needle_memory
+from tests.models.test_routing import routed_pair
+
+NAMED = ASKED + 1  # a second rare token, the key an answer names
+
+
+def test_each_token_gets_its_idf_on_the_chunks_holding_it():
+    chunks = torch.tensor([[[5, 7, 1, 1], [7, 2, 2, 2], [3, 3, 3, 3], [5, 0, 0, 0]],
+                           [[4, 4, 4, 4], [4, 4, 4, 4], [6, 4, 4, 4], [4, 4, 4, 4]]])  # (2, C=4, L=4)
+    mask = torch.ones_like(chunks, dtype=torch.bool)
+    mask[0, 3] = False  # chunk 3 of memory 0 is padding
+    ids = torch.tensor([[5, 7, 9, 2, 5], [6, 4, 5, 7, 6]])  # (B_mem, Q): 9 nowhere; memory 1 has only 4 and 6
+    prior = TokenIndex.of(chunks, mask).prior(ids)
+    five, seven, two = idf(3, 1), idf(3, 2), idf(3, 1)
+    expected = torch.zeros(2, 5, 4)
+    expected[0, 0, 0] = expected[0, 4, 0] = five
+    expected[0, 1, :2] = seven
+    expected[0, 3, 1] = two
+    expected[1, 0, 2] = expected[1, 4, 2] = idf(4, 1)
+    expected[1, 1] = idf(4, 4)  # in every chunk: about 0
+    torch.testing.assert_close(prior, expected)
+
+
+def test_each_position_reads_the_chunk_holding_its_own_token(checkpoint_root):
+    """k = 1, a heavy weight: the question names two rare tokens, so its prior ties their chunks; with the token
+    prior the position reading ASKED reads ASKED's chunk and the one reading NAMED reads NAMED's, wherever they are.
+    Without it the random routers break the tie, wrongly for some."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, lexical_routing=100.0, lexical_tokens=True)
+    where, named_at = [0, 1, 2, 3], [2, 3, 0, 1]
+    mem = needle_memory(0, where)
+    for row, chunk in enumerate(named_at):
+        mem[row, chunk, 5] = NAMED
+    ones = torch.ones(len(where), 1, dtype=torch.long)
+    for last, chunks in ((ASKED, where), (NAMED, named_at)):
+        other = NAMED if last == ASKED else ASKED
+        prompt = torch.cat([ones, ones * other, ones * last], dim=1)
+        for layer in memory_attention(routed, input_ids=prompt, memory_input_ids=mem):  # (B, H, M)
+            mass = layer.view(len(where), layer.shape[1], 4, 8).sum(-1)  # (B, H, C)
+            for row, chunk in enumerate(chunks):
+                torch.testing.assert_close(mass[row, :, chunk], torch.ones(layer.shape[1]))
+    routed.reading = replace(routed.reading, lexical_tokens=False)
+    missed = []
+    for last, chunks in ((ASKED, where), (NAMED, named_at)):
+        other = NAMED if last == ASKED else ASKED
+        prompt = torch.cat([ones, ones * other, ones * last], dim=1)
+        for layer in memory_attention(routed, input_ids=prompt, memory_input_ids=mem):
+            read = layer.view(len(where), layer.shape[1], 4, 8).sum(-1).argmax(-1)  # (B, H)
+            missed.append((read != torch.tensor(chunks)[:, None]).any())
+    assert any(missed)  # the question's prior ties the two chunks: the routers pick one for both positions
+
+
+def gated_tokens(checkpoint_root, k: int = 2):
+    _, routed = routed_pair(checkpoint_root, "gca", k=k, chunk_weights="router", lexical_routing=2.0,
+                            lexical_gate=True, lexical_tokens=True)
+    with torch.no_grad():
+        for n, block in enumerate(routed.memory_readers().values()):
+            gate = block.lexical_gate
+            gate.weight.copy_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(n)))
+    return routed
+
+
+def test_cached_decoding_and_generate_equal_full_forwards_and_it_is_saved(checkpoint_root, tmp_path):
+    """Each step's prior is its own token's: cached decoding equals a full forward (labels marking the continuation
+    as the answer), greedy generate is the argmax of full forwards, and a saved model reads the same; the answer's
+    loss reaches both gate outputs."""
+    routed = gated_tokens(checkpoint_root)
+    mem, mask = memory_batch(chunks=4)
+    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
+    continuation = mem[:, 0, :4]  # names chunk 0's tokens: the token prior moves the read there
+    ids = torch.cat([prompt, continuation], dim=1)
+    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    full = logits(routed, ids, mem, mask, labels=labels)
+    torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+    without = replace(routed.reading, lexical_tokens=False)
+    routed.reading, with_tokens = without, routed.reading
+    assert not torch.allclose(logits(routed, ids, mem, mask, labels=labels), full, rtol=1e-4, atol=1e-5)
+    routed.reading = with_tokens
+    generated = routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=4,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    steps = prompt
+    for _ in range(4):
+        answer = torch.cat([torch.full_like(prompt, -100), steps[:, prompt.shape[1]:]], dim=1)
+        step = logits(routed, steps, mem, mask, labels=answer)
+        steps = torch.cat([steps, step[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, steps)
+    routed.save_pretrained(tmp_path / "run")
+    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
+    assert loaded.reading.lexical_tokens
+    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
+    routed.train()
+    routed(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+    for block in routed.memory_readers().values():
+        assert (block.lexical_gate.weight.grad.abs().sum(-1) > 0).all()  # both outputs learn
+
+
+def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
+    full, routed = routed_pair(checkpoint_root, "gca", k=4, lexical_routing=5.0, lexical_tokens=True)
+    mem, mask = memory_batch(chunks=4)
+    ids = torch.cat([random_ids(2, 3, vocab=DEC_VOCAB, seed=2), mem[:, 1, :3]], dim=1)
+    torch.testing.assert_close(logits(routed, ids, mem, mask), logits(full, ids, mem, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_and_the_gates_are_counted():
+    with pytest.raises(ValueError, match="lexical_tokens"):
+        MemoryReading(top_k=2, lexical_tokens=True).check("gca")
+    one_gate = build_pair("tiny", device="meta", reading=MemoryReading(top_k=2, lexical_routing=1.0,
+                                                                       lexical_gate=True))
+    with pytest.raises(ValueError, match="built for the question's prior alone"):
+        one_gate.reading = replace(one_gate.reading, lexical_tokens=True)
+    one_gate.reading = replace(one_gate.reading, lexical_tokens=True, lexical_gate=False)  # ungated: it may
+    added = {}
+    for tokens in (False, True):
+        model = build_pair("tiny", device="meta", reading=MemoryReading(top_k=2, lexical_routing=1.0,
+                                                                        lexical_gate=True, lexical_tokens=tokens))
+        added[tokens] = sum(p.numel() for n, p in model.named_parameters() if ".cross_attention." in n)
+    d = model.decoder.config
+    shape = dict(hidden_size=d.hidden_size, num_heads=d.num_attention_heads, num_kv_heads=d.num_key_value_heads,
+                 head_dim=d.head_dim, num_gca_layers=len(model.gca_layers), encoder_hidden_size=d.hidden_size,
+                 router=True, lexical_gate=True)
+    assert added[True] - added[False] == len(model.gca_layers) * (d.hidden_size + 1)
+    assert added[True] - added[False] == (gca_parameter_count(**shape, lexical_tokens=True)
+                                          - gca_parameter_count(**shape))
