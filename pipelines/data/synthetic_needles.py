@@ -62,6 +62,7 @@ Variant = Literal[TrainedVariant, ScoredOnlyVariant]
 TRAINED_VARIANTS: tuple[str, ...] = get_args(TrainedVariant)  # the training mixture's choices
 VARIANTS: tuple[str, ...] = get_args(Variant)  # the evaluation's; a task's place seeds its probes: append only
 ALIAS_VARIANTS = ("alias", "alias_multi_key")  # asked by ALIAS_OF, else single and multi_key
+GROWING_VARIANTS = ("multi_key", "alias_multi_key")  # their facts grow with the memory; at 1x, single and alias
 CHAIN_HOPS = {"two_hop": 2, "three_hop": 3}  # chains with every link in a chunk of its own
 # Aliases are the top of the filler range: an alias memory's keys come from ALIASED_KEYS and its filler from
 # ALIAS_FILLER, so no token of the question is anywhere in its memory; elsewhere the alias ids are plain filler.
@@ -329,7 +330,7 @@ def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.
     """`key = d d d ;` facts, asked by their key (alias variants: by its alias) one or two a question."""
     vocabulary = spec.key_vocabulary(variant)
     room = slots // 2 if variant == "multi_value" else slots  # multi_value: a second fact for each
-    grows = variant in ("multi_key", "alias_multi_key")
+    grows = variant in GROWING_VARIANTS
     n_facts = min(spec.facts * (scale if grows else 1), len(vocabulary) ** spec.key_tokens, room)
     keys = draw_keys(rng, spec, n_facts, vocabulary)
     values = digits(n_facts)

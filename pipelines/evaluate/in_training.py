@@ -20,7 +20,7 @@ from models import AwarenessModel
 from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
-from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
+from pipelines.data.synthetic_needles import GROWING_VARIANTS, NeedleSpec, needle_batch
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.format.rows import IGNORE
 
@@ -155,13 +155,13 @@ def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_mem
             for b, (c, n) in enumerate(zip(scores.depth_correct, scores.depth_total, strict=True)):
                 metrics[f"needle_accuracy/depth_{b}"] = c / max(n, 1)
     largest = spec.memory_scale_max
-    # at 1x, multi_key is the single task: it is scored at the largest size
-    extra = {f"needle_accuracy/{v}": (spec, v, 1) for v in spec.mixture() if v not in ("single", "multi_key")}
+    # at 1x, multi_key is the single task (alias_multi_key alias): they are scored at the largest size
+    extra = {f"needle_accuracy/{v}": (spec, v, 1) for v in spec.mixture() if v not in ("single", *GROWING_VARIANTS)}
     if spec.hard_distractors > 0:
         extra["needle_accuracy/hard"] = (spec, "single", 1)
     if largest > 1:
         extra[f"needle_accuracy/{largest}x"] = (base_task(spec), "single", largest)
-        for variant in (v for v in ("multi_key", "alias_multi_key") if v in spec.mixture()):  # facts grow with size
+        for variant in (v for v in GROWING_VARIANTS if v in spec.mixture()):
             extra[f"needle_accuracy/{variant}/{largest}x"] = (spec, variant, largest)
     for name, (task, variant, scale) in extra.items():
         metrics[name] = _summed(score_needles(model, task, seed, indices, mode=mode, variant=variant,

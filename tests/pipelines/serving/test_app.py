@@ -168,8 +168,8 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     """Measures what clients see when the only replica dies under their requests, and what the next replica knows.
 
     A memory is created and a greedy question over it answered. Then a streamed completion (max_tokens 4096,
-    sampled, so it decodes for seconds) starts from a thread, and a plain one joins it in the replica's decoding
-    loop; once the stream's first tokens have arrived, the replica actor is killed with
+    sampled with a seed, so it decodes for seconds) starts from a thread, and a plain one joins it in the replica's
+    decoding loop; once the stream's first tokens have arrived, the replica actor is killed with
     `ray.kill(actor, no_restart=False)` (Serve creates replicas with max_restarts=0: its controller, not Ray, replaces
     it). Measured: each in-flight client ends within 60 s of the kill (it ends in well under a second: the streamed
     one with a broken chunked body after its 200 and no `[DONE]`, the plain one with Ray Serve's 500), a request sent
@@ -195,7 +195,9 @@ def test_a_replica_killed_mid_request_ends_the_request_at_once_and_its_successor
     answer = before.json()["choices"][0]["text"]
     (victim,) = _replicas()
 
-    slow = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 1.0}  # sampled: it rarely ends early, but can
+    # sampled with a seed: the same long answer every run (a seeded answer does not depend on its batch), which
+    # decodes for seconds; unseeded, a draw could end early and finish before the kill
+    slow = {"prompt": "k1 =", "max_tokens": 4096, "temperature": 1.0, "seed": 0}
     requests = {"stream": slow | {"stream": True}, "plain": slow, "gap": {"prompt": "k1 =", "max_tokens": 4}}
 
     def ask(kind: str):  # its own client and timeout: a hang fails the join below, it does not stall the suite
