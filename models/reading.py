@@ -29,7 +29,7 @@ class MemoryReading:
     chunk_weights: str = "attention"
     # With routing: the weight of the question's lexical prior on the chunk scores (models/lexical.py): a chunk holding
     # the question's rare tokens is scored up by their idf, as BM25 ranks, so among near-alike chunks the one naming
-    # what is asked is read. 0: the learned router alone. Needs one question a row (no packing)
+    # what is asked is read. 0: the learned router alone
     lexical_routing: float = 0.0
     # With lexical routing: the prior's weight when the model reads in eval mode (evaluation, generate, serving);
     # None: memory_lexical_routing. A router trained beside a small prior still learns to rank; a larger prior when
