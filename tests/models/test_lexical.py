@@ -109,18 +109,47 @@ def test_cached_decoding_generate_and_save_load_with_lexical_routing(checkpoint_
     torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
     # without labels the continuation counts as question: another prior, other chunks read, other logits
     assert not torch.allclose(logits(routed, ids, mem, mask), full, rtol=1e-4, atol=1e-5)
-    generated = routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=4,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    steps = prompt
-    for _ in range(4):
-        answer = torch.cat([torch.full_like(prompt, -100), steps[:, prompt.shape[1]:]], dim=1)
-        step = logits(routed, steps, mem, mask, labels=answer)
-        steps = torch.cat([steps, step[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(generated, steps)
+    assert_greedy_is_the_argmax_of_answered_forwards(routed, prompt, mem, mask)
     routed.save_pretrained(tmp_path / "run")
     loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
     assert loaded.reading.lexical_routing == 2.0
     torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
+
+
+def answered_rows(mem: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A prompt naming chunk 2's first tokens, an answer naming chunk 0's, both rows joined and the labels marking
+    the answer: (prompt, continuation, ids, labels)."""
+    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
+    continuation = mem[:, 0, :4]
+    return (prompt, continuation, torch.cat([prompt, continuation], dim=1),
+            torch.cat([torch.full_like(prompt, -100), continuation], dim=1))
+
+
+def reloaded_reading_alike(model, directory, ids, mem, mask, labels, full) -> AwarenessModel:
+    """The model saved and loaded back; its logits over the answered rows are `full`'s."""
+    model.save_pretrained(directory)
+    loaded = AwarenessModel.from_pretrained(directory).eval()
+    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
+    return loaded
+
+
+def train_on_the_answer(model, ids, mem, mask, labels) -> None:
+    """One backward of the answer's loss, in training mode (the gradients are left on the parameters)."""
+    model.train()
+    model(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+
+
+def assert_greedy_is_the_argmax_of_answered_forwards(model, prompt, mem, mask, steps: int = 4) -> None:
+    """Greedy generate equals, token by token, the argmax of full forwards whose labels mark what was generated as
+    the answer (so the prompt alone is the question, as generate reads it)."""
+    generated = model.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=steps,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = prompt
+    for _ in range(steps):
+        answer = torch.cat([torch.full_like(prompt, -100), ids[:, prompt.shape[1]:]], dim=1)
+        step = logits(model, ids, mem, mask, labels=answer)
+        ids = torch.cat([ids, step[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, ids)
 
 
 def test_the_reading_weight_holds_in_eval_mode_only_and_is_saved(checkpoint_root, tmp_path):
@@ -281,18 +310,11 @@ def test_the_lexical_gate_learns_decodes_as_a_full_forward_and_is_saved(checkpoi
         for n, gate in enumerate(gates(routed)):
             gate.weight.copy_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(n)))
     mem, mask = memory_batch(chunks=4)
-    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
-    continuation = mem[:, 0, :4]
-    ids = torch.cat([prompt, continuation], dim=1)
-    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    prompt, continuation, ids, labels = answered_rows(mem)
     full = logits(routed, ids, mem, mask, labels=labels)
     torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
-    routed.save_pretrained(tmp_path / "run")
-    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert loaded.reading.lexical_gate
-    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
-    routed.train()
-    routed(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+    assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading.lexical_gate
+    train_on_the_answer(routed, ids, mem, mask, labels)
     assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in gates(routed))
 
 

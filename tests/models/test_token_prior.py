@@ -8,13 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models import AwarenessModel, MemoryReading, build_pair, gca_parameter_count
+from models import MemoryReading, build_pair, gca_parameter_count
 from models.lexical import TokenIndex
 from pipelines.evaluate.probes import memory_attention
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, logits, memory_batch
-from tests.models.test_lexical import ASKED, idf, needle_memory
+from tests.models.test_lexical import (ASKED, answered_rows, assert_greedy_is_the_argmax_of_answered_forwards, idf,
+                                      needle_memory, reloaded_reading_alike, train_on_the_answer)
 from tests.models.test_routing import routed_pair
 
 NAMED = ASKED + 1  # a second rare token, the key an answer names
@@ -81,30 +82,16 @@ def test_cached_decoding_and_generate_equal_full_forwards_and_it_is_saved(checkp
     loss reaches both gate outputs."""
     routed = gated_tokens(checkpoint_root)
     mem, mask = memory_batch(chunks=4)
-    prompt = torch.cat([random_ids(2, 4, vocab=DEC_VOCAB, seed=0), mem[:, 2, :2]], dim=1)
-    continuation = mem[:, 0, :4]  # names chunk 0's tokens: the token prior moves the read there
-    ids = torch.cat([prompt, continuation], dim=1)
-    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    prompt, continuation, ids, labels = answered_rows(mem)  # the answer names chunk 0's tokens: its prior moves there
     full = logits(routed, ids, mem, mask, labels=labels)
     torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
     without = replace(routed.reading, lexical_tokens=False)
     routed.reading, with_tokens = without, routed.reading
     assert not torch.allclose(logits(routed, ids, mem, mask, labels=labels), full, rtol=1e-4, atol=1e-5)
     routed.reading = with_tokens
-    generated = routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=4,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
-    steps = prompt
-    for _ in range(4):
-        answer = torch.cat([torch.full_like(prompt, -100), steps[:, prompt.shape[1]:]], dim=1)
-        step = logits(routed, steps, mem, mask, labels=answer)
-        steps = torch.cat([steps, step[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(generated, steps)
-    routed.save_pretrained(tmp_path / "run")
-    loaded = AwarenessModel.from_pretrained(tmp_path / "run").eval()
-    assert loaded.reading.lexical_tokens
-    torch.testing.assert_close(logits(loaded, ids, mem, mask, labels=labels), full, rtol=1e-5, atol=1e-5)
-    routed.train()
-    routed(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask).loss.backward()
+    assert_greedy_is_the_argmax_of_answered_forwards(routed, prompt, mem, mask)
+    assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading.lexical_tokens
+    train_on_the_answer(routed, ids, mem, mask, labels)
     for block in routed.memory_readers().values():
         assert (block.lexical_gate.weight.grad.abs().sum(-1) > 0).all()  # both outputs learn
 
