@@ -105,6 +105,20 @@ def test_lexically_routed_rows_keep_their_own_question_prior_as_rows_join_and_le
         assert all(torch.equal(prior, expected) for prior in layers)
 
 
+def test_rows_reading_with_the_token_prior_answer_as_each_alone_as_rows_join_and_leave(checkpoint_root):
+    """memory_lexical_tokens: each step's token prior is its rows' own tokens', whatever rows share the step."""
+    model = reading(pair(checkpoint_root, "gca", reading=MemoryReading(top_k=1, lexical_routing=50.0,
+                                                                       lexical_tokens=True)))
+    memory = served(model, seed=4, chunks=4)
+    chunks = memory.gca_memory.chunk_ids[0][0]
+    prompts = [chunks[c, :4].tolist() + [5] for c in (0, 1, 2, 3)]
+    first = [Question(prompts[0], memory, 3), Question(prompts[1], memory, MAX_TOKENS)]
+    later = [Question(p, memory, MAX_TOKENS) for p in prompts[2:]]
+    loop = DecodingLoop(model, [EOS], max_rows=8, lock=threading.Lock())
+    answer(loop, first, later, after=2)
+    assert [q.tokens for q in first + later] == [alone(model, q) for q in first + later]
+
+
 def test_a_seeded_sample_is_the_same_alone_and_in_a_batch_and_top_p_or_temperature_near_zero_is_greedy(
         checkpoint_root):
     model = reading(pair(checkpoint_root, "gca"))
