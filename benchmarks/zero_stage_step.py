@@ -1,7 +1,7 @@
 """The stage-0 job's step under each ZeRO stage: the whole job (Ray Train, 2 CPU workers over gloo, DeepSpeed)
 trained --steps steps on the mixture with each stage in turns, --rounds times, so every stage sees the same load.
-Prints each stage's median seconds a step per round (the job's own `seconds_per_step`: start-up, evaluation and
-checkpointing excluded), their range and the ratio to the first stage.
+Prints each stage's seconds a step per round (the job's own `seconds_per_step`, the median of its last 100 steps:
+start-up, evaluation and checkpointing excluded), their range and the ratio to the first stage.
 
     python benchmarks/zero_stage_step.py [--stages 2 0] [--steps 400] [--rounds 3] [-- JOB FLAGS ...]
 
