@@ -1,7 +1,7 @@
 """The fault-tolerance tests' worker hooks, installed through $AWARENESS_TRAIN_HOOK (pipelines.train.hooks).
 `inject`: the last worker of a run raises once at the event and step `plan` wrote for that run name. `await_kill`:
 the last worker stops at a step and waits for the test to SIGKILL its process. Marker files make each happen once
-per run, across the restarts Ray Train performs."""
+per run, across the restarts Ray Train performs. `assert_resume_is_exact`: the exact-resume check the tests share."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import ray.train
+import torch
+from safetensors.torch import load_file
+
+from models.awareness import WEIGHTS_NAME
 
 HOOK = "tests.pipelines.train.faults:inject"
 PLAN_ENV = "AWARENESS_FAULT_PLAN"  # a JSON file: {run name: {"fail_at": "train:3", "marker": path}}
@@ -57,3 +62,25 @@ def await_kill(event: str, step: int) -> None:
     victim.write_text(json.dumps({"pid": pid, "step": step}))
     time.sleep(300)
     raise RuntimeError(f"await_kill: worker {pid} waited 300 s at {event} step {step} and was never killed")
+
+
+def assert_resume_is_exact(config_of: Callable[[str], Any], fault_plan: Path, tmp_path: Path,
+                           steps: int, fail_at: str = "train:3") -> dict[str, dict]:
+    """Trains `config_of(name)` twice, "uninterrupted" and "killed" (its last worker raises once at `fail_at`, and
+    Ray Train restarts it from the last checkpoint), and asserts both ran `steps` steps and exported the same weights
+    bit for bit. Returns the two job summaries."""
+    from pipelines.train.recipes.jobs import train  # Ray Train and DeepSpeed: only the driver-side tests need it
+
+    summaries = {}
+    for name in ("uninterrupted", "killed"):
+        config = config_of(name)
+        if name == "killed":
+            plan(fault_plan, config.run.name, fail_at, tmp_path / "injected-killed")
+        summaries[name] = train(config)
+        assert summaries[name]["error"] is None and summaries[name]["steps"] == steps, summaries[name]
+    assert (tmp_path / "injected-killed").is_file()  # it did fail
+    exports = {name: load_file(Path(summary["export"]) / WEIGHTS_NAME) for name, summary in summaries.items()}
+    assert exports["killed"].keys() == exports["uninterrupted"].keys()
+    for name, tensor in exports["uninterrupted"].items():
+        assert torch.equal(exports["killed"][name], tensor), name
+    return summaries

@@ -95,17 +95,6 @@ def test_a_4bit_base_trains_under_zero_and_its_export_reloads_onto_4bit_and_fp32
 def test_8bit_adamw_over_a_4bit_base_resumes_after_a_failure_bitwise(tmp_path, checkpoint_root, local_ray, fault_plan):
     """One worker dies at step 3; the run restarts from checkpoint 2 (engine shards with the 8-bit moments and their
     quantization constants) and its final export equals, bit for bit, that of a run that never failed."""
-    from pipelines.train.recipes.jobs import train
-
-    runs = {}
-    for name in ("uninterrupted", "killed"):
-        if name == "killed":
-            faults.plan(fault_plan, name, "train:3", tmp_path / f"injected-{name}")
-        config = qlora_config(tmp_path, checkpoint_root, name, steps=4, zero_stage=2, optimizer="adamw_8bit")
-        runs[name] = train(config)
-        assert runs[name]["error"] is None and runs[name]["steps"] == 4
-    assert (tmp_path / "injected-killed").is_file()  # it did fail
-    exports = {name: load_file(Path(summary["export"]) / WEIGHTS_NAME) for name, summary in runs.items()}
-    assert exports["killed"].keys() == exports["uninterrupted"].keys()
-    for name, tensor in exports["uninterrupted"].items():
-        assert torch.equal(exports["killed"][name], tensor), name
+    faults.assert_resume_is_exact(
+        lambda name: qlora_config(tmp_path, checkpoint_root, name, steps=4, zero_stage=2, optimizer="adamw_8bit"),
+        fault_plan, tmp_path, steps=4)
