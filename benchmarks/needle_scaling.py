@@ -29,12 +29,12 @@ import torch
 from safetensors.torch import load_file
 
 from models.awareness import WEIGHTS_NAME
-from models.gca import chunk_scores, memory_probabilities
 from pipelines.cli import from_typed_dict, to_dict
 from pipelines.data.memory_modes import NO_MEMORY
 from pipelines.data.streams import NeedleStream
 from pipelines.data.synthetic_needles import generate_memory
 from pipelines.evaluate.in_training import score_needles
+from pipelines.evaluate.probes import chunk_reading
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig
 from pipelines.train.engine import cosine_factor
 from pipelines.train.model import build_model
@@ -108,39 +108,24 @@ def evaluate(model, config: ModelConfig, variants: list[str], scales: list[int],
 def router_recall(model, variant: str, scale: int, memories: int) -> dict[str, float]:
     """Per routing layer: the share of questions whose evidence chunk is among the top-k chunks the router picks (for
     either kv head) at the question's last prompt token, and beside it (`L/full`) among the top-k chunks by full
-    attention's chunk mass for the same query: the routing loss's teacher, which the router can only imitate."""
+    attention's chunk mass for the same query: the routing loss's teacher, which the router can only imitate
+    (pipelines.evaluate.probes.chunk_reading; benchmarks/routing_recall.py gives them per kv head for an export)."""
     model.eval()
     spec = BASE_TASK.spec()
-    queries: dict[int, torch.Tensor] = {}
-    hooks = [block.q_norm.register_forward_hook(lambda _m, _i, out, i=i: queries.__setitem__(i, out))
-             for i, block in model.memory_readers().items()]
+    layers = sorted(model.gca_blocks())
     hits, total = {}, 0
-    try:
-        for index in range(memories):
-            drawn = generate_memory(variant, spec, scale, np.random.default_rng([HELD_OUT_SEED, index]))
-            memory = torch.from_numpy(drawn.memory)[None]
-            questions = torch.tensor(drawn.questions)
-            prepared = model.prepare_memory(memory_input_ids=memory)
-            prepared = model.with_question(prepared, questions, torch.ones_like(questions, dtype=torch.bool))
-            model(input_ids=questions, memory_input_ids=memory)
-            for i, query in queries.items():
-                b, t, h, hd = query.shape
-                routing = prepared.layers[i].routing
-                folded = query.reshape(1, b * t, h, hd).transpose(1, 2)
-                k = min(model.reading.top_k, routing.num_chunks)
-                chosen = chunk_scores(folded, routing, hd**-0.5).topk(k, dim=-1).indices.view(1, -1, b, t, k)
-                probs = memory_probabilities(folded, dataclasses.replace(prepared.layers[i], routing=None),
-                                             scale=hd**-0.5)  # full attention: (1, H, b*t, M)
-                mass = probs.view(1, h, b * t, routing.num_chunks, -1).sum(-1).mean(1)  # (1, b*t, C)
-                teacher = mass.topk(k, dim=-1).indices.view(b, t, k)
-                for q, evidence in enumerate(drawn.evidence):
-                    routed = set(chosen[0, :, q, -1].flatten().tolist())
-                    hits[str(i)] = hits.get(str(i), 0) + bool(set(evidence) & routed)
-                    hits[f"{i}/full"] = hits.get(f"{i}/full", 0) + bool(set(evidence) & set(teacher[q, -1].tolist()))
-            total += len(drawn.questions)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    for index in range(memories):
+        drawn = generate_memory(variant, spec, scale, np.random.default_rng([HELD_OUT_SEED, index]))
+        questions = torch.tensor(drawn.questions)
+        memory = torch.from_numpy(drawn.memory)[None].expand(len(questions), -1, -1)  # one memory row a question
+        reads = chunk_reading(model, input_ids=questions, memory_input_ids=memory)
+        for i, (scores, mass) in zip(layers, reads, strict=True):  # (B, H_kv, C) each
+            k = min(model.reading.top_k, scores.shape[-1])
+            chosen, teacher = scores.topk(k, dim=-1).indices, mass.mean(1).topk(k, dim=-1).indices
+            for q, evidence in enumerate(drawn.evidence):
+                hits[str(i)] = hits.get(str(i), 0) + bool(set(evidence) & set(chosen[q].flatten().tolist()))
+                hits[f"{i}/full"] = hits.get(f"{i}/full", 0) + bool(set(evidence) & set(teacher[q].tolist()))
+        total += len(drawn.questions)
     return {i: round(n / max(total, 1), 3) for i, n in hits.items()}
 
 

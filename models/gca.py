@@ -211,6 +211,20 @@ class GatedCrossAttention(GradientCheckpointingLayer):
             return memory_probabilities(fold_queries(self._queries(x), memory), memory, scale=self.head_dim**-0.5,
                                         prior_scale=self._prior_scale(x, memory))
 
+    def chunk_reading(self, hidden_states: torch.Tensor, memory: MemoryKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where routing sends each query of `hidden_states` (B, T, hidden) and where full attention would: the chunk
+        scores the read selects its top-k by (the router's plus the lexical priors, as gated) and full attention's
+        mass per chunk (full_attention_chunk_mass, the routing loss's teacher), each (B_mem, H_kv, r*T, C) float32,
+        folded as forward folds the queries. For probes: when a question fails, did routing miss the evidence, or
+        would full attention have missed it too?"""
+        if memory.routing is None:
+            raise ValueError("chunk_reading reads a routed memory: build the model with memory_top_k > 0")
+        with torch.no_grad():
+            x = self.input_norm(hidden_states)
+            query, scale = fold_queries(self._queries(x), memory), self.head_dim**-0.5
+            return (chunk_scores(query, memory.routing, scale, prior_scale=self._prior_scale(x, memory)),
+                    full_attention_chunk_mass(query, memory, scale))
+
     def _attend(self, x: torch.Tensor, memory: MemoryKV) -> torch.Tensor:
         out, _ = attend_memory(self._queries(x), memory, prior_scale=self._prior_scale(x, memory))  # (B, T, H*hd)
         return self.o_proj(out)
@@ -560,26 +574,37 @@ def _routing_loss(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.
     queries that read a memory. The teacher is computed without gradient from full attention's logits (as unrouted
     attention would scale them); only the summary keys get gradients."""
     routing, padding = memory.routing, memory.padding
-    b_mem, h, q, hd = query.shape
-    n_kv, m, c = memory.key.shape[1], memory.key.shape[2], routing.num_chunks
+    b_mem, _, q, _ = query.shape
+    n_kv = memory.key.shape[1]
+    teacher = full_attention_chunk_mass(query, memory, scale)  # (B_mem, H_kv, Q, C)
     with torch.no_grad():
-        full = query.detach()
-        if memory.logn_base:
-            full = full * _logn_factor(_real_tokens(padding.attn_mask, m), memory.logn_base, full.dtype)
-        grouped = full.view(b_mem, n_kv, h // n_kv, q, hd)  # (B_mem, H_kv, G, Q, hd)
-        logits = (grouped * scale @ memory.key.detach()[:, :, None].transpose(-1, -2)).float()  # (B_mem,H_kv,G,Q,M)
-        if padding.attn_mask is not None:
-            logits = logits.masked_fill_(~padding.attn_mask[:, :, None], float("-inf"))
-        # a chunk's mass is the sum of its tokens' full-attention probabilities (= the softmax over chunks of their
-        # logsumexps): one fused softmax over the memory, about half the passes of a per-chunk logsumexp
-        mass = logits.softmax(-1).view(*logits.shape[:-1], c, routing.chunk_len).sum(-1)  # (B_mem, H_kv, G, Q, C)
-        teacher = mass.mean(2)  # (B_mem, H_kv, Q, C)
         weight = torch.ones(b_mem, 1, q, device=query.device)
         if padding.has_memory is not None:
             weight = weight * padding.has_memory[:, :, :, 0].float().expand(b_mem, 1, q)
     log_router = chunk_scores(query, routing, scale, with_prior=False).log_softmax(-1).masked_fill(teacher == 0, 0.0)
     kl = (teacher * (teacher.clamp_min(1e-30).log() - log_router)).sum(-1)  # (B_mem, H_kv, Q)
     return (kl * weight).sum() / (weight.sum() * n_kv).clamp_min(1.0)
+
+
+@torch.no_grad()
+def full_attention_chunk_mass(query: torch.Tensor, memory: MemoryKV, scale: float) -> torch.Tensor:
+    """Folded queries (B_mem, H, Q, hd) -> the mass full attention (unrouted, as the block would read without
+    routing) puts on each chunk, a kv head's query heads averaged: (B_mem, H_kv, Q, C) float32, no gradient. The
+    routing loss's teacher, and the probes' reference for where the router should send a query."""
+    routing, padding = memory.routing, memory.padding
+    b_mem, h, q, hd = query.shape
+    n_kv, m, c = memory.key.shape[1], memory.key.shape[2], routing.num_chunks
+    full = query.detach()
+    if memory.logn_base:
+        full = full * _logn_factor(_real_tokens(padding.attn_mask, m), memory.logn_base, full.dtype)
+    grouped = full.view(b_mem, n_kv, h // n_kv, q, hd)  # (B_mem, H_kv, G, Q, hd)
+    logits = (grouped * scale @ memory.key.detach()[:, :, None].transpose(-1, -2)).float()  # (B_mem, H_kv, G, Q, M)
+    if padding.attn_mask is not None:
+        logits = logits.masked_fill_(~padding.attn_mask[:, :, None], float("-inf"))
+    # a chunk's mass is the sum of its tokens' full-attention probabilities (= the softmax over chunks of their
+    # logsumexps): one fused softmax over the memory, about half the passes of a per-chunk logsumexp
+    mass = logits.softmax(-1).view(*logits.shape[:-1], c, routing.chunk_len).sum(-1)  # (B_mem, H_kv, G, Q, C)
+    return mass.mean(2)
 
 
 def _real_tokens(attn_mask: torch.Tensor | None, m: int) -> torch.Tensor:

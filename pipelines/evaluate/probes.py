@@ -23,17 +23,19 @@ def gca_blocks(model: AwarenessModel) -> dict[int, nn.Module]:
 
 
 @contextmanager
-def memory_attention_probe(blocks: Mapping[int, nn.Module]) -> Iterator[dict[int, torch.Tensor]]:
-    """While open, each forward of a GCA block in `blocks` (by layer) records its attention over the memory tokens,
-    (B_mem, H, r*T, M) float32 (routed: the unselected chunks at 0), in the dict this yields (a later forward replaces
-    an earlier one's). The hooks are removed on leaving, whatever happened inside."""
-    seen: dict[int, torch.Tensor] = {}
+def memory_attention_probe(blocks: Mapping[int, nn.Module], read: str = "memory_attention") -> Iterator[dict[int, Any]]:
+    """While open, each forward of a GCA block in `blocks` (by layer) records what the block's method `read` gives for
+    its input and memory, in the dict this yields (a later forward replaces an earlier one's): by default its
+    attention over the memory tokens, (B_mem, H, r*T, M) float32 (routed: the unselected chunks at 0); `chunk_reading`:
+    the router's chunk scores and full attention's chunk mass. The hooks are removed on leaving, whatever happened
+    inside."""
+    seen: dict[int, Any] = {}
 
     def recorder(layer: int):
         def record(block, args: tuple, kwargs: dict[str, Any]) -> None:
             hidden = args[0] if args else kwargs["hidden_states"]
             memory = args[1] if len(args) > 1 else kwargs["memory"]
-            seen[layer] = block.memory_attention(hidden, memory)
+            seen[layer] = getattr(block, read)(hidden, memory)
         return record
 
     handles = [block.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, block in blocks.items()]
@@ -66,3 +68,14 @@ def attention_entropy(model: AwarenessModel, **inputs: Any) -> dict[int, float]:
     with memory_attention_probe(gca_blocks(model)) as seen:
         model(**inputs)
     return {i: float(mean_entropy(attention)) for i, attention in sorted(seen.items())}
+
+
+@torch.no_grad()
+def chunk_reading(model: AwarenessModel, **inputs: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Where each GCA layer's routing sends the query that predicts the token after each row, and where full
+    attention would: one forward over `inputs` (one memory row per prompt row, a routed model) and, per GCA layer in
+    layer order, (the chunk scores its top-k are chosen by, full attention's mass per chunk) at the last position,
+    each (B, H_kv, C) on the CPU (GatedCrossAttention.chunk_reading)."""
+    with memory_attention_probe(gca_blocks(model), read="chunk_reading") as seen:
+        model(**inputs)
+    return [(scores[:, :, -1].cpu(), mass[:, :, -1].cpu()) for scores, mass in (seen[i] for i in sorted(seen))]

@@ -13,7 +13,7 @@ from models import (AwarenessModel, LoraPlan, LoraSettings, MemoryReading, apply
 from models.gca import ChunkRouting, MemoryKV, MemoryPadding, attend_memory, memory_probabilities
 from models.gca import _routing_loss as routing_loss
 import models.gca as gca
-from pipelines.evaluate.probes import memory_attention
+from pipelines.evaluate.probes import chunk_reading, memory_attention
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, ENC_VOCAB, logits, memory_batch, pair, reading
@@ -437,6 +437,31 @@ def test_memory_attention_probe_under_routing(checkpoint_root):
         torch.testing.assert_close(attention.sum(-1), torch.ones(2, attention.shape[1]))
         per_chunk = attention.view(2, attention.shape[1], 3, 8).sum(-1)
         assert ((per_chunk > 0).sum(-1) == 1).all()  # one chunk per kv head's query heads
+
+
+def test_chunk_reading_probe_gives_the_chunks_read_and_full_attentions_chunk_mass(checkpoint_root):
+    """Where routing sends a query and where full attention would: the top-k of the probe's scores are the chunks
+    the routed read attends (k=1), and its mass is full attention's, summed per chunk and averaged over a kv head's
+    query heads (k = every chunk, where the read is full attention in every layer)."""
+    ids = random_ids(2, 6, vocab=DEC_VOCAB, seed=0)
+    mem, mask = memory_batch()  # 3 chunks of 8
+    mask[1, 2] = 0  # row 1's last chunk is padding: never chosen, no mass
+    inputs = {"input_ids": ids, "memory_input_ids": mem, "memory_attention_mask": mask}
+    for k in (1, 3):
+        _, routed = routed_pair(checkpoint_root, "gca", k=k)
+        reads, attention = chunk_reading(routed, **inputs), memory_attention(routed, **inputs)
+        assert len(reads) == len(attention) == len(routed.gca_layers)
+        for (scores, mass), read in zip(reads, attention, strict=True):  # (B, H_kv, C) x 2, (B, H, M)
+            b, h, _ = read.shape
+            n_kv = scores.shape[1]
+            per_chunk = read.view(b, n_kv, h // n_kv, 3, 8).sum(-1)  # (B, H_kv, G, C)
+            assert scores[1, :, 2].eq(float("-inf")).all() and mass[1, :, 2].eq(0).all()
+            if k == 1:
+                chosen = torch.nn.functional.one_hot(scores.argmax(-1), 3).bool()  # (B, H_kv, C)
+                assert ((per_chunk > 0) == chosen[:, :, None]).all()
+            else:
+                torch.testing.assert_close(mass, per_chunk.mean(2))
+                torch.testing.assert_close(mass.sum(-1), torch.ones(b, n_kv))
 
 
 def test_save_and_load_keep_the_routing(checkpoint_root, tmp_path):
