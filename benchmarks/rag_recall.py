@@ -1,12 +1,14 @@
-"""How often BM25's top-k chunks hold every chunk a needle question's answer needs: the ceiling of any `rag` system on
-the needle suite, whatever its decoder learned (what the top-k leaves out it can only guess, at 1 in 1,000 for three
-digits). Same probes as `jobs/evaluate.py`'s needle suite (pipelines.evaluate.needle.make_probe: same seed, sizes and
-variants) and the same retrieval as the rag baseline (pipelines.data.memory_modes.top_chunks over the question's
-tokens). No model, no Ray: a minute or two. Every task by default, alias and the chains among them: an alias question
-shares no token with its memory, so BM25 scores every chunk 0 and keeps the memory's first k (chance).
+"""How often BM25's top-k chunks (or, with --retriever, a dense retriever's) hold every chunk a needle question's
+answer needs: the ceiling of any `rag` (or `dense_rag`) system on the needle suite, whatever its decoder learned
+(what the top-k leaves out it can only guess, at 1 in 1,000 for three digits). Same probes as `jobs/evaluate.py`'s
+needle suite (pipelines.evaluate.needle.make_probe: same seed, sizes and variants) and the same retrieval as the rag
+baseline (pipelines.data.memory_modes.top_chunks over the question's tokens; dense_rag's, dense_top_chunks_each,
+with --retriever). No Ray: a minute or two. Every task by default, alias and the chains among them: an alias
+question shares no token with its memory, so BM25 scores every chunk 0 and keeps the memory's first k (chance).
 
     python benchmarks/rag_recall.py
     python benchmarks/rag_recall.py --k 1 --multipliers 1 4 --variants single variable_tracking --memories 3
+    python benchmarks/rag_recall.py --retriever EXPORT    # a jobs/retriever.py export instead of BM25
 
 Prints a table (recall with its 95% Wilson interval per variant and memory size) and a JSON line last.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from pipelines.data.memory_modes import top_chunks_each
+from pipelines.data.memory_modes import dense_top_chunks_each, top_chunks_each
+from models.retriever import RETRIEVER_FILE
 from pipelines.data.synthetic_needles import VARIANTS, NeedleSpec
 from pipelines.evaluate.metrics import rate_interval
 from pipelines.evaluate.needle import NeedleSuite, make_probe
@@ -24,12 +28,15 @@ from pipelines.train.presets import STAGE0
 
 
 def recall(variant: str, spec: NeedleSpec, multiplier: int, suite: NeedleSuite, k: int,
-           hops: int = 2) -> tuple[int, int]:
-    """(questions whose evidence chunks are all in the top k, questions) over the suite's probes of one cell."""
+           hops: int = 2, retriever: str | None = None) -> tuple[int, int]:
+    """(questions whose evidence chunks are all in the top k, questions) over the suite's probes of one cell, ranked
+    by BM25 or by the retriever export."""
     held = asked = 0
     for index in range(suite.memories):
         probe = make_probe(variant, spec, multiplier, suite.seed, index, hops, suite.hard_distractors)
-        kept = top_chunks_each(probe.memory.tolist(), probe.questions, k)
+        chunks = probe.memory.tolist()
+        kept = (dense_top_chunks_each(chunks, probe.questions, k, retriever) if retriever else
+                top_chunks_each(chunks, probe.questions, k))
         for evidence, top in zip(probe.evidence, kept, strict=True):
             held += set(evidence) <= set(top)
             asked += 1
@@ -42,9 +49,14 @@ def main() -> None:
     parser.add_argument("--multipliers", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--memories", type=int, default=NeedleSuite().memories, help="probe memories per cell")
+    parser.add_argument("--retriever", help="a retriever export (jobs/retriever.py) to rank with instead of BM25")
     args = parser.parse_args()
+    if args.retriever and not (Path(args.retriever) / RETRIEVER_FILE).is_file():
+        parser.error(f"--retriever {args.retriever}: no {RETRIEVER_FILE} there; pass the export jobs/retriever.py "
+                     f"printed")
     suite, spec = NeedleSuite(memories=args.memories), STAGE0.needle.spec()
-    print(f"BM25 top-{args.k} recall of every evidence chunk, {args.memories} probe memories a cell "
+    ranker = "dense retriever" if args.retriever else "BM25"
+    print(f"{ranker} top-{args.k} recall of every evidence chunk, {args.memories} probe memories a cell "
           f"(training memory: {spec.chunks} chunks of {spec.chunk_len} tokens)")
     print("| task | " + " | ".join(f"{m}x" for m in args.multipliers) + " |")
     print("|---|" + "---|" * len(args.multipliers))
@@ -52,14 +64,15 @@ def main() -> None:
     for variant in args.variants:
         for hops in (suite.hops if variant == "variable_tracking" else [2]):
             name = f"{variant}_{hops}" if variant == "variable_tracking" else variant
-            cells = [recall(variant, spec, m, suite, args.k, hops) for m in args.multipliers]
+            cells = [recall(variant, spec, m, suite, args.k, hops, args.retriever) for m in args.multipliers]
             rows[name] = {f"{m}x": round(held / asked, 4) for m, (held, asked) in zip(args.multipliers, cells)}
             shown = []
             for held, asked in cells:
                 low, high = rate_interval(held, asked)
                 shown.append(f"{held / asked:.2f} ({low:.2f}-{high:.2f})")
             print(f"| {name} | " + " | ".join(shown) + " |")
-    print(json.dumps({"benchmark": "rag_recall", "k": args.k, "memories": args.memories, "recall": rows}))
+    print(json.dumps({"benchmark": "rag_recall", "retriever": "dense" if args.retriever else "bm25", "k": args.k,
+                      "memories": args.memories, "recall": rows}))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,21 @@ def _initialise_from(encoder: Qwen3Model, decoder: Qwen3Model) -> None:
     encoder.norm.weight.copy_(decoder.norm.weight)
 
 
+def pair_checkpoints(name: str, checkpoint_root: str | Path | None = None, *, seed: int = 0) -> tuple[Path, Path]:
+    """The pair's decoder and encoder directories under `checkpoint_root` (or $AWARENESS_CHECKPOINT_ROOT); a tiny
+    pair's random checkpoints are written there first (default root: ~/.cache/awareness)."""
+    spec = get_pair(name)
+    root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
+    if spec.random_weights:
+        return write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
+    if root is None:
+        raise ValueError(
+            f"pair {name!r} loads real weights: set {CHECKPOINT_ROOT_ENV} (or pass checkpoint_root=) to a directory "
+            f"holding {spec.decoder}/ and {spec.encoder}/; device='meta' builds the architecture without weights"
+        )
+    return Path(root) / spec.decoder, Path(root) / spec.encoder
+
+
 def default_tiny_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "awareness" / "random-checkpoints"
 
@@ -135,16 +150,7 @@ def build_pair(
                              "random_init")
         return _build_from_configs(spec, device=device, gca_layers=gca_layers, encoder_attention=attention,
                                    gca_mlp=gca_mlp, fusion=fusion, dtype=dtype, seed=seed, reading=reading)
-    root = checkpoint_root or os.environ.get(CHECKPOINT_ROOT_ENV)
-    if spec.random_weights:
-        decoder_dir, encoder_dir = write_random_checkpoints(spec, root or default_tiny_root(), seed=seed)
-    elif root is None:
-        raise ValueError(
-            f"pair {name!r} loads real weights: set {CHECKPOINT_ROOT_ENV} (or pass checkpoint_root=) to a directory "
-            f"holding {spec.decoder}/ and {spec.encoder}/; device='meta' builds the architecture without weights"
-        )
-    else:
-        decoder_dir, encoder_dir = Path(root) / spec.decoder, Path(root) / spec.encoder
+    decoder_dir, encoder_dir = pair_checkpoints(name, checkpoint_root, seed=seed)
     if encoder_checkpoint is not None:
         encoder_dir = Path(encoder_checkpoint)
     return AwarenessModel.from_pretrained_pair(

@@ -1,16 +1,19 @@
 """How a system sees its memory: through GCA (`gca`), as text in its prompt (`in_context`, long context; `rag`, the
-top-k chunks by BM25), or not at all (`none`). The baselines are data transforms, so they train and evaluate through
+top-k chunks by BM25; `dense_rag`, the top-k chunks by a dense retriever trained on the same data), or not at all
+(`none`). The baselines are data transforms, so they train and evaluate through
 the same stage jobs, model and loss as `gca` (issue 14: does the memory beat RAG, long context and no memory at equal
 data?).
 
 For a prompt-memory system the chunks go before the prompt, labels ignored on them; the budget
 counts memory tokens and keeps whole chunks, so truncation shows up as missing facts, not cut ones. RAG queries BM25
 (`bm25s`) with the prompt's tokens over the example's own chunks, each chunk's tokens as its terms: ids are words, so
-the same index works on needles (token-id vocabulary) and on tokenized corpus rows.
+the same index works on needles (token-id vocabulary) and on tokenized corpus rows. Dense RAG embeds the prompt and
+the chunks with a retriever export (models.retriever, trained by jobs/retriever.py) and takes the top k by cosine.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -21,20 +24,22 @@ import numpy as np
 
 from pipelines.format.rows import IGNORE
 
-MemoryKind = Literal["gca", "in_context", "rag", "none"]
+MemoryKind = Literal["gca", "in_context", "rag", "dense_rag", "none"]
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryKind)
 SYSTEM_FILE = "system.json"  # in a stage's export: how the model reads its memory, and the needle task it learned
+RETRIEVER_DIR = "retriever"  # in a dense_rag reader's export: the retriever export it reads with, copied in
 
 
 @dataclass(frozen=True)
 class MemoryMode:
     kind: str = "gca"
-    context_budget: int = 4096  # memory tokens placed in the prompt (in_context, rag)
-    rag_k: int = 2  # chunks retrieved per question (rag)
+    context_budget: int = 4096  # memory tokens placed in the prompt (in_context, rag, dense_rag)
+    rag_k: int = 2  # chunks retrieved per question (rag, dense_rag)
+    retriever: str | None = None  # dense_rag: a retriever export directory (jobs/retriever.py)
 
     @property
     def in_prompt(self) -> bool:
-        return self.kind in ("in_context", "rag")
+        return self.kind in ("in_context", "rag", "dense_rag")
 
     def problems(self) -> list[str]:
         p = []
@@ -44,6 +49,12 @@ class MemoryMode:
             p.append("model.context_budget must be positive (memory tokens a prompt may hold)")
         if self.rag_k <= 0:
             p.append("model.rag_k must be positive (chunks retrieved per question)")
+        if self.kind == "dense_rag" and not self.retriever:
+            p.append("model.memory dense_rag retrieves with a trained retriever: pass --model.retriever EXPORT (the "
+                     "export of `python jobs/retriever.py`)")
+        elif self.kind == "dense_rag" and not (Path(self.retriever).expanduser() / "retriever.json").is_file():
+            p.append(f"model.retriever {self.retriever!r} holds no retriever.json: pass the export directory "
+                     f"`python jobs/retriever.py` printed")
         return p
 
 
@@ -81,18 +92,63 @@ def top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: int) -
     return ranked
 
 
+@functools.lru_cache(maxsize=2)
+def _retriever(directory: str):
+    """The retriever export, loaded once a process. models.retriever imports transformers: only on a dense_rag query,
+    so a job's --help and config parsing stay fast."""
+    from models.retriever import DenseRetriever  # heavy: transformers
+
+    return DenseRetriever.from_pretrained(directory)
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_embeddings(directory: str, chunks: tuple[tuple[int, ...], ...]):
+    """A memory's chunk embeddings (C, H), kept for the memory's next questions (a needle memory is asked several)."""
+    from models.retriever import padded_rows  # heavy: see _retriever
+
+    return _retriever(directory).scores_side(padded_rows([list(c) for c in chunks]))
+
+
+def dense_top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: int,
+                          retriever: str) -> list[list[int]]:
+    """For each query, the indices of the k chunks the retriever export embeds closest (cosine), best first (ties:
+    memory order)."""
+    if not chunks:
+        return [[] for _ in queries]
+    from models.retriever import padded_rows  # heavy: see _retriever
+
+    embedded = _chunk_embeddings(str(retriever), tuple(tuple(c) for c in chunks))  # (C, H)
+    scores = (_retriever(str(retriever)).scores_side(padded_rows(queries)) @ embedded.T).numpy()  # (Q, C)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, len(chunks))]
+    return order.tolist()
+
+
 def chunks_in_prompt(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
     """Indices of the chunks a prompt-memory system puts before its prompt, in memory order: every chunk (in_context)
-    or BM25's top k (rag), whole chunks up to the budget; none for gca and none (the evaluation's retriever recall)."""
+    or the retriever's top k (rag: BM25; dense_rag: the retriever export), whole chunks up to the budget; none for gca
+    and none (the evaluation's retriever recall)."""
+    return chunks_in_prompt_each(chunks, [query], mode)[0]
+
+
+def chunks_in_prompt_each(chunks: list[list[int]], queries: list[list[int]], mode: MemoryMode) -> list[list[int]]:
+    """chunks_in_prompt for each of several queries over one memory, which the retriever then indexes (BM25) or
+    embeds (dense) once."""
     if mode.kind == "rag":
-        order = sorted(top_chunks(chunks, query, mode.rag_k))
+        orders = [sorted(top) for top in top_chunks_each(chunks, queries, mode.rag_k)]
+    elif mode.kind == "dense_rag":
+        orders = [sorted(top) for top in dense_top_chunks_each(chunks, queries, mode.rag_k, mode.retriever)]
     elif mode.kind == "in_context":
-        order = list(range(len(chunks)))
+        orders = [list(range(len(chunks)))] * len(queries)
     else:
-        return []
+        return [[] for _ in queries]
+    return [within_budget(chunks, order, mode.context_budget) for order in orders]
+
+
+def within_budget(chunks: list[list[int]], order: list[int], budget: int) -> list[int]:
+    """The chunks of `order`, whole, while their tokens fit the budget."""
     kept, used = [], 0
     for i in order:
-        if used + len(chunks[i]) > mode.context_budget:
+        if used + len(chunks[i]) > budget:
             break
         kept.append(i)
         used += len(chunks[i])
@@ -103,7 +159,12 @@ def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -
     """The memory tokens a prompt-memory system puts before its prompt (chunks_in_prompt's, one after another).
     Chunks come unpadded (corpus rows and needle memories both are): no id is taken for padding, since Qwen3's id 0
     is `!`, a real token of code."""
-    return [t for i in chunks_in_prompt(chunks, query, mode) for t in chunks[i]]
+    return prompt_memories(chunks, [query], mode)[0]
+
+
+def prompt_memories(chunks: list[list[int]], queries: list[list[int]], mode: MemoryMode) -> list[list[int]]:
+    """prompt_memory for each of several queries over one memory (chunks_in_prompt_each)."""
+    return [[t for i in kept for t in chunks[i]] for kept in chunks_in_prompt_each(chunks, queries, mode)]
 
 
 def memory_into_prompt(example: dict, mode: MemoryMode) -> dict:
@@ -120,11 +181,17 @@ def memory_into_prompt(example: dict, mode: MemoryMode) -> dict:
 
 
 def read_system(export_dir: str | Path) -> dict[str, Any]:
-    """An export's system.json; an export written before baselines existed reads its memory through GCA."""
+    """An export's system.json, its retriever's directory inside the export made a path; an export written before
+    baselines existed reads its memory through GCA."""
     path = Path(export_dir) / SYSTEM_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"memory": "gca", "needle": None}
+    if not path.is_file():
+        return {"memory": "gca", "needle": None}
+    system = json.loads(path.read_text())
+    if system.get("retriever"):
+        system["retriever"] = str(Path(export_dir) / system["retriever"])
+    return system
 
 
 def system_mode(system: dict[str, Any]) -> MemoryMode:
     return MemoryMode(system.get("memory", "gca"), context_budget=system.get("context_budget", 4096),
-                      rag_k=system.get("rag_k", 2))
+                      rag_k=system.get("rag_k", 2), retriever=system.get("retriever"))

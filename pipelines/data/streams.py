@@ -16,9 +16,13 @@ from typing import Any
 
 import torch
 
+import numpy as np
+
+from models.retriever import padded_rows
 from pipelines.data.memory_modes import GCA, MemoryMode, memory_into_prompt
 from pipelines.data.packing import PackingSpec, PackStats, collate_packed, pack_examples
-from pipelines.data.synthetic_needles import NeedleSpec, make_batch, memory_scale, needle_batch
+from pipelines.data.synthetic_needles import (NeedleMemory, NeedleSpec, draw_variant, generate_memory, make_batch,
+                                              memory_scale, needle_batch)
 from pipelines.data.teacher_targets import TeacherEntries, teacher_tensors
 from pipelines.format.rows import IGNORE
 from pipelines.format.shards import RankReader, Split, head_rows, load_split
@@ -52,6 +56,51 @@ class NeedleStream:
     def probe_batch(self) -> dict[str, torch.Tensor]:
         batch = make_batch(self.spec, self.seed + 2, [self.rank])
         return {"input_ids": batch["input_ids"], "memory_input_ids": batch["memory_input_ids"]}
+
+
+class QuestionChunkStream:
+    """The dense retriever's training pairs (jobs/retriever.py): NeedleStream's schedule (indices, memory sizes, the
+    base task first), each memory drawn as the evaluation draws its probes (generate_memory, which knows every
+    question's evidence chunks), so the retriever sees the reader's task mixture."""
+
+    def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
+                 world: int):
+        self.spec, self.seed, self.rank, self.world = spec, seed, rank, world
+        self.memories_per_step, self.grad_accum = memories_per_step, grad_accum
+
+    def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
+        per_micro = self.memories_per_step // self.grad_accum
+        per_rank = per_micro // self.world
+        start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
+        indices = list(range(start, start + per_rank))
+        spec = self.spec.at_step(step)
+        scale = memory_scale(spec, self.seed, step * self.grad_accum + micro)
+        memories = [training_memory(spec, self.seed, index, scale)[1] for index in indices]
+        return question_chunk_batch(memories), len(indices), sum(indices)
+
+
+def training_memory(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> tuple[str, NeedleMemory]:
+    """Memory `index` of the spec's mixture, with its questions' evidence chunks, and its variant."""
+    variant, hops = draw_variant(spec, seed, index)
+    return variant, generate_memory(variant, spec, scale, np.random.default_rng([seed, index]), hops,
+                                    spec.hard_distractors)
+
+
+def question_chunk_batch(memories: list[NeedleMemory]) -> dict[str, torch.Tensor]:
+    """Every question of the memories against every chunk of them: query_ids/query_mask (Q, prompt), chunk_ids/
+    chunk_mask (C, chunk_len) and positives (Q, C), true on the question's own evidence chunks."""
+    questions = [q for memory in memories for q in memory.questions]
+    chunks = [c for memory in memories for c in memory.memory.tolist()]
+    positives = torch.zeros(len(questions), len(chunks), dtype=torch.bool)
+    row, offset = 0, 0
+    for memory in memories:
+        for evidence in memory.evidence:
+            positives[row, [offset + e for e in evidence]] = True
+            row += 1
+        offset += len(memory.memory)
+    (query_ids, query_mask), (chunk_ids, chunk_mask) = padded_rows(questions), padded_rows(chunks)
+    return {"query_ids": query_ids, "query_mask": query_mask, "chunk_ids": chunk_ids, "chunk_mask": chunk_mask,
+            "positives": positives}
 
 
 class CorpusStream:

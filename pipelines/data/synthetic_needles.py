@@ -46,7 +46,7 @@ from typing import Literal, NamedTuple, get_args
 import numpy as np
 import torch
 
-from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memory
+from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memories
 from pipelines.format.rows import IGNORE
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
@@ -555,10 +555,13 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
         chunks = example["memory"].tolist()
         prompt_len = example["prompt_len"]
         depth.append(example["depth"])
-        for n, (question, target) in enumerate(zip(example["input_ids"].tolist(), example["labels"].tolist(),
-                                                   strict=True)):
+        questions = example["input_ids"].tolist()
+        # a retriever indexes (or embeds) the memory once for all its questions; in_context's rows need no query
+        memories = prompt_memories(chunks, [[] if mode.kind == "in_context" else q[:prompt_len] for q in questions],
+                                   mode)
+        for n, (question, target) in enumerate(zip(questions, example["labels"].tolist(), strict=True)):
             if mode.kind != "in_context" or n % per_row == 0:
-                rows.append(prompt_memory(chunks, [] if mode.kind == "in_context" else question[:prompt_len], mode))
+                rows.append(memories[n])
                 labels.append([IGNORE] * len(rows[-1]))
             answer_rows.append(len(rows) - 1)
             answer_starts.append(len(rows[-1]) + prompt_len)

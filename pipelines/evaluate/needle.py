@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt, prompt_memory
+from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt_each, prompt_memories
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant, generate_memory
 from pipelines.evaluate import probes
@@ -100,9 +100,10 @@ def as_text(tokens: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------- answers
 def system_prompts(probe: Probe, mode: MemoryMode) -> dict[str, torch.Tensor]:
     """One row per question, as the system sees it: the question alone (gca, none), after the whole memory
-    (in_context) or after its top-k chunks (rag); gca rows carry the memory for the encoder."""
+    (in_context) or after its top-k chunks (rag, dense_rag); gca rows carry the memory for the encoder."""
     chunks = probe.memory.tolist()
-    rows = [prompt_memory(chunks, question, mode) + question for question in probe.questions]
+    rows = [memory + question
+            for memory, question in zip(prompt_memories(chunks, probe.questions, mode), probe.questions, strict=True)]
     inputs = {"input_ids": torch.tensor(rows)}  # a probe's rows have equal lengths (its questions do)
     if mode.kind == "gca":
         inputs["memory_input_ids"] = torch.from_numpy(probe.memory)[None].expand(len(rows), -1, -1)
@@ -189,13 +190,15 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
 
 
 def evidence_recall(probe: Probe, mode: MemoryMode) -> list[float]:
-    """Per question, for a system that puts chunks in its prompt (rag, in_context): 1.0 when every evidence chunk is
-    there (the most it could answer from), else 0.0; NaN for gca (its reading: attention/...) and none."""
+    """Per question, for a system that puts chunks in its prompt (rag, dense_rag, in_context): 1.0 when every
+    evidence chunk is there (the most it could answer from), else 0.0; NaN for gca (its reading: attention/...) and
+    none."""
     if not mode.in_prompt:
         return [float("nan")] * len(probe.questions)
     chunks = probe.memory.tolist()
-    return [float(set(evidence) <= set(chunks_in_prompt(chunks, question, mode)))
-            for question, evidence in zip(probe.questions, probe.evidence, strict=True)]
+    return [float(set(evidence) <= set(kept))
+            for kept, evidence in zip(chunks_in_prompt_each(chunks, probe.questions, mode), probe.evidence,
+                                      strict=True)]
 
 
 @torch.no_grad()

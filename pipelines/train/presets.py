@@ -8,6 +8,7 @@ import dataclasses
 from models import PAIRS, MemoryReading, get_pair
 from pipelines.data.ul2 import Ul2DataConfig
 from pipelines.format.tokenizer import VOCAB_SIZE
+from pipelines.train.configs.retriever import RetrieverConfig
 from pipelines.train.configs.common import DeepSpeedSettings, RunSettings, ScalingSettings, TrainConfig
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.configs.stage4 import DistillConfig, Stage4Config
@@ -99,6 +100,14 @@ ENCODER_UL2 = Ul2Config(
     train=TrainConfig(max_steps=200, memories_per_step=16, lr=2e-3, warmup_steps=10, log_every=10,
                       checkpoint_every=100),
     run=RunSettings(name="encoder-ul2-tiny", export_every_checkpoint=False),  # its export is the whole model
+)
+
+# The dense-rag baseline's retriever: the stage-0 pair's encoder trained contrastively on stage 0's needle mixture
+# (pass the reader's --needle.* flags to match another), every chunk of a micro-batch a negative.
+RETRIEVER = RetrieverConfig(
+    needle=STAGE0.needle,
+    train=TrainConfig(max_steps=1000, memories_per_step=16, lr=1e-3, warmup_steps=30, eval_every=250,
+                      checkpoint_every=500, log_every=50),
 )
 
 STAGES = {0: STAGE0, 1: STAGE1, 2: STAGE2}  # the sweepable stages (stage 4 is a sequence of runs: jobs/stage4.py)

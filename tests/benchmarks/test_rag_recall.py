@@ -43,3 +43,26 @@ def test_a_run_covers_every_task_and_size_by_default():
                for sizes in recall.values())
     # an alias question shares no token with its memory: BM25 scores every chunk 0 and keeps the first two (chance)
     assert recall["alias"]["64x"] < 0.1 and recall["single"]["64x"] == 1.0
+
+
+def test_a_retriever_export_ranks_instead_of_bm25(checkpoint_root, tmp_path):
+    """--retriever EXPORT: the same count, ranked by the export's cosine scores (a random tiny retriever here); a
+    directory that is not an export is refused with exit 2 and what to pass."""
+    from models import build_pair
+    from models.retriever import DenseRetriever
+
+    retriever = DenseRetriever(build_pair("tiny", checkpoint_root=checkpoint_root).memory_encoder.encoder)
+    retriever.save_pretrained(tmp_path / "export")
+    done = subprocess.run([sys.executable, "benchmarks/rag_recall.py", "--k", "1", "--multipliers", "4",
+                           "--variants", "alias", "--memories", "2", "--retriever", str(tmp_path / "export")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["retriever"] == "dense"
+    probes = [make_probe("alias", STAGE0.needle.spec(), 4, NeedleSuite().seed, i) for i in range(2)]
+    pairs = [(set(e), {int(retriever.scores(p.memory.tolist(), [q])[0].argmax())}) for p in probes
+             for q, e in zip(p.questions, p.evidence, strict=True)]
+    assert summary["recall"]["alias"]["4x"] == round(sum(e <= kept for e, kept in pairs) / len(pairs), 4)
+    refused = subprocess.run([sys.executable, "benchmarks/rag_recall.py", "--retriever", str(tmp_path)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "retriever.json" in refused.stderr

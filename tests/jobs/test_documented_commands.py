@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "docs" / "results").glob("*.md")), *sorted((ROOT / "jobs").glob("*.py"))]
-TRAINING_JOBS = ("stage0", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "sweep")
+TRAINING_JOBS = ("stage0", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "retriever", "sweep")
 # The command the issue asks to show: prod on 2 nodes x 8 GPUs plans and fits.
 MUST_SHOW = ["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",
              "--data.train_path", "C/train", "--data.val_path", "C/val", "--dry-run"]
@@ -71,6 +71,8 @@ class DocPaths:
         (self.teacher / "awareness_config.json").write_text("{}")
         (self.teacher / "system.json").write_text('{"memory": "in_context"}')
         (self.export / "awareness_config.json").write_text("{}")  # and stage 3's teacher, to look like one
+        self.retriever.mkdir(parents=True, exist_ok=True)  # a dense_rag reader's retriever export
+        (self.retriever / "retriever.json").write_text("{}")
         self.qwen3.mkdir(parents=True, exist_ok=True)
         (self.qwen3 / "config.json").write_text("{}")
         self.siglip.mkdir(parents=True, exist_ok=True)
@@ -85,6 +87,7 @@ class DocPaths:
     corpus = property(lambda self: self.root / "C")
     export = property(lambda self: self.root / "export")
     teacher = property(lambda self: self.root / "teacher")
+    retriever = property(lambda self: self.root / "retriever")
     qwen3 = property(lambda self: self.root / "Qwen3-0.6B")
     siglip = property(lambda self: self.root / "siglip-base-patch16-224")
     sources = property(lambda self: self.root / "repo")
@@ -92,6 +95,7 @@ class DocPaths:
     def flags(self) -> dict[str, str]:
         return {"--data.train_path": str(self.corpus / "train"), "--data.val_path": str(self.corpus / "val"),
                 "--model.init_from": str(self.export), "--distill.teacher": str(self.teacher),
+                "--model.retriever": str(self.retriever),
                 "--model_dir": str(self.export),
                 "--model.encoder_checkpoint": str(self.qwen3), "--model.checkpoint": str(self.qwen3),
                 "--model.vision_path": str(self.siglip), "--model.checkpoint_root": str(self.checkpoint_root),
@@ -142,7 +146,7 @@ def dry_run(job: str, args: list[str], capsys) -> str:
     """The job's own entry (run_job for the stage and UL2 jobs, jobs/sweep.py's main) with --dry-run: it must exit 0
     from the dry run, before any Ray or DeepSpeed start. Returns what it printed."""
     from pipelines.train.job import run_job
-    from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2, STAGE4, TRAFFIC_VLM
+    from pipelines.train.presets import ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, TRAFFIC_VLM
 
     args = args if "--dry-run" in args else [*args, "--dry-run"]
     with pytest.raises(SystemExit) as exit:
@@ -152,7 +156,7 @@ def dry_run(job: str, args: list[str], capsys) -> str:
             jobs.sweep.main(args)
         else:
             run_job(args, {"stage0": STAGE0, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4,
-                           "encoder_ul2": ENCODER_UL2, "traffic_vlm": TRAFFIC_VLM}[job], "")
+                           "encoder_ul2": ENCODER_UL2, "traffic_vlm": TRAFFIC_VLM, "retriever": RETRIEVER}[job], "")
     out, err = capsys.readouterr()
     assert exit.value.code == 0, err
     return out
@@ -168,7 +172,7 @@ def check(command: Command, paths: DocPaths, capsys) -> None:
         assert out.startswith("# resolved config"), out[:500]
         if command.job == "traffic_vlm":
             assert "# model\nvision tokens: 196" in out, out[-2000:]
-        elif command.job != "encoder_ul2":
+        elif command.job not in ("encoder_ul2", "retriever"):
             assert "# memory plan" in out and "does NOT fit" not in out, out[-2000:]
     elif command.job == "curriculum":  # its dry run prints the chain of job commands, nothing runs
         import jobs.curriculum

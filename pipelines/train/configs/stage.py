@@ -56,19 +56,22 @@ class ModelConfig:
     init_from: str | None = None  # a previous stage's export/ (GCA, projection, LoRA) to start from, e.g. stage 1's
     # How the memory reaches the decoder: gca (the encoder + GCA blocks), or a baseline trained on the same data:
     # in_context (its chunks in the prompt: long context), rag (the top rag_k chunks by BM25, queried by the prompt, in
-    # the prompt), none (the decoder alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
+    # the prompt), dense_rag (the top rag_k chunks by a retriever export, jobs/retriever.py), none (the decoder
+    # alone). Baselines train only the decoder; the GCA blocks and encoder stay unused,
     # and so do the memory_* reading options (routing, the logn scale): a baseline's model is built without them, as
     # is fusion merged's (its one softmax holds the decoder's own tokens too: nothing to route or scale apart).
     memory: MemoryKind = "gca"
-    context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag); whole chunks, in memory order
-    rag_k: int = 2  # chunks retrieved per question (rag)
+    context_budget: int = 4096  # memory tokens a prompt may hold (in_context, rag, dense_rag); whole chunks, in
+    # memory order
+    rag_k: int = 2  # chunks retrieved per question (rag, dense_rag)
+    retriever: str | None = None  # dense_rag: the retriever export it reads with (jobs/retriever.py's export)
     # The frozen decoder and encoder in fewer bits (QLoRA, models/quantization.py): nf4 (4-bit NormalFloat, double
     # quantization) | int8 (LLM.int8) | none. What trains (LoRA, the GCA blocks, routers, the projection) stays in
     # full precision, so a quantized base trains with decoder and encoder lora or frozen
     quantize: str = "none"
 
     def memory_mode(self) -> MemoryMode:
-        return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k)
+        return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k, retriever=self.retriever)
 
     def problems(self) -> list[str]:
         """The model section's problems: the pair, placement, train modes, fusion, routing, LoRA, start points."""

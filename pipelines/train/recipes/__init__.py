@@ -1,8 +1,8 @@
 """What a job plugs into the one driver, worker loop and engine: its data, model, loss inputs, evaluation, export
 and summary (a Recipe), and what its entry point needs before any of that is imported: its name, pre-flight check,
-dry-run lines and how it runs (a Job, which names its Recipe). Four of each: the stage jobs (`stage`), stage 4's
-distillation (`stage4`, with its sequence of runs), the UL2 encoder (`ul2`) and the traffic VLM (`traffic`); their Jobs
-in `jobs`."""
+dry-run lines and how it runs (a Job, which names its Recipe). Five of each: the stage jobs (`stage`), stage 4's
+distillation (`stage4`, with its sequence of runs), the UL2 encoder (`ul2`), the traffic VLM (`traffic`) and the dense
+retriever (`retriever`); their Jobs in `jobs`."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from transformers import SiglipVisionConfig
 from models.pairs import default_tiny_root, get_pair
 from models.traffic_vlm import build_traffic_vlm, tiny_vision_config
 from pipelines.format.shards import check_splits
+from pipelines.train.configs.retriever import RetrieverConfig
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig
@@ -104,6 +105,34 @@ class Ul2Job:
         return run_once(self, config)
 
 
+class RetrieverJob:
+    """The dense retriever: synthetic needles (nothing to check), an encoder that fits whole on one device."""
+
+    config = RetrieverConfig
+
+    def name(self, config: RetrieverConfig) -> str:
+        return "retriever"
+
+    def check(self, config: RetrieverConfig) -> dict[str, Any]:
+        return {}
+
+    def resolved(self, config: RetrieverConfig) -> RetrieverConfig:
+        config = with_absolute_storage(config)
+        return dataclasses.replace(config, model=absolute_paths(config.model, ("checkpoint_root",
+                                                                               "encoder_checkpoint")))
+
+    def dry_run(self, config: RetrieverConfig) -> list[str]:
+        return []
+
+    def recipe(self) -> Recipe:
+        from pipelines.train.recipes.retriever import RETRIEVER  # lazy: DeepSpeed, Ray Train: only to run
+
+        return RETRIEVER
+
+    def run(self, config: RetrieverConfig) -> dict[str, Any]:
+        return run_once(self, self.resolved(config))
+
+
 class TrafficJob:
     """The traffic VLM: synthetic scenes (nothing to check), its model's shape in the dry run."""
 
@@ -130,7 +159,8 @@ class TrafficJob:
         return run_once(self, config)
 
 
-JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob())}
+JOBS: dict[type, Job] = {job.config: job for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob(),
+                                                     RetrieverJob())}
 
 
 def job_for(config: Any) -> Job:
@@ -190,12 +220,12 @@ def traffic_model_lines(config: TrafficConfig) -> str:
 
 def stage_paths_resolved(config: StageConfig) -> StageConfig:
     """The storage path, a random pair's checkpoint root (written only when the job runs) and every local path the
-    workers read (data, init_from, encoder_checkpoint) made absolute: a worker
+    workers read (data, init_from, encoder_checkpoint, retriever) made absolute: a worker
     does not start in the driver's directory. The dry run shows them; the run's driver uses them."""
     config = with_absolute_storage(config)
     model, data = config.model, config.data
     if get_pair(model.pair).random_weights:
         root = Path(model.checkpoint_root or default_tiny_root()).expanduser().resolve()
         model = dataclasses.replace(model, checkpoint_root=str(root))
-    return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint")),
+    return dataclasses.replace(config, model=absolute_paths(model, ("init_from", "encoder_checkpoint", "retriever")),
                                data=absolute_paths(data, ("train_path", "val_path")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from models import AwarenessModel, get_pair, write_random_checkpoints
 from models.kernels import use_liger_kernels
 from models.trainable import is_added_parameter, parameter_group
-from pipelines.data.memory_modes import SYSTEM_FILE
+from pipelines.data.memory_modes import RETRIEVER_DIR, SYSTEM_FILE
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
@@ -177,9 +178,14 @@ def check_memory_plan(config: StageConfig) -> None:
 
 def write_system(directory: Path, config: StageConfig) -> None:
     """How the exported model reads its memory (gca, or a baseline's prompt memory) and the task it learned, so
-    jobs/evaluate.py scores it as the system it was trained as."""
+    jobs/evaluate.py scores it as the system it was trained as. A dense_rag reader's retriever is copied in
+    (RETRIEVER_DIR), so the export, and what registers it, holds everything it reads with."""
+    retriever = None
+    if config.model.memory == "dense_rag":
+        shutil.copytree(config.model.retriever, Path(directory) / RETRIEVER_DIR, dirs_exist_ok=True)
+        retriever = RETRIEVER_DIR
     system = {"memory": config.model.memory, "context_budget": config.model.context_budget,
-              "rag_k": config.model.rag_k,
+              "rag_k": config.model.rag_k, "retriever": retriever,
               "needle": None if config.data.train_path else dataclasses.asdict(config.needle)}
     (Path(directory) / SYSTEM_FILE).write_text(json.dumps(system, indent=1))
 

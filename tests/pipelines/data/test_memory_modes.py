@@ -1,5 +1,5 @@
-"""The baselines' inputs: where the memory goes for in_context, rag and none, and that the answers stay where the
-scorer looks for them."""
+"""The baselines' inputs: where the memory goes for in_context, rag, dense_rag and none, and that the answers stay
+where the scorer looks for them."""
 
 import os
 import subprocess
@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from pipelines.data.memory_modes import MemoryMode, memory_into_prompt, prompt_memory, top_chunks
+from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, memory_into_prompt,
+                                         prompt_memories, prompt_memory, top_chunks)
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import BOS, EQ, PROMPT_LEN, NeedleSpec, make_example, needle_batch
@@ -90,7 +91,7 @@ def test_no_in_context_answer_follows_by_elimination():
 
 def test_memory_mode_problems_name_the_field():
     assert MemoryMode("retrieval").problems() == [
-        "model.memory must be one of ('gca', 'in_context', 'rag', 'none'), got 'retrieval'"]
+        "model.memory must be one of ('gca', 'in_context', 'rag', 'dense_rag', 'none'), got 'retrieval'"]
     assert "model.rag_k must be positive" in MemoryMode("rag", rag_k=0).problems()[0]
 
 
@@ -104,3 +105,44 @@ def test_the_rag_baseline_keeps_jax_off_the_gpu_and_out_of_processes_that_never_
     chosen = [subprocess.run([sys.executable, "-c", probe], env=env | extra, capture_output=True, text=True,
                              check=True).stdout.strip() for extra in ({}, {"JAX_PLATFORMS": "cuda"})]
     assert chosen == ["cpu", "cuda"]
+
+
+@pytest.fixture(scope="module")
+def retriever_export(checkpoint_root, tmp_path_factory):
+    """A tiny retriever export (random weights): the encoder of the tiny pair, as jobs/retriever.py exports it."""
+    from models import build_pair
+    from models.retriever import DenseRetriever
+
+    directory = tmp_path_factory.mktemp("retriever")
+    DenseRetriever(build_pair("tiny", checkpoint_root=checkpoint_root).memory_encoder.encoder).save_pretrained(
+        directory)
+    return directory
+
+
+def test_dense_rag_takes_the_retrievers_top_k_in_memory_order(retriever_export):
+    from models.retriever import DenseRetriever
+
+    example = make_example(SPEC, 5, 0)
+    chunks, queries = example["memory"].tolist(), [q[:PROMPT_LEN] for q in example["input_ids"].tolist()]
+    mode = MemoryMode("dense_rag", rag_k=2, retriever=str(retriever_export))
+    scores = DenseRetriever.from_pretrained(retriever_export).scores(chunks, queries)  # the reference ranking
+    want = [sorted(row.argsort(descending=True, stable=True)[:2].tolist()) for row in scores]
+    assert chunks_in_prompt_each(chunks, queries, mode) == want
+    assert [chunks_in_prompt(chunks, q, mode) for q in queries] == want  # one query at a time: the same chunks
+    batch = needle_batch(SPEC, 5, [0], mode)  # training rows: the retrieved chunks, then the question
+    for row, kept, question in zip(batch["input_ids"].tolist(), want, example["input_ids"].tolist(), strict=True):
+        assert row[: len(question) + 2 * SPEC.chunk_len] == [t for i in kept for t in chunks[i]] + question
+
+
+@pytest.mark.parametrize("kind", ["in_context", "rag", "none"])
+def test_one_memory_asked_at_once_equals_one_question_at_a_time(kind):
+    example = make_example(SPEC, 7, 1)
+    chunks, queries = example["memory"].tolist(), [q[:PROMPT_LEN] for q in example["input_ids"].tolist()]
+    mode = MemoryMode(kind, rag_k=1, context_budget=3 * SPEC.chunk_len)
+    assert prompt_memories(chunks, queries, mode) == [prompt_memory(chunks, q, mode) for q in queries]
+    assert chunks_in_prompt_each(chunks, queries, mode) == [chunks_in_prompt(chunks, q, mode) for q in queries]
+
+
+def test_dense_rag_without_a_retriever_export_names_the_flag(tmp_path):
+    assert any("--model.retriever" in p for p in MemoryMode("dense_rag").problems())
+    assert any("retriever.json" in p for p in MemoryMode("dense_rag", retriever=str(tmp_path)).problems())

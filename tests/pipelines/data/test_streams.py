@@ -8,7 +8,8 @@ import torch
 
 from pipelines.data.memory_modes import GCA, MemoryMode
 from pipelines.data.packing import PackingSpec
-from pipelines.data.streams import CorpusStream, NeedleStream, prompt_inputs, prompt_length, validation_rows
+from pipelines.data.streams import (CorpusStream, NeedleStream, QuestionChunkStream, prompt_inputs, prompt_length,
+                                     training_memory, validation_rows)
 from pipelines.data.synthetic_needles import NeedleSpec, needle_batch
 from pipelines.format.shards import load_split
 from tests.pipelines.format.test_shards import token_rows, write_split
@@ -85,3 +86,31 @@ def test_corpus_rows_by_rank_and_a_resume_reads_on_where_it_stopped(tmp_path):
         raise AssertionError("probe_batch before any batch must refuse")
     head = validation_rows(str(split), None, limit=5)
     assert [r["input_ids"] for r in head] == [r["input_ids"] for r in rows[:5]]
+
+
+def test_question_chunk_batches_mark_each_questions_own_evidence():
+    """The retriever's batch: every question against every chunk of the micro-batch, positive exactly on the chunks
+    its own memory's evidence lies in (offset by the memories before it); a two_hop question's two chunks both."""
+    spec = NeedleSpec(variants=("single", "alias", "two_hop"))
+    stream = QuestionChunkStream(spec, 3, memories_per_step=8, grad_accum=2, rank=1, world=2)
+    batch, count, checksum = stream.batch(step=2, micro=1)
+    indices = [2 * 8 + 4 + 2, 2 * 8 + 4 + 3]  # step 2, micro-batch 1 (4 memories), rank 1's two
+    assert (count, checksum) == (2, sum(indices))
+    memories = [training_memory(spec, 3, index)[1] for index in indices]
+    chunks = [c for memory in memories for c in memory.memory.tolist()]
+    assert batch["chunk_ids"].tolist() == chunks and bool(batch["chunk_mask"].all())
+    row = 0
+    for m, memory in enumerate(memories):
+        for question, evidence in zip(memory.questions, memory.evidence, strict=True):
+            assert batch["query_ids"][row, : len(question)].tolist() == question
+            assert batch["query_mask"][row].sum() == len(question)
+            assert batch["positives"][row].nonzero().flatten().tolist() == [m * spec.chunks + e for e in evidence]
+            row += 1
+    assert row == batch["positives"].shape[0]
+    kinds = {training_memory(spec, 3, index)[0] for index in range(40)}
+    assert kinds == {"single", "alias", "two_hop"}
+    two_hop = next(memory for index in range(40) for kind, memory in [training_memory(spec, 3, index)]
+                   if kind == "two_hop")
+    assert all(len(evidence) == 2 for evidence in two_hop.evidence)
+    again, _, _ = QuestionChunkStream(spec, 3, memories_per_step=8, grad_accum=2, rank=1, world=2).batch(2, 1)
+    assert all(torch.equal(again[k], batch[k]) for k in batch)  # any worker makes any step's batch, as a resume does

@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 
 from pipelines.train import presets
-from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
+from pipelines.train.presets import ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
 
-READY = {"STAGE0": STAGE0, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM}
+READY = {"STAGE0": STAGE0, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM,
+         "RETRIEVER": RETRIEVER}
 
 
 @pytest.mark.parametrize("name", sorted(READY))
@@ -41,8 +42,9 @@ def test_the_corpus_stages_fix_names_a_flag_build_corpus_takes():
 
 def test_the_sweepable_stages_are_the_stage_jobs_presets():
     assert STAGES == {0: STAGE0, 1: STAGE1, 2: STAGE2}
+    assert RETRIEVER.needle == STAGE0.needle  # the retriever learns what the stage-0 reader learns
     assert all(preset.stage == stage for stage, preset in STAGES.items()) and STAGE4.stage == 4
-    names = [p.run.name for p in (STAGE0, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM)]
+    names = [p.run.name for p in (STAGE0, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM, RETRIEVER)]
     assert len(set(names)) == len(names)  # each job's runs under its own name
     assert {k for k, v in vars(presets).items() if k.isupper() and hasattr(v, "problems")} == {
-        "STAGE0", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM"}  # a new preset gets a test here
+        "STAGE0", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM", "RETRIEVER"}  # a new preset: a test

@@ -19,6 +19,22 @@ from pipelines.train.recipes.stage import (STAGE, compiles_layers, engine_has_ga
                                            prepare_paths, with_zero_stage, write_system)
 
 
+def test_a_dense_rag_export_carries_its_retriever(tmp_path):
+    """The retriever is copied into the export and read back from there: the export (and a registered copy of it)
+    holds everything the reader reads with, wherever the retriever's own run was stored."""
+    retriever = tmp_path / "elsewhere" / "export"
+    retriever.mkdir(parents=True)
+    (retriever / "retriever.json").write_text('{"attention": "bidirectional"}')
+    (retriever / "model.safetensors").write_bytes(b"weights")
+    write_system(tmp_path / "reader", StageConfig(model=ModelConfig(memory="dense_rag", retriever=str(retriever))))
+    moved = tmp_path / "moved"
+    (tmp_path / "reader").rename(moved)  # as a registered copy moves: nothing points back at the run
+    mode = system_mode(read_system(moved))
+    assert mode.kind == "dense_rag" and mode.retriever == str(moved / "retriever")
+    assert (moved / "retriever" / "model.safetensors").read_bytes() == b"weights"
+    assert mode.problems() == []
+
+
 def test_system_json_reads_back_as_the_trained_system(tmp_path):
     needles = StageConfig(model=ModelConfig(memory="rag", rag_k=3, context_budget=512),
                           needle=NeedleConfig(facts=4, questions=2, chunk_len=16))
