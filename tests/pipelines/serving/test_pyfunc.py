@@ -44,18 +44,27 @@ def test_random_checkpoints_get_the_tokenizer_of_their_vocabulary(tmp_path):
     assert needle.encode("k117 = 4 0 7 ;").ids == [1, 117, 2, 14, 10, 17, 3]
 
 
-@pytest.mark.parametrize("memory", ["in_context", "rag", "none"])
+@pytest.mark.parametrize("memory", ["in_context", "rag", "dense_rag", "none"])
 def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_root, memory):
     """A registered baseline's pyfunc puts the memory in the prompt (or drops it) exactly as training did, and answers
-    with the model's greedy continuation of those ids; a memory store is refused (a baseline has no encoder to read)."""
+    with the model's greedy continuation of those ids; a memory store is refused (a baseline has no encoder to read).
+    A dense_rag export reads with the retriever it carries, not the one its training named."""
+    import shutil
     import types
 
-    from models import AwarenessConfig, AwarenessModel
+    from models import AwarenessConfig, AwarenessModel, build_pair
+    from models.retriever import DenseRetriever
     from pipelines.data.memory_modes import prompt_memory, read_system, system_mode
     from pipelines.serving.pyfunc import AwarenessPyfunc
     from tests.pipelines.evaluate.test_job import export_of
 
-    export = export_of(tmp_path, checkpoint_root, memory)
+    extra = {}
+    if memory == "dense_rag":
+        retriever = DenseRetriever(build_pair("tiny", checkpoint_root=checkpoint_root).memory_encoder.encoder)
+        retriever.save_pretrained(tmp_path / "r")
+        extra = {"retriever": str(tmp_path / "r")}
+    export = export_of(tmp_path, checkpoint_root, memory, **extra)
+    shutil.rmtree(tmp_path / "r", ignore_errors=True)  # the export holds its own copy
     ensure_tokenizer(AwarenessConfig.load(export).decoder)
     served = AwarenessPyfunc()
     served.load_context(types.SimpleNamespace(artifacts={"export": str(export)},
@@ -68,7 +77,8 @@ def test_a_served_baseline_reads_its_memory_as_it_trained(tmp_path, checkpoint_r
     inputs = served.encode(rows[0]["question"], rows[0]["memory"])
     assert inputs["input_ids"][0].tolist() == expected and "memory_input_ids" not in inputs
     assert len(expected) == {"in_context": NeedleSpec().chunks * NeedleSpec().chunk_len + 2,
-                             "rag": 2 * NeedleSpec().chunk_len + 2, "none": 2}[memory]
+                             "rag": 2 * NeedleSpec().chunk_len + 2, "dense_rag": 2 * NeedleSpec().chunk_len + 2,
+                             "none": 2}[memory]
     model = AwarenessModel.from_pretrained(export).eval()
     out = model.generate(torch.tensor([expected]), max_new_tokens=4, do_sample=False, eos_token_id=EOS, pad_token_id=0)
     answer = out[0, len(expected):].tolist()
