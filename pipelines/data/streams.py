@@ -43,38 +43,31 @@ class NeedleStream:
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
         """(model inputs, examples, checksum of what this worker consumed)."""
-        per_micro = self.memories_per_step // self.grad_accum
-        per_rank = per_micro // self.world
-        start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
-        indices = list(range(start, start + per_rank))
-        spec = self.spec.at_step(step)  # the base task alone for the first needle.base_steps steps
-        scale = memory_scale(spec, self.seed, step * self.grad_accum + micro)
+        spec, indices, scale = self.draw(step, micro)
         batch = needle_batch(spec, self.seed, indices, self.mode, scale=scale)
         keys = ("input_ids", "labels", "memory_input_ids") if self.mode.kind == "gca" else ("input_ids", "labels")
         return {k: batch[k] for k in keys}, len(indices), sum(indices)
+
+    def draw(self, step: int, micro: int) -> tuple[NeedleSpec, list[int], int]:
+        """The task this micro-batch asks, the indices of this rank's examples and their memories' size."""
+        per_micro = self.memories_per_step // self.grad_accum
+        per_rank = per_micro // self.world
+        start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
+        spec = self.spec.at_step(step)  # the base task alone for the first needle.base_steps steps
+        return spec, list(range(start, start + per_rank)), memory_scale(spec, self.seed, step * self.grad_accum + micro)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:
         batch = make_batch(self.spec, self.seed + 2, [self.rank])
         return {"input_ids": batch["input_ids"], "memory_input_ids": batch["memory_input_ids"]}
 
 
-class QuestionChunkStream:
+class QuestionChunkStream(NeedleStream):
     """The dense retriever's training pairs (jobs/retriever.py): NeedleStream's schedule (indices, memory sizes, the
     base task first), each memory drawn as the evaluation draws its probes (generate_memory, which knows every
     question's evidence chunks), so the retriever sees the reader's task mixture."""
 
-    def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
-                 world: int):
-        self.spec, self.seed, self.rank, self.world = spec, seed, rank, world
-        self.memories_per_step, self.grad_accum = memories_per_step, grad_accum
-
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
-        per_micro = self.memories_per_step // self.grad_accum
-        per_rank = per_micro // self.world
-        start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
-        indices = list(range(start, start + per_rank))
-        spec = self.spec.at_step(step)
-        scale = memory_scale(spec, self.seed, step * self.grad_accum + micro)
+        spec, indices, scale = self.draw(step, micro)
         memories = [training_memory(spec, self.seed, index, scale)[1] for index in indices]
         return question_chunk_batch(memories), len(indices), sum(indices)
 
