@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 
 from models.pairs import default_tiny_root
+from pipelines.train.configs.retriever import RetrieverConfig
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.stage4 import Stage4Config
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
-from pipelines.train.presets import ENCODER_UL2, STAGE0, STAGE4, TRAFFIC_VLM
-from pipelines.train.recipes.jobs import JOBS, Stage4Job, StageJob, TrafficJob, Ul2Job, job_for
+from pipelines.train.presets import ENCODER_UL2, RETRIEVER, STAGE0, STAGE4, TRAFFIC_VLM
+from pipelines.train.recipes.jobs import JOBS, RetrieverJob, Stage4Job, StageJob, TrafficJob, Ul2Job, job_for
 from tests.pipelines.format.test_shards import token_rows, write_split
 
 
 def test_each_config_type_has_its_job_and_name():
-    assert set(JOBS) == {StageConfig, Stage4Config, Ul2Config, TrafficConfig}
-    assert [type(job_for(c)) for c in (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM)] == [StageJob, Stage4Job, Ul2Job,
-                                                                                    TrafficJob]
-    assert [job_for(c).name(c) for c in (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM)] == [
-        "stage0", "stage4", "encoder_ul2", "traffic_vlm"]
+    assert set(JOBS) == {StageConfig, Stage4Config, Ul2Config, TrafficConfig, RetrieverConfig}
+    presets = (STAGE0, STAGE4, ENCODER_UL2, TRAFFIC_VLM, RETRIEVER)
+    assert [type(job_for(c)) for c in presets] == [StageJob, Stage4Job, Ul2Job, TrafficJob, RetrieverJob]
+    assert [job_for(c).name(c) for c in presets] == ["stage0", "stage4", "encoder_ul2", "traffic_vlm", "retriever"]
     stage2 = dataclasses.replace(STAGE0, stage=2)
     assert job_for(stage2) is job_for(STAGE0) and job_for(stage2).name(stage2) == "stage2"  # one job, named per stage
     with pytest.raises(KeyError):
@@ -36,10 +36,11 @@ def test_each_job_names_its_recipe():
     from pipelines.train.recipes.stage import STAGE
     from pipelines.train.recipes.stage4 import DISTILLATION
     from pipelines.train.recipes.traffic import TRAFFIC
+    from pipelines.train.recipes.retriever import RETRIEVER as RETRIEVER_RECIPE
     from pipelines.train.recipes.ul2 import UL2
 
-    assert [job.recipe() for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob())] == [STAGE, DISTILLATION, UL2,
-                                                                                          TRAFFIC]
+    assert [job.recipe() for job in (StageJob(), Stage4Job(), Ul2Job(), TrafficJob(), RetrieverJob())] == [
+        STAGE, DISTILLATION, UL2, TRAFFIC, RETRIEVER_RECIPE]
 
 
 def test_dry_run_lines():
@@ -48,7 +49,7 @@ def test_dry_run_lines():
     assert plan.startswith("ZeRO-2: as configured\npair tiny-shared: 1 node(s) x 2 GPU(s)") and "\nfits: " in plan
     on_gpus = dataclasses.replace(STAGE0, scaling=dataclasses.replace(STAGE0.scaling, use_gpu=True))
     assert job_for(on_gpus).dry_run(on_gpus)[0] == "# memory plan"
-    assert job_for(ENCODER_UL2).dry_run(ENCODER_UL2) == []
+    assert job_for(ENCODER_UL2).dry_run(ENCODER_UL2) == [] and job_for(RETRIEVER).dry_run(RETRIEVER) == []
     header, model = job_for(TRAFFIC_VLM).dry_run(TRAFFIC_VLM)
     m = TRAFFIC_VLM.model
     assert header == "# model" and model.startswith(
