@@ -49,12 +49,8 @@ class MemoryMode:
             p.append("model.context_budget must be positive (memory tokens a prompt may hold)")
         if self.rag_k <= 0:
             p.append("model.rag_k must be positive (chunks retrieved per question)")
-        if self.kind == "dense_rag" and not self.retriever:
-            p.append("model.memory dense_rag retrieves with a trained retriever: pass --model.retriever EXPORT (the "
-                     "export of `python jobs/retriever.py`)")
-        elif self.kind == "dense_rag" and not (Path(self.retriever).expanduser() / "retriever.json").is_file():
-            p.append(f"model.retriever {self.retriever!r} holds no retriever.json: pass the export directory "
-                     f"`python jobs/retriever.py` printed")
+        if self.kind == "dense_rag":
+            p += retriever_problems(self.retriever)
         return p
 
 
@@ -90,6 +86,20 @@ def top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: int) -
         order = np.argsort(-np.asarray(scores), kind="stable")
         ranked.append([int(i) for i in order[:k]])
     return ranked
+
+
+def retriever_problems(retriever: str | None) -> list[str]:
+    """What is wrong with a dense_rag run's --model.retriever (models.retriever, imported for a dense_rag config only:
+    it imports transformers)."""
+    from models.retriever import RETRIEVER_FILE
+
+    if not retriever:
+        return ["model.memory dense_rag retrieves with a trained retriever: pass --model.retriever EXPORT (the export "
+                "of `python jobs/retriever.py`)"]
+    if not (Path(retriever).expanduser() / RETRIEVER_FILE).is_file():
+        return [f"model.retriever {retriever!r} holds no {RETRIEVER_FILE}: pass the export directory "
+                f"`python jobs/retriever.py` printed"]
+    return []
 
 
 @functools.lru_cache(maxsize=2)
