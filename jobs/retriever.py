@@ -2,7 +2,7 @@
 their evidence chunks (questions and chunks embedded alike, mean-pooled; every other chunk of the batch a negative).
 
     python jobs/retriever.py                          # embedded default: the tiny pair's encoder, stage 0's needles
-    python jobs/retriever.py --needle.variants single alias two_hop --train.max_steps 500
+    python jobs/retriever.py --needle.variants single alias two_hop --needle.base_steps 0 --train.max_steps 500
     python jobs/retriever.py --dry-run                # validate and print the resolved config, no Ray
 
 Its export (<checkpoint>/export, the summary's "retriever") is what a dense_rag reader reads with:
