@@ -23,7 +23,8 @@ Training for size and for similar facts, each off by default, so the default tas
   training and for the evaluation's probes alike.
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
-  token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own). `three_hop` is
+  token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own; its memory grows
+  as multi_key's does, with chains nobody asks, so the second link is one link among many). `three_hop` is
   scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. A chain's
   answer names each key it passes before the value (`BOS ka` -> `kb d d d`): the decoder reads again at the key it
   named, so every read is one lookup, as the seed's `<read>` has the decoder say what it reads; in one forward, a
@@ -295,8 +296,9 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
 
 class DrawnFacts(NamedTuple):
     """A memory's facts before placement and, per question: its prompt, its references, the fact holding its
-    (first) answer, every fact it needs; the (key, value) facts hard distractors imitate; and per question the keys
-    its answer names before the value (chains; None: none)."""
+    (first) answer, every fact it needs; the (key, value) facts hard distractors imitate; per question the keys
+    its answer names before the value (chains; None: none); and the groups of facts each placed in chunks of their
+    own (every chain of the memory, asked or not; None: the asked questions' `needed`)."""
 
     facts: list[list[int]]
     asked: list[list[int]]
@@ -305,24 +307,30 @@ class DrawnFacts(NamedTuple):
     needed: list[list[int]]
     targets: list[tuple[list[int], list[int]]]
     paths: list[list[int]] | None = None
+    apart: list[list[int]] | None = None
 
 
 def chain_facts(spec: NeedleSpec, slots: int, hops: int, rng: np.random.Generator, digits,
-                named: bool = False) -> DrawnFacts:
+                named: bool = False, scale: int = 1) -> DrawnFacts:
     """Chains `ka = kb ; kb = d d d ;` of `hops` facts, asked `BOS ka`: up to spec.questions, as many as fit.
-    `named`: each answer names the keys it passes (`kb d d d`), else the value alone."""
-    questions = min(spec.questions, slots // hops)  # 3 hops in a 1x memory: as many chains as fit
-    keys = draw_keys(rng, spec, questions * hops)
-    chains = [keys[q * hops : (q + 1) * hops] for q in range(questions)]
-    values = digits(questions)
+    `named`: each answer names the keys it passes (`kb d d d`), else the value alone. `scale`: the memory holds
+    chains of spec.facts x scale facts in all (as multi_key's facts grow), the unasked ones a haystack of links: a
+    retriever that reads the question alone finds the first link by its key, but cannot tell the second from any
+    other chain's; at 1x it holds the asked chains alone. Every key is distinct: as many chains as the keys allow."""
+    chains_held = min(slots, spec.key_space, max(spec.questions * hops, spec.facts * scale)) // hops
+    questions = min(spec.questions, chains_held)
+    keys = draw_keys(rng, spec, chains_held * hops)
+    chains = [keys[c * hops : (c + 1) * hops] for c in range(chains_held)]
+    values = digits(chains_held)
     facts = [[*a, EQ, *b, SEP] for chain in chains for a, b in zip(chain, chain[1:])]
     facts += [[*chain[-1], EQ, *v, SEP] for chain, v in zip(chains, values, strict=True)]
-    answer_fact = [len(facts) - questions + q for q in range(questions)]
     links = hops - 1
-    needed = [[q * links + h for h in range(links)] + [answer_fact[q]] for q in range(questions)]
-    return DrawnFacts(facts, [[BOS, *chain[0]] for chain in chains], [[v] for v in values], answer_fact, needed,
-                      [(chain[-1], v) for chain, v in zip(chains, values, strict=True)],
-                      [[t for key in chain[1:] for t in key] for chain in chains] if named else None)
+    apart = [[c * links + h for h in range(links)] + [chains_held * links + c] for c in range(chains_held)]
+    asked = chains[:questions]
+    return DrawnFacts(facts, [[BOS, *chain[0]] for chain in asked], [[v] for v in values[:questions]],
+                      [group[-1] for group in apart[:questions]], apart[:questions],
+                      [(chain[-1], v) for chain, v in zip(asked, values[:questions], strict=True)],
+                      [[t for key in chain[1:] for t in key] for chain in asked] if named else None, apart)
 
 
 def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.random.Generator,
@@ -368,7 +376,8 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         return [rng.choice(np.array(VALUES[: spec.value_range]), size=spec.value_digits).tolist() for _ in range(n)]
 
     if variant == "variable_tracking" or variant in CHAIN_HOPS:
-        drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits, named=variant in CHAIN_HOPS)
+        drawn = chain_facts(spec, slots, CHAIN_HOPS.get(variant, hops), rng, digits, named=variant in CHAIN_HOPS,
+                            scale=scale if variant in CHAIN_HOPS else 1)
     else:
         drawn = keyed_facts(variant, spec, scale, slots, rng, digits)
     facts, refs, needed = drawn.facts, drawn.refs, drawn.needed
@@ -377,7 +386,7 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
         facts += near_facts(rng, spec, drawn.targets, taken, int(hard * (slots - len(facts))),
                             spec.key_vocabulary(variant))
     if variant in CHAIN_HOPS:
-        memory, starts = place_apart(facts, needed, spec, chunks, rng)
+        memory, starts = place_apart(facts, drawn.apart or needed, spec, chunks, rng)
     else:
         memory, starts = place(facts, spec, chunks, rng, ALIAS_FILLER if variant in ALIAS_VARIANTS else FILLER)
     paths = drawn.paths or [[] for _ in drawn.asked]

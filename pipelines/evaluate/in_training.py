@@ -20,7 +20,7 @@ from models import AwarenessModel
 from pipelines.data.memory_modes import GCA, NO_MEMORY, MemoryMode
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
-from pipelines.data.synthetic_needles import GROWING_VARIANTS, NeedleSpec, needle_batch
+from pipelines.data.synthetic_needles import CHAIN_HOPS, GROWING_VARIANTS, NeedleSpec, needle_batch
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.format.rows import IGNORE
 
@@ -161,7 +161,7 @@ def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_mem
         extra["needle_accuracy/hard"] = (spec, "single", 1)
     if largest > 1:
         extra[f"needle_accuracy/{largest}x"] = (base_task(spec), "single", largest)
-        for variant in (v for v in GROWING_VARIANTS if v in spec.mixture()):
+        for variant in (v for v in (*GROWING_VARIANTS, *CHAIN_HOPS) if v in spec.mixture()):  # chains grow too
             extra[f"needle_accuracy/{variant}/{largest}x"] = (spec, variant, largest)
     for name, (task, variant, scale) in extra.items():
         metrics[name] = _summed(score_needles(model, task, seed, indices, mode=mode, variant=variant,

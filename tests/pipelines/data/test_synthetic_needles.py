@@ -411,3 +411,33 @@ def test_alias_multi_key_grows_with_the_memory_and_alias_does_not():
     count = lambda variant, scale: len(facts_in(make_probe(variant, spec, scale, 1, 0).memory))  # noqa: E731
     assert count("alias", 1) == count("alias", 8) == spec.facts
     assert count("alias_multi_key", 1) == spec.facts and count("alias_multi_key", 8) == 8 * spec.facts
+
+
+def chunks_of(memory: np.ndarray) -> dict[tuple[int, ...], int]:
+    """The chunk each fact's key is written in."""
+    return {key: c for c, chunk in enumerate(memory) for key in facts_in(chunk[None])}
+
+
+@pytest.mark.parametrize(("variant", "key_tokens"), [("two_hop", 1), ("three_hop", 1), ("two_hop", 2)])
+def test_a_chain_memory_grows_with_chains_nobody_asks_each_link_in_a_chunk_of_its_own(variant, key_tokens):
+    spec = NeedleSpec(key_tokens=key_tokens)
+    hops = CHAIN_HOPS[variant]
+    for scale in (1, 4, 16, 64):
+        probe = make_probe(variant, spec, scale, seed=3, index=0)
+        facts = facts_in(probe.memory)
+        held = min(spec.chunks * scale * spec.facts_per_chunk, spec.key_space,
+                   max(spec.questions * hops, spec.facts * scale)) // hops * hops
+        assert len(facts) == held  # multi_key's growth, as many chains as the keys allow
+        firsts = set(facts) - {tuple(value) for values in facts.values() for value in values}
+        assert len(firsts) == held // hops  # chains, asked or not: every one ends in a value
+        where = chunks_of(probe.memory)
+        for first in firsts:  # every chain, asked or not, has each link in a chunk of its own
+            key, seen = first, []
+            while key in facts:
+                seen.append(where[key])
+                key = tuple(facts[key][0])
+            assert len(seen) == hops and len(set(seen)) == hops
+        asked = {tuple(q[1:]) for q in probe.questions}
+        assert asked <= firsts and len(asked) == len(probe.questions)
+        if scale >= 16:  # the asked chains are a few among many: the second link is one link among many
+            assert len(firsts) >= 4 * len(asked)
