@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pipelines.data.memory_modes import dense_top_chunks_each, top_chunks_each
+from pipelines.data.memory_modes import dense_top_chunks_each, evidence_held, top_chunks_each
 from models.retriever import RETRIEVER_FILE
 from pipelines.data.synthetic_needles import VARIANTS, NeedleSpec
 from pipelines.evaluate.metrics import rate_interval
@@ -37,9 +37,8 @@ def recall(variant: str, spec: NeedleSpec, multiplier: int, suite: NeedleSuite, 
         chunks = probe.memory.tolist()
         kept = (dense_top_chunks_each(chunks, probe.questions, k, retriever) if retriever else
                 top_chunks_each(chunks, probe.questions, k))
-        for evidence, top in zip(probe.evidence, kept, strict=True):
-            held += set(evidence) <= set(top)
-            asked += 1
+        held += sum(evidence_held(probe.evidence, kept))
+        asked += len(probe.questions)
     return held, asked
 
 

@@ -78,6 +78,11 @@ class DenseRetriever(nn.Module):
         return cls(encoder, settings["attention"], settings["temperature"]).eval()
 
 
+def top_k(scores: torch.Tensor, k: int) -> list[list[int]]:
+    """Per row of scores (Q, C), the indices of the k highest, best first (ties: memory order)."""
+    return scores.argsort(dim=1, descending=True, stable=True)[:, : min(k, scores.shape[1])].tolist()
+
+
 def contrastive_loss(logits: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
     """Mean over (question, evidence chunk) pairs of -log(e^s_p / (e^s_p + sum over the question's negatives e^s_n)),
     the negatives being every chunk that is not its evidence. Each evidence chunk of a question whose answer needs

@@ -125,12 +125,10 @@ def dense_top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: 
     memory order)."""
     if not chunks:
         return [[] for _ in queries]
-    from models.retriever import padded_rows  # heavy: see _retriever
+    from models.retriever import padded_rows, top_k  # heavy: see _retriever
 
     embedded = _chunk_embeddings(str(retriever), tuple(tuple(c) for c in chunks))  # (C, H)
-    scores = (_retriever(str(retriever)).scores_side(padded_rows(queries)) @ embedded.T).numpy()  # (Q, C)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, len(chunks))]
-    return order.tolist()
+    return top_k(_retriever(str(retriever)).scores_side(padded_rows(queries)) @ embedded.T, k)
 
 
 def chunks_in_prompt(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
@@ -152,6 +150,12 @@ def chunks_in_prompt_each(chunks: list[list[int]], queries: list[list[int]], mod
     else:
         return [[] for _ in queries]
     return [within_budget(chunks, order, mode.context_budget) for order in orders]
+
+
+def evidence_held(evidence: list[list[int]], kept: list[list[int]]) -> list[bool]:
+    """Per question, whether every chunk its evidence lies in is among the chunks kept for it (what a reader given
+    those chunks could answer from)."""
+    return [set(chunks) <= set(top) for chunks, top in zip(evidence, kept, strict=True)]
 
 
 def within_budget(chunks: list[list[int]], order: list[int], budget: int) -> list[int]:

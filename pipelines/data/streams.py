@@ -68,14 +68,14 @@ class QuestionChunkStream(NeedleStream):
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
         spec, indices, scale = self.draw(step, micro)
-        memories = [training_memory(spec, self.seed, index, scale)[1] for index in indices]
+        memories = [training_memory(spec, self.seed, index, scale) for index in indices]
         return question_chunk_batch(memories), len(indices), sum(indices)
 
 
-def training_memory(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> tuple[str, NeedleMemory]:
-    """Memory `index` of the spec's mixture, with its questions' evidence chunks, and its variant."""
+def training_memory(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> NeedleMemory:
+    """Memory `index` of the spec's mixture, with its questions' evidence chunks (its task: .variant)."""
     variant, hops = draw_variant(spec, seed, index)
-    return variant, generate_memory(variant, spec, scale, np.random.default_rng([seed, index]), hops,
+    return generate_memory(variant, spec, scale, np.random.default_rng([seed, index]), hops,
                                     spec.hard_distractors)
 
 

@@ -244,7 +244,7 @@ class NeedleMemory:
     answer a model is trained to give (the path, then the references one after another; multi_value's two in memory
     order), where (as a fraction of the memory) the fact holding the answer starts, the chunks its evidence lies in
     (every fact the answer needs: both values, both keys, every hop), and its path: the keys a chain's answer names
-    before the value (two_hop, three_hop; empty elsewhere)."""
+    before the value (two_hop, three_hop; empty elsewhere); and its task."""
 
     memory: np.ndarray
     questions: list[list[int]]
@@ -253,6 +253,7 @@ class NeedleMemory:
     evidence: list[list[int]]
     answers: list[list[int]]
     paths: list[list[int]]
+    variant: str = "single"
 
 
 def draw_keys(rng: np.random.Generator, spec: NeedleSpec, n: int, vocabulary: range = KEYS) -> list[list[int]]:
@@ -397,7 +398,7 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
                         depth=[starts[f] / (chunks * spec.chunk_len) for f in drawn.answer_fact],
                         evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed})
                                   for facts_needed in needed],
-                        answers=answers, paths=paths)
+                        answers=answers, paths=paths, variant=variant)
 
 
 def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt_each, prompt_memories
+from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt_each, evidence_held, prompt_memories
 from pipelines.data.needle_tokenizer import needle_tokenizer
 from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant, generate_memory
 from pipelines.evaluate import probes
@@ -195,10 +195,8 @@ def evidence_recall(probe: Probe, mode: MemoryMode) -> list[float]:
     none."""
     if not mode.in_prompt:
         return [float("nan")] * len(probe.questions)
-    chunks = probe.memory.tolist()
-    return [float(set(evidence) <= set(kept))
-            for kept, evidence in zip(chunks_in_prompt_each(chunks, probe.questions, mode), probe.evidence,
-                                      strict=True)]
+    kept = chunks_in_prompt_each(probe.memory.tolist(), probe.questions, mode)
+    return [float(held) for held in evidence_held(probe.evidence, kept)]
 
 
 @torch.no_grad()

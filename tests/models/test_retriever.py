@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import build_pair
-from models.retriever import DenseRetriever, contrastive_loss, padded_rows
+from models.retriever import DenseRetriever, contrastive_loss, padded_rows, top_k
 
 
 def test_contrastive_loss_by_hand():
@@ -53,3 +53,9 @@ def test_export_reloads_to_the_same_scores(retriever, tmp_path):
     torch.testing.assert_close(loaded.scores(chunks, queries), retriever.scores(chunks, queries))
     with pytest.raises(FileNotFoundError, match="retriever.json"):
         DenseRetriever.from_pretrained(tmp_path)
+
+
+def test_top_k_ranks_best_first_with_ties_in_memory_order():
+    scores = torch.tensor([[0.5, 0.9, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0]])
+    assert top_k(scores, 3) == [[1, 0, 2], [0, 1, 2]]
+    assert top_k(scores, 9) == [[1, 0, 2, 3], [0, 1, 2, 3]]  # more than the memory holds: every chunk

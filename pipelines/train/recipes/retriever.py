@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from models.loading import load_encoder
 from models.pairs import pair_checkpoints
-from models.retriever import DenseRetriever
+from models.retriever import DenseRetriever, top_k
+from pipelines.data.memory_modes import evidence_held
 from pipelines.data.streams import QuestionChunkStream, training_memory
 from pipelines.data.synthetic_needles import parse_mixture
 from pipelines.evaluate.collectives import summed_over_ranks
@@ -68,13 +69,10 @@ class RetrieverRecipe:
         found, asked = np.zeros(len(names)), np.zeros(len(names))
         model.eval()
         for index in range(rank, config.needle.val_memories, world):
-            variant, memory = training_memory(spec, config.needle.seed + 1, index, config.model.eval_multiplier)
-            ranked = model.scores(memory.memory.tolist(), memory.questions).argsort(dim=1, descending=True,
-                                                                                   stable=True)[:, :k]
-            variant = names.index(variant)
-            for top, evidence in zip(ranked.tolist(), memory.evidence, strict=True):
-                found[variant] += set(evidence) <= set(top)
-                asked[variant] += 1
+            memory = training_memory(spec, config.needle.seed + 1, index, config.model.eval_multiplier)
+            held = evidence_held(memory.evidence, top_k(model.scores(memory.memory.tolist(), memory.questions), k))
+            found[names.index(memory.variant)] += sum(held)
+            asked[names.index(memory.variant)] += len(held)
         model.train()
         totals = summed_over_ranks(torch.tensor(np.concatenate([found, asked]), dtype=torch.float64)).numpy()
         found, asked = totals[: len(names)], totals[len(names):]

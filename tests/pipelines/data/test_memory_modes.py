@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, memory_into_prompt,
-                                         prompt_memories, prompt_memory, top_chunks)
+from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, evidence_held,
+                                         memory_into_prompt, prompt_memories, prompt_memory, top_chunks)
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import BOS, EQ, PROMPT_LEN, NeedleSpec, make_example, needle_batch
@@ -146,3 +146,9 @@ def test_one_memory_asked_at_once_equals_one_question_at_a_time(kind):
 def test_dense_rag_without_a_retriever_export_names_the_flag(tmp_path):
     assert any("--model.retriever" in p for p in MemoryMode("dense_rag").problems())
     assert any("retriever.json" in p for p in MemoryMode("dense_rag", retriever=str(tmp_path)).problems())
+
+
+def test_evidence_is_held_only_when_every_chunk_of_it_was_kept():
+    assert evidence_held([[2], [1, 3], [1, 3], []], [[0, 2], [3, 1], [1, 2], [0]]) == [True, True, False, True]
+    with pytest.raises(ValueError):  # a question without its kept chunks is a bug, not a miss
+        evidence_held([[1]], [])

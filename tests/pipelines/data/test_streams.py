@@ -96,7 +96,7 @@ def test_question_chunk_batches_mark_each_questions_own_evidence():
     batch, count, checksum = stream.batch(step=2, micro=1)
     indices = [2 * 8 + 4 + 2, 2 * 8 + 4 + 3]  # step 2, micro-batch 1 (4 memories), rank 1's two
     assert (count, checksum) == (2, sum(indices))
-    memories = [training_memory(spec, 3, index)[1] for index in indices]
+    memories = [training_memory(spec, 3, index) for index in indices]
     chunks = [c for memory in memories for c in memory.memory.tolist()]
     assert batch["chunk_ids"].tolist() == chunks and bool(batch["chunk_mask"].all())
     row = 0
@@ -107,10 +107,9 @@ def test_question_chunk_batches_mark_each_questions_own_evidence():
             assert batch["positives"][row].nonzero().flatten().tolist() == [m * spec.chunks + e for e in evidence]
             row += 1
     assert row == batch["positives"].shape[0]
-    kinds = {training_memory(spec, 3, index)[0] for index in range(40)}
+    kinds = {training_memory(spec, 3, index).variant for index in range(40)}
     assert kinds == {"single", "alias", "two_hop"}
-    two_hop = next(memory for index in range(40) for kind, memory in [training_memory(spec, 3, index)]
-                   if kind == "two_hop")
+    two_hop = next(memory for index in range(40) if (memory := training_memory(spec, 3, index)).variant == "two_hop")
     assert all(len(evidence) == 2 for evidence in two_hop.evidence)
     again, _, _ = QuestionChunkStream(spec, 3, memories_per_step=8, grad_accum=2, rank=1, world=2).batch(2, 1)
     assert all(torch.equal(again[k], batch[k]) for k in batch)  # any worker makes any step's batch, as a resume does
