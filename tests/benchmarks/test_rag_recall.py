@@ -66,3 +66,27 @@ def test_a_retriever_export_ranks_instead_of_bm25(checkpoint_root, tmp_path):
     refused = subprocess.run([sys.executable, "benchmarks/rag_recall.py", "--retriever", str(tmp_path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "retriever.json" in refused.stderr
+
+
+def test_reread_also_keeps_the_top_k_of_each_key_a_chain_names():
+    """--reread: a chain question keeps BM25's top k for its question and for each key its answer names; counted here
+    by hand. A key a chain passes is written twice (`ka = kb ;`, `kb = ... ;`), in two chunks: at k 2 retrieving again
+    at each key finds every link."""
+    done = subprocess.run([sys.executable, "benchmarks/rag_recall.py", "--reread", "--k", "2", "--multipliers", "16",
+                           "--variants", "single", "two_hop", "three_hop", "--memories", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["reread"] is True
+    spec, seed = STAGE0.needle.spec(), NeedleSuite().seed
+    for variant in ("two_hop", "three_hop"):
+        held = asked = 0
+        for probe in (make_probe(variant, spec, 16, seed, i) for i in range(2)):
+            chunks = probe.memory.tolist()
+            for question, path, evidence in zip(probe.questions, probe.paths, probe.evidence, strict=True):
+                kept = set(top_chunks(chunks, question, 2))
+                kept |= {c for key in path for c in top_chunks(chunks, [1, key], 2)}  # one-token keys
+                held += set(evidence) <= kept
+                asked += 1
+        assert summary["recall"][variant]["16x"] == round(held / asked, 4) == 1.0
+    assert summary["recall"]["single"]["16x"] == 1.0  # no path: the question's top k alone
