@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from pipelines.cli import parse_config
+from pipelines.cli import ConfigError, parse_config
 from pipelines.evaluate.job import EvaluateConfig, run_evaluation
 from pipelines.tracking.tracker import summary_json
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv, EvaluateConfig(), description=__doc__, on_dry_run=dry_run)
     try:
         summary = run_evaluation(config)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ConfigError) as error:
         print(f"evaluate: {error}", file=sys.stderr)
         print(summary_json({"job": "evaluate", "error": str(error)}), flush=True)
         return 2

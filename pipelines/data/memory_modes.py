@@ -36,6 +36,9 @@ class MemoryMode:
     context_budget: int = 4096  # memory tokens placed in the prompt (in_context, rag, dense_rag)
     rag_k: int = 2  # chunks retrieved per question (rag, dense_rag)
     retriever: str | None = None  # dense_rag: a retriever export directory (jobs/retriever.py)
+    # rag, dense_rag: retrieve rag_k chunks again at each key the answer names, and read on with them in the prompt
+    # too (an iterative rag; the needle suite's --needle.reread)
+    reread: bool = False
 
     @property
     def in_prompt(self) -> bool:
@@ -51,6 +54,8 @@ class MemoryMode:
             p.append("model.rag_k must be positive (chunks retrieved per question)")
         if self.kind == "dense_rag":
             p += retriever_problems(self.retriever)
+        if self.reread and self.kind not in ("rag", "dense_rag"):
+            p.append(f"reread: only a retriever reads again (rag, dense_rag), not {self.kind}")
         return p
 
 
@@ -208,4 +213,5 @@ def read_system(export_dir: str | Path) -> dict[str, Any]:
 
 def system_mode(system: dict[str, Any]) -> MemoryMode:
     return MemoryMode(system.get("memory", "gca"), context_budget=system.get("context_budget", 4096),
-                      rag_k=system.get("rag_k", 2), retriever=system.get("retriever"))
+                      rag_k=system.get("rag_k", 2), retriever=system.get("retriever"),
+                      reread=system.get("reread", False))

@@ -19,11 +19,12 @@ from typing import Any
 
 import ray
 
+from pipelines.cli import ConfigError
 from pipelines.evaluate.code_qa import CodeQaEvaluation, CodeQaSuite
 from pipelines.evaluate.commits import CommitsEvaluation, CommitsSuite
 from pipelines.evaluate.common import Source, Suite, Workers, name_sources, resolve_model
 from pipelines.evaluate.efficiency import EfficiencyEvaluation, EfficiencySuite
-from pipelines.evaluate.needle import NeedleEvaluation, NeedleSuite, needle_table
+from pipelines.evaluate.needle import NeedleEvaluation, NeedleSuite, needle_table, reread_problems
 from pipelines.tracking.tracker import Tracker, resolve_tracking_uri
 
 # name -> the suite, built from EvaluateConfig's field of that name; they run in this order on each system, and
@@ -95,6 +96,9 @@ def run_evaluation(config: EvaluateConfig) -> dict[str, Any]:
         workdir = Path(tempfile.mkdtemp(prefix="evaluate-"))
         sources = [resolve_model(m, tracking_uri, workdir) for m in config.model]
         name_sources(sources, config.names)
+        problems = reread_problems(config.needle, sources)
+        if problems:
+            raise ConfigError("; ".join(problems))
         start_ray()
         results: dict[str, Any] = {"systems": {}, "heatmaps": {}, "efficiency": {}, "suites": asked}
         for source in sources:

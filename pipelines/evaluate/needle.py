@@ -16,6 +16,10 @@ the generated answer. A probe is built by the generator stage 0's training mixtu
 trained on it learned; `--needle.hard_distractors` fills a share of every probe's free fact slots with facts
 near-identical to the asked ones. A system trained on two-token keys is asked two-token keys.
 
+`--needle.reread NAME` makes a rag or dense_rag system an iterative rag: at each key its answer names (a chain's next
+key) it retrieves the top rag_k chunks for that key and reads on with them in its prompt too, as gca reads again at the
+key it names; its evidence recall counts every chunk it retrieved.
+
 `score_probe` is what one worker does with one loaded system; it takes no Ray, so a test calls it directly.
 """
 
@@ -30,9 +34,13 @@ import numpy as np
 import torch
 
 from pipelines.data.batch_inference import items_dataset, map_with_actors
-from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt_each, evidence_held, prompt_memories
+from transformers import StoppingCriteria
+
+from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, evidence_held,
+                                         prompt_memories, within_budget)
 from pipelines.data.needle_tokenizer import needle_tokenizer
-from pipelines.data.synthetic_needles import EOS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant, generate_memory
+from pipelines.data.synthetic_needles import (BOS, EOS, KEYS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant,
+                                              generate_memory)
 from pipelines.evaluate import probes
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
@@ -55,6 +63,9 @@ class NeedleSuite:
     # read each memory as a memory store in this dtype gives it back (float32 | bfloat16 | float16 | int8:
     # jobs/encode_memory.py --store_dtype), not as encoded; none: as encoded
     store_dtype: str | None = None
+    # systems (by their --names) that retrieve again at each key their answer names: an iterative rag (rag and
+    # dense_rag exports; the same export may be scored with and without it under two names)
+    reread: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         p = []
@@ -128,11 +139,53 @@ def answer_budget(probe: Probe) -> int:
     return max(len(answer) for answer in probe.answers) + 1
 
 
+class KeyNamed(StoppingCriteria):
+    """Stops a one-row generation once the tokens it generated end in a whole key (key_tokens key ids in a row)."""
+
+    def __init__(self, prompt_len: int, key_tokens: int):
+        self.prompt_len, self.key_tokens = prompt_len, key_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        run = 0
+        for token in reversed(input_ids[0, self.prompt_len :].tolist()):
+            if token not in KEYS:
+                break
+            run += 1
+        return torch.tensor([run > 0 and run % self.key_tokens == 0], device=input_ids.device)
+
+
+@torch.no_grad()
+def reread_answers(system: System, probe: Probe) -> tuple[list[list[int]], list[list[int]]]:
+    """An iterative rag's greedy answers and, per question, every chunk it retrieved: it answers from the question's
+    top rag_k chunks and, each time its answer names a key, retrieves the top rag_k for that key (`BOS key`, as a
+    question asks it) and reads on with them in its prompt too (memory order, within the context budget)."""
+    chunks, budget, key_tokens = probe.memory.tolist(), answer_budget(probe), system.spec.key_tokens
+    answers, retrieved = [], []
+    for question in probe.questions:
+        kept, answer = chunks_in_prompt(chunks, question, system.mode), []
+        while len(answer) < budget and EOS not in answer:
+            prompt = [t for i in kept for t in chunks[i]] + question + answer
+            out = system.model.generate(input_ids=torch.tensor([prompt], device=system.model.device),
+                                        max_new_tokens=budget - len(answer), do_sample=False, eos_token_id=EOS,
+                                        pad_token_id=PAD, stopping_criteria=[KeyNamed(len(prompt), key_tokens)])
+            new = out[0, len(prompt) :].tolist()
+            answer += new
+            if not new or not KeyNamed(len(answer) - len(new), key_tokens)(torch.tensor([answer]), None)[0]:
+                break  # the answer ended (EOS, or its budget) without naming a key last
+            more = chunks_in_prompt(chunks, [BOS, *answer[-key_tokens:]], system.mode)
+            kept = within_budget(chunks, sorted({*kept, *more}), system.mode.context_budget)
+        answers.append(answer[: answer.index(EOS)] if EOS in answer else answer)
+        retrieved.append(kept)
+    return answers, retrieved
+
+
 @torch.no_grad()
 def answer_probe(system: System, probe: Probe) -> list[list[int]]:
     """Greedy answers, each cut at EOS: long enough for every reference of the question plus EOS."""
     if system.served is not None:
         return served_answers(system, probe)
+    if system.mode.reread:
+        return reread_answers(system, probe)[0]
     inputs = {k: v.to(system.model.device) for k, v in system_prompts(probe, system.mode).items()}
     new = answer_budget(probe)
     out = system.model.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
@@ -168,13 +221,19 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
     found), whole (the answer is its path and references and nothing else, in some order, ended within the budget:
     RULER's match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the
     answer, the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no
-    logits), for gca where its attention went, and for rag and in_context whether the evidence reached the prompt."""
+    logits, and for an iterative rag), for gca where its attention went, and for rag and in_context whether the
+    evidence reached the prompt."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
-    answers = answer_probe(system, probe)
+    retrieved = None
+    if system.mode.reread and system.served is None:
+        answers, retrieved = reread_answers(system, probe)
+    else:
+        answers = answer_probe(system, probe)
     local = system.served is None  # a pyfunc shows neither its logits nor its attention
     reading = memory_attention(system, probe) if local and system.mode.kind == "gca" else [{}] * len(answers)
-    end_losses = answer_end_loss(system, probe) if local else [float("nan")] * len(answers)
-    recalls = evidence_recall(probe, system.mode)
+    # an iterative rag's rows hold prompts of their own lengths: no batched teacher-forced pass (NaN, as served)
+    end_losses = answer_end_loss(system, probe) if local and retrieved is None else [float("nan")] * len(answers)
+    recalls = evidence_recall(probe, system.mode, retrieved)
     rows = []
     for answer, refs, path, depth, read, end_loss, recall in zip(answers, probe.references, probe.paths, probe.depth,
                                                                  reading, end_losses, recalls, strict=True):
@@ -189,13 +248,13 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
     return rows
 
 
-def evidence_recall(probe: Probe, mode: MemoryMode) -> list[float]:
+def evidence_recall(probe: Probe, mode: MemoryMode, retrieved: list[list[int]] | None = None) -> list[float]:
     """Per question, for a system that puts chunks in its prompt (rag, dense_rag, in_context): 1.0 when every
     evidence chunk is there (the most it could answer from), else 0.0; NaN for gca (its reading: attention/...) and
-    none."""
+    none. `retrieved`: the chunks an iterative rag retrieved for each question (reread_answers)."""
     if not mode.in_prompt:
         return [float("nan")] * len(probe.questions)
-    kept = chunks_in_prompt_each(probe.memory.tolist(), probe.questions, mode)
+    kept = retrieved or chunks_in_prompt_each(probe.memory.tolist(), probe.questions, mode)
     return [float(held) for held in evidence_held(probe.evidence, kept)]
 
 
@@ -236,6 +295,19 @@ class NeedleScorer:
         return batch_columns(rows)
 
 
+def reread_problems(settings: NeedleSuite, sources: list[Source]) -> list[str]:
+    """needle.reread's names that name no system, or a system that does not retrieve (only rag and dense_rag do)."""
+    kinds = {source.name: source.system.get("memory", "gca") for source in sources}
+    problems = []
+    for name in settings.reread:
+        if name not in kinds:
+            problems.append(f"needle.reread {name!r} names no system: the systems are {sorted(kinds)} (--names)")
+        elif kinds[name] not in ("rag", "dense_rag"):
+            problems.append(f"needle.reread {name!r} reads its memory as {kinds[name]}: only a rag or dense_rag "
+                            f"system retrieves again")
+    return problems
+
+
 def needle_items(settings: NeedleSuite) -> list[dict[str, Any]]:
     items = []
     for variant in settings.variants:
@@ -252,7 +324,8 @@ def run_needles(settings: NeedleSuite, source: Source, workers: Workers) -> list
     scored = map_with_actors(
         items_dataset(items, per_block=4), NeedleScorer, actors=workers.actors, batch_size=4,
         cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
-        constructor_kwargs={"name": source.name, "export": source.export, "system": source.system,
+        constructor_kwargs={"name": source.name, "export": source.export,
+                            "system": {**source.system, "reread": source.name in settings.reread},
                             "depth_bins": settings.depth_bins, "seed": settings.seed,
                             "hard_distractors": settings.hard_distractors, "store_dtype": settings.store_dtype,
                             "use_gpu": workers.use_gpu, "served": source.served, "tracking_uri": workers.tracking_uri})

@@ -13,14 +13,14 @@ import torch
 
 from models.gca import MemoryPadding
 from pipelines.data.memory_modes import MemoryMode, read_system
-from pipelines.data.synthetic_needles import BOS, EOS, EQ, NeedleSpec, make_example
-from pipelines.evaluate.common import Progress, load_system
+from pipelines.data.synthetic_needles import BOS, EOS, EQ, KEYS, PAD, SEP, NeedleSpec, make_example
+from pipelines.evaluate.common import Progress, System, load_system
 from pipelines.evaluate.efficiency import efficiency_row
 from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
                                        collect_with_progress, evidence_recall, is_whole_answer, make_probe,
-                                       memory_attention, needle_metrics, needle_table, score_probe,
-                                       system_prompts)
+                                       memory_attention, needle_metrics, needle_table, reread_answers,
+                                       score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
@@ -300,3 +300,70 @@ def test_the_needle_table_has_a_row_per_task_and_system_and_a_column_per_size():
                          "| alias | gca | 0.85 / 0.90 | 0.75 / 0.80 |",
                          "| alias | rag | 0.50 / 0.50 (r 0.56) | - |"]
     assert needle_table({"none": {"metrics": {}}}) == ""
+
+
+class PromptReader:
+    """A reader that answers only from its prompt, by hand: from the last key asked or named it follows the facts
+    `k = v ;` its prompt holds, naming each key it passes, then gives the value and EOS; where the prompt holds no
+    fact for a key it gives `= = =`. Batched rows come back padded; a one-row call stops where its stopping
+    criteria say, checked after each token as transformers' generate does."""
+
+    device = torch.device("cpu")
+
+    @staticmethod
+    def continuation(row: list[int]) -> list[int]:
+        asked = len(row) - row[::-1].index(BOS) - 1  # the question's BOS: no memory chunk holds one
+        facts, at = {}, 0
+        while EQ in row[at:asked]:
+            eq = row.index(EQ, at)
+            sep = row.index(SEP, eq)
+            facts[row[eq - 1]] = row[eq + 1 : sep]
+            at = sep + 1
+        key, out = [t for t in row[asked + 1 :] if t in KEYS][-1], []
+        while key in facts and facts[key][0] in KEYS:  # a link: name the next key
+            key = facts[key][0]
+            out.append(key)
+        return out + facts.get(key, [EQ, EQ, EQ]) + [EOS]
+
+    def generate(self, input_ids, max_new_tokens, stopping_criteria=(), **kwargs):
+        rows = []
+        for row in input_ids.tolist():
+            out = torch.tensor([row])
+            for token in self.continuation(row)[:max_new_tokens]:
+                out = torch.cat([out, torch.tensor([[token]])], 1)
+                if any(bool(stop(out, None)[0]) for stop in stopping_criteria):
+                    break
+            rows.append(out[0].tolist())
+        width = max(len(row) for row in rows)
+        return torch.tensor([row + [PAD] * (width - len(row)) for row in rows])
+
+
+@pytest.mark.parametrize("variant", ["two_hop", "three_hop"])
+def test_an_iterative_rag_retrieves_again_at_each_key_its_answer_names(variant):
+    """With a reader that answers only from its prompt, rag answers a chain only where BM25's top 2 for the question
+    hold every link (rarely, at 16x); retrieving again at each key it names, it holds every link and answers all."""
+    spec = NeedleSpec()
+    probe = make_probe(variant, spec, 16, seed=1, index=0)
+    plain = System("rag", PromptReader(), MemoryMode("rag", rag_k=2), spec)
+    iterative = dataclasses.replace(plain, mode=MemoryMode("rag", rag_k=2, reread=True))
+    answers, retrieved = reread_answers(iterative, probe)
+    assert answers == probe.answers  # every question, path and value
+    assert evidence_recall(probe, iterative.mode, retrieved) == [1.0] * len(probe.questions)
+    once = answer_probe(plain, probe)
+    held = evidence_recall(probe, plain.mode)
+    assert [answer == truth for answer, truth in zip(once, probe.answers)] == [bool(h) for h in held]
+    assert sum(held) < len(held) / 2  # one retrieval rarely holds a chain at 16x
+    rows = score_probe(iterative, variant, 16, seed=1, index=0)
+    assert all(row["whole"] and row["evidence_recall"] == 1.0 for row in rows)
+
+
+def test_only_a_named_retrieving_system_may_read_again():
+    from pipelines.evaluate.common import Source
+    from pipelines.evaluate.needle import NeedleSuite, reread_problems
+
+    sources = [Source("rag-again", "/x", {"memory": "rag"}), Source("gca", "/y", {"memory": "gca"})]
+    assert reread_problems(NeedleSuite(reread=["rag-again"]), sources) == []
+    missing, gca = reread_problems(NeedleSuite(reread=["rag", "gca"]), sources)
+    assert "names no system" in missing and "'gca', 'rag-again'" in missing
+    assert "reads its memory as gca" in gca
+    assert any("only a retriever reads again" in p for p in MemoryMode("in_context", reread=True).problems())
