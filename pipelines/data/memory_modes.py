@@ -37,7 +37,7 @@ class MemoryMode:
     rag_k: int = 2  # chunks retrieved per question (rag, dense_rag)
     retriever: str | None = None  # dense_rag: a retriever export directory (jobs/retriever.py)
     # rag, dense_rag: retrieve rag_k chunks again at each key the answer names, and read on with them in the prompt
-    # too (an iterative rag; the needle suite's --needle.reread)
+    # too (an iterative rag: model.rag_reread, or the needle suite's --needle.reread)
     reread: bool = False
 
     @property
@@ -155,6 +155,17 @@ def chunks_in_prompt_each(chunks: list[list[int]], queries: list[list[int]], mod
     else:
         return [[] for _ in queries]
     return [within_budget(chunks, order, mode.context_budget) for order in orders]
+
+
+def chunks_read_each(chunks: list[list[int]], queries: list[list[int]], rereads: list[list[list[int]]],
+                     mode: MemoryMode) -> list[list[int]]:
+    """An iterative rag's chunks per query: its own (chunks_in_prompt_each) and those retrieved for each of its
+    `rereads` queries (the keys its answer names, asked as a question asks them), memory order, within the budget."""
+    first = chunks_in_prompt_each(chunks, queries, mode)
+    flat = [query for again in rereads for query in again]
+    more = iter(chunks_in_prompt_each(chunks, flat, mode) if flat else [])
+    return [within_budget(chunks, sorted({*kept, *(c for _ in again for c in next(more))}), mode.context_budget)
+            for kept, again in zip(first, rereads, strict=True)]
 
 
 def evidence_held(evidence: list[list[int]], kept: list[list[int]]) -> list[bool]:

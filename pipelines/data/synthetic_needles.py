@@ -47,7 +47,7 @@ from typing import Literal, NamedTuple, get_args
 import numpy as np
 import torch
 
-from pipelines.data.memory_modes import GCA, MemoryMode, prompt_memories
+from pipelines.data.memory_modes import GCA, MemoryMode, chunks_read_each, prompt_memories
 from pipelines.format.rows import IGNORE
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
@@ -543,6 +543,12 @@ def answer_span(spec: NeedleSpec) -> slice:
     return slice(spec.prompt_len - 1, spec.prompt_len - 1 + spec.value_digits)
 
 
+def named_keys(answer: list[int], key_tokens: int) -> list[list[int]]:
+    """The keys an answer names (a chain's path), each asked as a question asks it: `BOS key`."""
+    keys = [t for t in answer if t in KEYS]
+    return [[BOS, *keys[at : at + key_tokens]] for at in range(0, len(keys) - key_tokens + 1, key_tokens)]
+
+
 def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMode = GCA, scale: int = 1,
                  variant: str | None = None, questions_per_row: int | None = None) -> dict[str, torch.Tensor]:
     """The batch a system with memory `mode` trains and is scored on, plus where each question's answer tokens stand:
@@ -552,7 +558,8 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
     gca: make_batch (memories read through the encoder). in_context: the memory's tokens, then up to
     `questions_per_row` (default: the spec's) of its questions one after another (they share the prefix, as GCA's
     questions share one encoder pass; a question sees the ones before it, never its own answer); further questions
-    start another row with the memory again. rag: one row per question, its top-k chunks then the question.
+    start another row with the memory again. rag: one row per question, its top-k chunks then the question (an
+    iterative rag's, mode.reread: with the top-k of each key its answer names, as it holds them having named each).
     none: the questions alone."""
     if mode.kind == "gca":
         return make_batch(spec, seed, indices, scale, variant)
@@ -567,8 +574,13 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
         depth.append(example["depth"])
         questions = example["input_ids"].tolist()
         # a retriever indexes (or embeds) the memory once for all its questions; in_context's rows need no query
-        memories = prompt_memories(chunks, [[] if mode.kind == "in_context" else q[:prompt_len] for q in questions],
-                                   mode)
+        queries = [[] if mode.kind == "in_context" else q[:prompt_len] for q in questions]
+        if mode.reread:  # an iterative rag holds what it retrieves again at each key its answer names
+            rereads = [named_keys(q[prompt_len:], spec.key_tokens) for q in questions]
+            memories = [[t for i in kept for t in chunks[i]] for kept in chunks_read_each(chunks, queries, rereads,
+                                                                                          mode)]
+        else:
+            memories = prompt_memories(chunks, queries, mode)
         for n, (question, target) in enumerate(zip(questions, example["labels"].tolist(), strict=True)):
             if mode.kind != "in_context" or n % per_row == 0:
                 rows.append(memories[n])

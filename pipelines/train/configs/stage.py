@@ -65,13 +65,17 @@ class ModelConfig:
     # memory order
     rag_k: int = 2  # chunks retrieved per question (rag, dense_rag)
     retriever: str | None = None  # dense_rag: the retriever export it reads with (jobs/retriever.py's export)
+    # rag, dense_rag: an iterative rag, which retrieves rag_k chunks again at each key its answer names and reads on
+    # with them in its prompt too; trained on the chunks it would hold having named each key right (the answer's)
+    rag_reread: bool = False
     # The frozen decoder and encoder in fewer bits (QLoRA, models/quantization.py): nf4 (4-bit NormalFloat, double
     # quantization) | int8 (LLM.int8) | none. What trains (LoRA, the GCA blocks, routers, the projection) stays in
     # full precision, so a quantized base trains with decoder and encoder lora or frozen
     quantize: str = "none"
 
     def memory_mode(self) -> MemoryMode:
-        return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k, retriever=self.retriever)
+        return MemoryMode(self.memory, context_budget=self.context_budget, rag_k=self.rag_k, retriever=self.retriever,
+                          reread=self.rag_reread)
 
     def problems(self) -> list[str]:
         """The model section's problems: the pair, placement, train modes, fusion, routing, LoRA, start points."""

@@ -185,7 +185,7 @@ def write_system(directory: Path, config: StageConfig) -> None:
         shutil.copytree(config.model.retriever, Path(directory) / RETRIEVER_DIR, dirs_exist_ok=True)
         retriever = RETRIEVER_DIR
     system = {"memory": config.model.memory, "context_budget": config.model.context_budget,
-              "rag_k": config.model.rag_k, "retriever": retriever,
+              "rag_k": config.model.rag_k, "retriever": retriever, "reread": config.model.rag_reread,
               "needle": None if config.data.train_path else dataclasses.asdict(config.needle)}
     (Path(directory) / SYSTEM_FILE).write_text(json.dumps(system, indent=1))
 

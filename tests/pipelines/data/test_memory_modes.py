@@ -152,3 +152,39 @@ def test_evidence_is_held_only_when_every_chunk_of_it_was_kept():
     assert evidence_held([[2], [1, 3], [1, 3], []], [[0, 2], [3, 1], [1, 2], [0]]) == [True, True, False, True]
     with pytest.raises(ValueError):  # a question without its kept chunks is a bug, not a miss
         evidence_held([[1]], [])
+
+
+def test_an_iterative_rag_trains_on_every_link_its_answer_names():
+    """model.rag_reread: a two_hop row holds BM25's top 2 for the question and for the key its answer names (`BOS
+    kb`), in memory order: every link of the chain, where one retrieval at 16x rarely holds the second."""
+    spec = NeedleSpec(variants=("two_hop",))
+    scale = 16
+    example = make_example(spec, 5, 0, scale=scale)
+    chunks = example["memory"].tolist()
+    reread = needle_batch(spec, 5, [0], MemoryMode("rag", rag_k=2, reread=True), scale=scale)
+    once = needle_batch(spec, 5, [0], MemoryMode("rag", rag_k=2), scale=scale)
+    held_once = 0
+    for row, plain, question in zip(reread["input_ids"].tolist(), once["input_ids"].tolist(),
+                                    example["input_ids"].tolist(), strict=True):
+        asked, named = question[:2], question[2]
+        kept = sorted({*top_chunks(chunks, asked, 2), *top_chunks(chunks, [BOS, named], 2)})
+        memory = [t for c in kept for t in chunks[c]]
+        assert row[: len(memory) + len(question)] == memory + question
+        links = [c for c in range(len(chunks)) if any(chunks[c][i : i + 2] in ([asked[1], EQ], [named, EQ])
+                                                      for i in range(len(chunks[c]) - 1))]
+        assert len(links) == 2 and set(links) <= set(kept)  # both links: `ka = kb ;` and `kb = d d d ;`
+        held_once += set(links) <= set(top_chunks(chunks, asked, 2))
+        assert plain[: 2 * spec.chunk_len] == [t for c in sorted(top_chunks(chunks, asked, 2)) for t in chunks[c]]
+    assert held_once < len(example["input_ids"]) / 2
+
+
+def test_rag_reread_is_a_retrievers_option_and_its_export_says_so(tmp_path):
+    from pipelines.data.memory_modes import read_system, system_mode
+    from pipelines.train.configs.stage import ModelConfig, StageConfig
+    from pipelines.train.recipes.stage import write_system
+
+    assert any("only a retriever reads again" in p for p in ModelConfig(rag_reread=True).problems())  # gca
+    config = StageConfig(model=ModelConfig(memory="rag", rag_reread=True))
+    assert not [p for p in config.model.problems() if "reread" in p]
+    write_system(tmp_path, config)
+    assert system_mode(read_system(tmp_path)) == MemoryMode("rag", rag_k=2, reread=True)
