@@ -9,9 +9,11 @@ questions with an evidence chunk among
 - the k chunks full attention puts the most mass on (`attention`: what the routing loss teaches the router).
 
 A question counts when one of its evidence chunks is there: its first read needs one (a chain reads the next at the
-key its answer names). Low `router` under high `attention` is a router that did not learn what the block's own
-attention finds; both low, the block's queries do not match the evidence; answers that rise with every chunk read
-put the loss on routing. rag's counterpart, BM25's recall: benchmarks/rag_recall.py.
+key its answer names). For a chain (two_hop, three_hop) the same two recalls at its second read too (`at the named
+key`): at the last key its answer names, teacher-forced, whether the chunk holding that key's value is read. Low
+`router` under high `attention` is a router that did not learn what the block's own attention finds; both low, the
+block's queries do not match the evidence; answers that rise with every chunk read put the loss on routing. rag's
+counterpart, BM25's recall: benchmarks/rag_recall.py.
 
     python benchmarks/routing_recall.py --model EXPORT --variants alias two_hop --multipliers 1 4
     python benchmarks/routing_recall.py --model EXPORT --variants single --memories 2 --every_chunk false
@@ -27,10 +29,12 @@ from dataclasses import replace
 
 import torch
 
-from pipelines.data.memory_modes import read_system
+from pipelines.data.memory_modes import GCA, read_system
+from pipelines.data.synthetic_needles import CHAIN_HOPS
 from pipelines.evaluate.common import System, load_system
 from pipelines.evaluate.needle import NeedleSuite, answer_probe, is_whole_answer, make_probe, system_prompts
 from pipelines.evaluate.probes import chunk_reading
+from pipelines.format.rows import IGNORE
 
 
 def whole_answers(system: System, probes: list) -> float:
@@ -40,20 +44,34 @@ def whole_answers(system: System, probes: list) -> float:
     return sum(right) / len(right)
 
 
-def recalls(system: System, probes: list, k: int) -> dict[str, dict[str, float]]:
+def named_key_inputs(probe) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """A chain probe's questions with the keys their answers name, teacher-forced (the labels mark the path, so the
+    lexical prior is the question's, as when the model generates), and per question the chunk holding the value the
+    last named key binds (the fact its answer's value comes from)."""
+    inputs = system_prompts(probe, GCA)
+    inputs["input_ids"] = torch.tensor([q + path for q, path in zip(probe.questions, probe.paths, strict=True)])
+    inputs["labels"] = torch.tensor([[IGNORE] * len(q) + path for q, path in zip(probe.questions, probe.paths,
+                                                                                  strict=True)])
+    chunk_len = probe.memory.shape[1]
+    return inputs, [[round(depth * probe.memory.size) // chunk_len] for depth in probe.depth]
+
+
+def recalls(system: System, probes: list, k: int, named_key: bool = False) -> dict[str, dict[str, float]]:
     """Per (GCA layer, kv head): the share of questions with an evidence chunk in the router's top k and in full
-    attention's top k chunks by mass."""
+    attention's top k chunks by mass; `named_key`: at a chain's last named key, its value's chunk."""
     hits: dict[str, dict[str, int]] = {"router": {}, "attention": {}}
     questions = 0
     layers = sorted(system.model.gca_blocks())
     for probe in probes:
-        reads = chunk_reading(system.model, **system_prompts(probe, system.mode))  # per layer (B, H_kv, C) x 2
+        inputs, evidence = (named_key_inputs(probe) if named_key else
+                            (system_prompts(probe, system.mode), probe.evidence))
+        reads = chunk_reading(system.model, **inputs)  # per layer (B, H_kv, C) x 2
         for layer, (scores, mass) in zip(layers, reads, strict=True):
             for name, values in (("router", scores), ("attention", mass)):
                 top = values.topk(min(k, values.shape[-1]), dim=-1).indices  # (B, H_kv, k)
                 for head in range(values.shape[1]):
-                    found = sum(bool(set(top[q, head].tolist()) & set(evidence))
-                                for q, evidence in enumerate(probe.evidence))
+                    found = sum(bool(set(top[q, head].tolist()) & set(chunks))
+                                for q, chunks in enumerate(evidence))
                     key = f"layer{layer}/head{head}"
                     hits[name][key] = hits[name].get(key, 0) + found
         questions += len(probe.questions)
@@ -78,20 +96,27 @@ def main() -> None:
                      f"{reading.top_k}); routing recall reads the router of a model built with memory_top_k > 0")
     summary = {"job": "routing_recall", "model": args.model, "top_k": reading.top_k, "cells": {}}
     print(f"| cell | whole | whole, every chunk read | router recall@{reading.top_k} by layer/head | "
-          f"attention recall@{reading.top_k} by layer/head |\n|---|---|---|---|---|")
+          f"attention recall@{reading.top_k} by layer/head | router / attention at the named key |\n"
+          f"|---|---|---|---|---|---|")
     for variant in args.variants:
         for multiplier in args.multipliers:
             probes = [make_probe(variant, system.spec, multiplier, args.seed, i) for i in range(args.memories)]
             cell = {"whole": whole_answers(system, probes), **recalls(system, probes, reading.top_k)}
+            if variant in CHAIN_HOPS:
+                second = recalls(system, probes, reading.top_k, named_key=True)
+                cell |= {"router_at_named_key": second["router"], "attention_at_named_key": second["attention"]}
             if args.every_chunk == "true":
                 system.model.reading = replace(reading, top_k=int(probes[0].memory.shape[0]))
                 cell["whole_every_chunk"] = whole_answers(system, probes)
                 system.model.reading = reading
             summary["cells"][f"{variant}@{multiplier}x"] = cell
             every = f"{cell['whole_every_chunk']:.2f}" if "whole_every_chunk" in cell else "-"
+            named = " / ".join(" ".join(f"{v:.2f}" for v in cell[f"{side}_at_named_key"].values())
+                               for side in ("router", "attention")) if variant in CHAIN_HOPS else "-"
             print(f"| {variant} {multiplier}x | {cell['whole']:.2f} | {every} | "
                   f"{' '.join(f'{v:.2f}' for v in cell['router'].values())} | "
-                  f"{' '.join(f'{v:.2f}' for v in cell['attention'].values())} |", flush=True)
+                  f"{' '.join(f'{v:.2f}' for v in cell['attention'].values())} | "
+                  f"{named} |", flush=True)
     print(json.dumps(summary))
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from models import MemoryReading, build_pair
+from pipelines.data.synthetic_needles import EQ, NeedleSpec
 from pipelines.evaluate.common import load_system
 from pipelines.evaluate.needle import NeedleSuite, score_probe
 
@@ -48,6 +49,29 @@ def test_answers_are_the_evaluations_and_recalls_are_shares_per_layer_and_head(c
             assert set(cell[name]) == {f"layer{i}/head{h}" for i in (2, 3) for h in (0, 1)}
             assert all(0.0 <= v <= 1.0 for v in cell[name].values())
         assert 0.0 <= cell["whole_every_chunk"] <= 1.0
+    assert "router_at_named_key" not in summary["cells"]["alias@1x"]  # a chain's second read only
+    assert set(summary["cells"]["two_hop@1x"]["router_at_named_key"]) == set(cell["router"])
+
+
+def test_at_the_named_key_every_chunk_read_holds_the_value_s_chunk(checkpoint_root, tmp_path_factory):
+    """k at the memory's 4 chunks (1x): at a chain's named key, router and attention read the value's chunk always;
+    the chunk counted is the one holding the fact the answer's value comes from."""
+    from pipelines.evaluate.needle import make_probe
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from routing_recall import named_key_inputs
+
+    every = export(checkpoint_root, tmp_path_factory, MemoryReading(top_k=4))
+    cell = summary_of(run_benchmark("--model", str(every), "--variants", "two_hop", "--multipliers", "1",
+                                    "--memories", "2", "--every_chunk", "false"))["cells"]["two_hop@1x"]
+    assert set(cell["router_at_named_key"].values()) == set(cell["attention_at_named_key"].values()) == {1.0}
+    probe = make_probe("two_hop", NeedleSpec(), 4, NeedleSuite().seed, 0)
+    inputs, chunks = named_key_inputs(probe)
+    for row, path, value, (chunk,) in zip(inputs["input_ids"].tolist(), probe.paths, probe.references, chunks,
+                                          strict=True):
+        assert row[-len(path):] == path
+        written = probe.memory[chunk].tolist()
+        assert any(written[i : i + 2 + len(value[0])] == [*path, EQ, *value[0]] for i in range(len(written)))
 
 
 def test_reading_every_chunk_recalls_every_evidence_chunk(checkpoint_root, tmp_path_factory):
