@@ -10,10 +10,10 @@ questions with an evidence chunk among
 
 A question counts when one of its evidence chunks is there: its first read needs one (a chain reads the next at the
 key its answer names). For a chain (two_hop, three_hop) the same two recalls at its second read too (`at the named
-key`): at the last key its answer names, teacher-forced, whether the chunk holding that key's value is read. Low
-`router` under high `attention` is a router that did not learn what the block's own attention finds; both low, the
-block's queries do not match the evidence; answers that rise with every chunk read put the loss on routing. rag's
-counterpart, BM25's recall: benchmarks/rag_recall.py.
+key`): the share of answers that name the chain's keys right, and at the last key its answer names, teacher-forced,
+whether the chunk holding that key's value is read. Low `router` under high `attention` is a router that did not
+learn what the block's own attention finds; both low, the block's queries do not match the evidence; answers that
+rise with every chunk read put the loss on routing. rag's counterpart, BM25's recall: benchmarks/rag_recall.py.
 
     python benchmarks/routing_recall.py --model EXPORT --variants alias two_hop --multipliers 1 4
     python benchmarks/routing_recall.py --model EXPORT --variants single --memories 2 --every_chunk false
@@ -37,9 +37,10 @@ from pipelines.evaluate.probes import chunk_reading
 from pipelines.format.rows import IGNORE
 
 
-def whole_answers(system: System, probes: list) -> float:
-    """The share of the probes' questions answered whole (the evaluation's `whole_answer`)."""
-    right = [is_whole_answer(answer, refs, path) for probe in probes
+def whole_answers(system: System, probes: list, named: bool = False) -> float:
+    """The share of the probes' questions answered whole (the evaluation's `whole_answer`); `named`: instead, whose
+    answer names its chain's keys right (the path, before the value)."""
+    right = [answer[: len(path)] == path if named else is_whole_answer(answer, refs, path) for probe in probes
              for answer, refs, path in zip(answer_probe(system, probe), probe.references, probe.paths, strict=True)]
     return sum(right) / len(right)
 
@@ -96,7 +97,7 @@ def main() -> None:
                      f"{reading.top_k}); routing recall reads the router of a model built with memory_top_k > 0")
     summary = {"job": "routing_recall", "model": args.model, "top_k": reading.top_k, "cells": {}}
     print(f"| cell | whole | whole, every chunk read | router recall@{reading.top_k} by layer/head | "
-          f"attention recall@{reading.top_k} by layer/head | router / attention at the named key |\n"
+          f"attention recall@{reading.top_k} by layer/head | keys named right; router / attention at the named key |\n"
           f"|---|---|---|---|---|---|")
     for variant in args.variants:
         for multiplier in args.multipliers:
@@ -104,15 +105,17 @@ def main() -> None:
             cell = {"whole": whole_answers(system, probes), **recalls(system, probes, reading.top_k)}
             if variant in CHAIN_HOPS:
                 second = recalls(system, probes, reading.top_k, named_key=True)
-                cell |= {"router_at_named_key": second["router"], "attention_at_named_key": second["attention"]}
+                cell |= {"router_at_named_key": second["router"], "attention_at_named_key": second["attention"],
+                         "keys_named_right": whole_answers(system, probes, named=True)}
             if args.every_chunk == "true":
                 system.model.reading = replace(reading, top_k=int(probes[0].memory.shape[0]))
                 cell["whole_every_chunk"] = whole_answers(system, probes)
                 system.model.reading = reading
             summary["cells"][f"{variant}@{multiplier}x"] = cell
             every = f"{cell['whole_every_chunk']:.2f}" if "whole_every_chunk" in cell else "-"
-            named = " / ".join(" ".join(f"{v:.2f}" for v in cell[f"{side}_at_named_key"].values())
-                               for side in ("router", "attention")) if variant in CHAIN_HOPS else "-"
+            named = (f"{cell['keys_named_right']:.2f}; " + " / ".join(
+                " ".join(f"{v:.2f}" for v in cell[f"{side}_at_named_key"].values()) for side in ("router", "attention"))
+                     if variant in CHAIN_HOPS else "-")
             print(f"| {variant} {multiplier}x | {cell['whole']:.2f} | {every} | "
                   f"{' '.join(f'{v:.2f}' for v in cell['router'].values())} | "
                   f"{' '.join(f'{v:.2f}' for v in cell['attention'].values())} | "

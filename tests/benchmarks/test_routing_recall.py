@@ -51,6 +51,8 @@ def test_answers_are_the_evaluations_and_recalls_are_shares_per_layer_and_head(c
         assert 0.0 <= cell["whole_every_chunk"] <= 1.0
     assert "router_at_named_key" not in summary["cells"]["alias@1x"]  # a chain's second read only
     assert set(summary["cells"]["two_hop@1x"]["router_at_named_key"]) == set(cell["router"])
+    whole = [row["whole"] for index in range(2) for row in score_probe(system, "two_hop", 1, NeedleSuite().seed, index)]
+    assert summary["cells"]["two_hop@1x"]["keys_named_right"] >= sum(whole) / len(whole)  # a whole answer names them
 
 
 def test_at_the_named_key_every_chunk_read_holds_the_value_s_chunk(checkpoint_root, tmp_path_factory):
