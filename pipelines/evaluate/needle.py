@@ -308,6 +308,12 @@ def reread_problems(settings: NeedleSuite, sources: list[Source]) -> list[str]:
     return problems
 
 
+def scored_system(settings: NeedleSuite, source: Source) -> dict[str, Any]:
+    """The source's system as the suite scores it: an iterative rag where its export trained as one
+    (model.rag_reread) or needle.reread names it."""
+    return {**source.system, "reread": bool(source.system.get("reread")) or source.name in settings.reread}
+
+
 def needle_items(settings: NeedleSuite) -> list[dict[str, Any]]:
     items = []
     for variant in settings.variants:
@@ -324,8 +330,7 @@ def run_needles(settings: NeedleSuite, source: Source, workers: Workers) -> list
     scored = map_with_actors(
         items_dataset(items, per_block=4), NeedleScorer, actors=workers.actors, batch_size=4,
         cpus_per_actor=workers.cpus_per_actor, use_gpu=workers.use_gpu,
-        constructor_kwargs={"name": source.name, "export": source.export,
-                            "system": {**source.system, "reread": source.name in settings.reread},
+        constructor_kwargs={"name": source.name, "export": source.export, "system": scored_system(settings, source),
                             "depth_bins": settings.depth_bins, "seed": settings.seed,
                             "hard_distractors": settings.hard_distractors, "store_dtype": settings.store_dtype,
                             "use_gpu": workers.use_gpu, "served": source.served, "tracking_uri": workers.tracking_uri})

@@ -367,3 +367,14 @@ def test_only_a_named_retrieving_system_may_read_again():
     assert "names no system" in missing and "'gca', 'rag-again'" in missing
     assert "reads its memory as gca" in gca
     assert any("only a retriever reads again" in p for p in MemoryMode("in_context", reread=True).problems())
+
+
+def test_an_export_trained_to_read_again_is_scored_reading_again():
+    from pipelines.evaluate.common import Source
+    from pipelines.evaluate.needle import NeedleSuite, scored_system
+
+    trained = Source("rag-trained", "/x", {"memory": "rag", "reread": True})
+    plain = Source("rag", "/y", {"memory": "rag", "reread": False})
+    assert scored_system(NeedleSuite(), trained)["reread"] is True  # --needle.reread need not name it
+    assert scored_system(NeedleSuite(), plain)["reread"] is False
+    assert scored_system(NeedleSuite(reread=["rag"]), plain)["reread"] is True
