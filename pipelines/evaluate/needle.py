@@ -36,11 +36,11 @@ import torch
 from pipelines.data.batch_inference import items_dataset, map_with_actors
 from transformers import StoppingCriteria
 
-from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, evidence_held,
-                                         prompt_memories, within_budget)
+from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, chunks_read_each,
+                                         evidence_held, prompt_memories)
 from pipelines.data.needle_tokenizer import needle_tokenizer
-from pipelines.data.synthetic_needles import (BOS, EOS, KEYS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant,
-                                              generate_memory)
+from pipelines.data.synthetic_needles import (EOS, KEYS, PAD, VARIANTS, NeedleMemory, NeedleSpec, Variant,
+                                              generate_memory, named_keys)
 from pipelines.evaluate import probes
 from pipelines.evaluate.common import (Progress, Source, SuiteResult, System, Workers, batch_columns, load_system,
                                        needle_spec)
@@ -172,8 +172,7 @@ def reread_answers(system: System, probe: Probe) -> tuple[list[list[int]], list[
             answer += new
             if not new or not KeyNamed(len(answer) - len(new), key_tokens)(torch.tensor([answer]), None)[0]:
                 break  # the answer ended (EOS, or its budget) without naming a key last
-            more = chunks_in_prompt(chunks, [BOS, *answer[-key_tokens:]], system.mode)
-            kept = within_budget(chunks, sorted({*kept, *more}), system.mode.context_budget)
+            kept = chunks_read_each(chunks, [question], [named_keys(answer, key_tokens)], system.mode)[0]
         answers.append(answer[: answer.index(EOS)] if EOS in answer else answer)
         retrieved.append(kept)
     return answers, retrieved
