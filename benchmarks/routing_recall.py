@@ -11,9 +11,11 @@ questions with an evidence chunk among
 A question counts when one of its evidence chunks is there: its first read needs one (a chain reads the next at the
 key its answer names). For a chain (two_hop, three_hop) the same two recalls at its second read too (`at the named
 key`): the share of answers that name the chain's keys right, and at the last key its answer names, teacher-forced,
-whether the chunk holding that key's value is read. Low `router` under high `attention` is a router that did not
-learn what the block's own attention finds; both low, the block's queries do not match the evidence; answers that
-rise with every chunk read put the loss on routing. rag's counterpart, BM25's recall: benchmarks/rag_recall.py.
+whether the chunk holding that key's value is read; and the same after each of the value's tokens but its last
+(`in the value`: what the answer reads while it writes the value). Low `router` under high `attention` is a router
+that did not learn what the block's own attention finds; both low, the block's queries do not match the evidence;
+answers that rise with every chunk read put the loss on routing. rag's counterpart, BM25's recall:
+benchmarks/rag_recall.py.
 
     python benchmarks/routing_recall.py --model EXPORT --variants alias two_hop --multipliers 1 4
     python benchmarks/routing_recall.py --model EXPORT --variants single --memories 2 --every_chunk false
@@ -45,26 +47,29 @@ def whole_answers(system: System, probes: list, named: bool = False) -> float:
     return sum(right) / len(right)
 
 
-def named_key_inputs(probe) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
-    """A chain probe's questions with the keys their answers name, teacher-forced (the labels mark the path, so the
-    lexical prior is the question's, as when the model generates), and per question the chunk holding the value the
-    last named key binds (the fact its answer's value comes from)."""
+def named_key_inputs(probe, value_tokens: int = 0) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """A chain probe's questions with the keys their answers name and the first `value_tokens` tokens of the value,
+    teacher-forced (the labels mark that answer, so the lexical prior is the question's, as when the model
+    generates), and per question the chunk holding the value the last named key binds (the fact its answer's value
+    comes from)."""
     inputs = system_prompts(probe, GCA)
-    inputs["input_ids"] = torch.tensor([q + path for q, path in zip(probe.questions, probe.paths, strict=True)])
-    inputs["labels"] = torch.tensor([[IGNORE] * len(q) + path for q, path in zip(probe.questions, probe.paths,
-                                                                                  strict=True)])
+    answers = [path + refs[0][:value_tokens] for path, refs in zip(probe.paths, probe.references, strict=True)]
+    inputs["input_ids"] = torch.tensor([q + a for q, a in zip(probe.questions, answers, strict=True)])
+    inputs["labels"] = torch.tensor([[IGNORE] * len(q) + a for q, a in zip(probe.questions, answers, strict=True)])
     chunk_len = probe.memory.shape[1]
     return inputs, [[round(depth * probe.memory.size) // chunk_len] for depth in probe.depth]
 
 
-def recalls(system: System, probes: list, k: int, named_key: bool = False) -> dict[str, dict[str, float]]:
+def recalls(system: System, probes: list, k: int, named_key: bool = False,
+            value_tokens: tuple[int, ...] = (0,)) -> dict[str, dict[str, float]]:
     """Per (GCA layer, kv head): the share of questions with an evidence chunk in the router's top k and in full
-    attention's top k chunks by mass; `named_key`: at a chain's last named key, its value's chunk."""
+    attention's top k chunks by mass; `named_key`: at a chain's last named key, its value's chunk (and after each
+    count of the value's tokens in `value_tokens`, 0 the key itself)."""
     hits: dict[str, dict[str, int]] = {"router": {}, "attention": {}}
     questions = 0
     layers = sorted(system.model.gca_blocks())
-    for probe in probes:
-        inputs, evidence = (named_key_inputs(probe) if named_key else
+    for probe, written in ((p, n) for p in probes for n in (value_tokens if named_key else (0,))):
+        inputs, evidence = (named_key_inputs(probe, written) if named_key else
                             (system_prompts(probe, system.mode), probe.evidence))
         reads = chunk_reading(system.model, **inputs)  # per layer (B, H_kv, C) x 2
         for layer, (scores, mass) in zip(layers, reads, strict=True):
@@ -97,7 +102,8 @@ def main() -> None:
                      f"{reading.top_k}); routing recall reads the router of a model built with memory_top_k > 0")
     summary = {"job": "routing_recall", "model": args.model, "top_k": reading.top_k, "cells": {}}
     print(f"| cell | whole | whole, every chunk read | router recall@{reading.top_k} by layer/head | "
-          f"attention recall@{reading.top_k} by layer/head | keys named right; router / attention at the named key |\n"
+          f"attention recall@{reading.top_k} by layer/head | keys named right; router / attention at the named key; "
+          f"router / attention in the value |\n"
           f"|---|---|---|---|---|---|")
     for variant in args.variants:
         for multiplier in args.multipliers:
@@ -105,7 +111,10 @@ def main() -> None:
             cell = {"whole": whole_answers(system, probes), **recalls(system, probes, reading.top_k)}
             if variant in CHAIN_HOPS:
                 second = recalls(system, probes, reading.top_k, named_key=True)
+                digits = len(probes[0].references[0][0])
+                in_value = recalls(system, probes, reading.top_k, named_key=True, value_tokens=tuple(range(1, digits)))
                 cell |= {"router_at_named_key": second["router"], "attention_at_named_key": second["attention"],
+                         "router_in_value": in_value["router"], "attention_in_value": in_value["attention"],
                          "keys_named_right": whole_answers(system, probes, named=True)}
             if args.every_chunk == "true":
                 system.model.reading = replace(reading, top_k=int(probes[0].memory.shape[0]))
@@ -113,9 +122,9 @@ def main() -> None:
                 system.model.reading = reading
             summary["cells"][f"{variant}@{multiplier}x"] = cell
             every = f"{cell['whole_every_chunk']:.2f}" if "whole_every_chunk" in cell else "-"
-            named = (f"{cell['keys_named_right']:.2f}; " + " / ".join(
-                " ".join(f"{v:.2f}" for v in cell[f"{side}_at_named_key"].values()) for side in ("router", "attention"))
-                     if variant in CHAIN_HOPS else "-")
+            named = (f"{cell['keys_named_right']:.2f}; " + "; ".join(" / ".join(
+                " ".join(f"{v:.2f}" for v in cell[f"{side}_{where}"].values()) for side in ("router", "attention"))
+                for where in ("at_named_key", "in_value")) if variant in CHAIN_HOPS else "-")
             print(f"| {variant} {multiplier}x | {cell['whole']:.2f} | {every} | "
                   f"{' '.join(f'{v:.2f}' for v in cell['router'].values())} | "
                   f"{' '.join(f'{v:.2f}' for v in cell['attention'].values())} | "

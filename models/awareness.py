@@ -15,9 +15,9 @@ from torch import nn
 from transformers.modeling_outputs import ModelOutput
 
 from models.fusion import CrossReadingLayer, FusedCrossAttention, adopt_merged_attention, check_fusion
-from models.gca import (ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer, chunk_mask,
-                        chunk_summary_states)
-from models.lexical import packed_question_prior, question_mask_of, question_prior
+from models.gca import (AnswerSoFar, ChunkRouting, GatedCrossAttention, GCAMemory, MemoryPadding, MemoryReadingLayer,
+                        chunk_mask, chunk_summary_states)
+from models.lexical import NO_TOKEN, packed_question_prior, question_mask_of, question_prior
 from models.loading import load_decoder, load_encoder
 from models.loss import causal_lm_loss
 from models.memory import EncoderAttention, MemoryEncoder, _check_vocabulary
@@ -360,7 +360,23 @@ class AwarenessModel(nn.Module):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             raise ValueError("memory_lexical_tokens reads each token's id: pass input_ids, not inputs_embeds")
-        memory.hold_tokens(input_ids, self.lexical_weight())
+        memory.hold_tokens(input_ids, self.lexical_weight(), self.reading.lexical_window)
+
+    def _place_in_answer(self, gca_memory: GCAMemory, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         labels: torch.Tensor | None, asking: bool) -> None:
+        """memory_lexical_window: which of this forward's tokens answer (GCAMemory.answer). With labels, the labelled
+        ones on; the first call over a memory without them, none (the question); a later call without them (a cached
+        decoding step), all of them, continuing the answer the memory's earlier calls fed."""
+        if labels is not None or asking:
+            fed = ~question_mask_of(input_ids, attention_mask, labels) if labels is not None else \
+                torch.zeros_like(input_ids, dtype=torch.bool)
+            gca_memory.answer = AnswerSoFar(fed=fed)
+        else:
+            gca_memory.answer = AnswerSoFar(fed=torch.ones_like(input_ids, dtype=torch.bool),
+                                            before=gca_memory.answer_tail)
+        earlier = gca_memory.answer.before if gca_memory.answer.before is not None else input_ids[:, :0]
+        fed_tokens = input_ids.masked_fill(~gca_memory.answer.fed, NO_TOKEN)
+        gca_memory.answer_tail = torch.cat([earlier, fed_tokens], dim=1)[:, -(self.reading.lexical_window - 1):]
 
     def lexical_weight(self) -> float:
         """The question prior's weight now: reading.lexical_routing in training, reading.lexical_reading (when set)
@@ -479,13 +495,16 @@ class AwarenessModel(nn.Module):
             gca_memory = self.prepare_memory(memory_input_ids, memory_attention_mask, memory_states, memory_states_mask,
                                              segment_ids=segment_ids, memory_segment_ids=memory_segment_ids,
                                              memory_chunk_ids=memory_chunk_ids)
-        if self._question_pending(gca_memory):  # the first call over a memory holds its question
+        asking = self._question_pending(gca_memory)
+        if asking:  # the first call over a memory holds its question
             if input_ids is None:
                 raise ValueError("memory_lexical_routing reads the question's token ids: pass input_ids")
             # packed rows: each token gets its own example's question prior
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels),
                                             segment_ids=segment_ids, labels=labels,
                                             memory_segment_ids=memory_segment_ids)
+        if self.reading.lexical_window > 1 and gca_memory is not None and input_ids is not None:
+            self._place_in_answer(gca_memory, input_ids, attention_mask, labels, asking)
         if labels is not None and self.training and not _reports_router_logits(self.decoder):
             # training: the loss without the (B, T, V) logits (models/loss.py); the model returns none
             hidden = self.decoder.model(input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory,
@@ -530,6 +549,8 @@ class AwarenessModel(nn.Module):
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
+        if gca_memory is not None and self.reading.lexical_window > 1:  # the answer starts after the prompt
+            gca_memory = replace(gca_memory, answer=None, answer_tail=None, answer_start=input_ids.shape[1])
         with allowing_memory_keyword(self.decoder):
             return self.decoder.generate(
                 input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory, **generate_kwargs
@@ -649,7 +670,9 @@ def allowing_memory_keyword(decoder: nn.Module):
     The check is transformers' private `_validate_model_kwargs`, wrapped on the instance to skip that one keyword
     (tests/models/test_awareness.py pins it, so `make test-latest` sees a transformers that changes it). Threads may
     generate on one decoder at once (`mlflow models serve` answers concurrent requests in threads): the first to enter
-    installs the skip, the last to leave removes it."""
+    installs the skip, the last to leave removes it. Its `prepare_inputs_for_generation` is wrapped too, to tell a
+    memory generated from (`answer_start` set: memory_lexical_window) where each step stands in the answer, from the
+    rows generate holds (beam search reorders them)."""
     with _KEYWORD_LOCK:
         if not getattr(decoder, "_gca_generates", 0):
             validate = decoder._validate_model_kwargs
@@ -658,7 +681,17 @@ def allowing_memory_keyword(decoder: nn.Module):
                 model_kwargs.pop("gca_memory", None)
                 return validate(model_kwargs)
 
+            prepare = decoder.prepare_inputs_for_generation
+
+            def prepare_following_the_answer(input_ids, *args, **kwargs):
+                inputs = prepare(input_ids, *args, **kwargs)
+                memory = inputs.get("gca_memory")
+                if memory is not None and memory.answer_start is not None:
+                    memory.follow_generation(input_ids, inputs["input_ids"].shape[1])
+                return inputs
+
             decoder._validate_model_kwargs = validate_without_memory
+            decoder.prepare_inputs_for_generation = prepare_following_the_answer
             decoder._gca_generates = 0
         decoder._gca_generates += 1
     try:
@@ -667,7 +700,7 @@ def allowing_memory_keyword(decoder: nn.Module):
         with _KEYWORD_LOCK:
             decoder._gca_generates -= 1
             if not decoder._gca_generates:
-                del decoder._validate_model_kwargs, decoder._gca_generates
+                del decoder._validate_model_kwargs, decoder.prepare_inputs_for_generation, decoder._gca_generates
 
 
 def _reports_router_logits(decoder: nn.Module) -> bool:

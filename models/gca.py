@@ -61,7 +61,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 # (models/kernels.py, Liger-Kernel) reach the GCA blocks too
 from transformers.models.qwen3 import modeling_qwen3
 
-from models.lexical import TokenIndex
+from models.lexical import NO_TOKEN, TokenIndex, answer_windows
 
 
 @dataclass
@@ -653,6 +653,23 @@ class MemoryReadingLayer(nn.Module):
 
 
 @dataclass
+class AnswerSoFar:
+    """Where a forward's tokens stand in their rows' answers, for the token prior's window (memory_lexical_window):
+    which of them are answer tokens, and each row's answer tokens before them."""
+
+    fed: torch.Tensor  # (B, T) bool: this forward's answer tokens (a question's are False)
+    before: torch.Tensor | None = None  # (B, A) long: the rows' earlier answer tokens, NO_TOKEN where shorter
+
+    @classmethod
+    def continuing(cls, answers: list[list[int]], fed: int, device: torch.device | str = "cpu") -> "AnswerSoFar":
+        """`fed` tokens a row, each continuing its row's answer `answers[i]` (the tokens before them)."""
+        width = max((len(a) for a in answers), default=0)
+        before = torch.tensor([[NO_TOKEN] * (width - len(a)) + list(a) for a in answers], dtype=torch.long,
+                              device=device).view(len(answers), width)
+        return cls(fed=torch.ones(len(answers), fed, dtype=torch.bool, device=device), before=before)
+
+
+@dataclass
 class GCAMemory:
     """Everything the GCA layers read: keys/values per layer, computed once and reused at every decoding step."""
 
@@ -662,15 +679,21 @@ class GCAMemory:
     chunk_len: int | None = None  # L when the memory is C chunks of L positions (routing needs it); None: unknown
     chunk_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # the chunks' token ids and mask (B_mem, C, L) each
     token_index: TokenIndex | None = None  # the chunks' tokens indexed for the token prior, built at its first use
+    # the next forward's place in its rows' answers (the token prior's window); None: its tokens are the question's
+    answer: AnswerSoFar | None = None
+    answer_tail: torch.Tensor | None = None  # (B, < W) the last answer tokens fed (AwarenessModel.forward keeps it)
+    answer_start: int | None = None  # generate: the prompt's length; its decoding steps feed the answer from there
 
     @property
     def batch_size(self) -> int:
         return self.mask.shape[0]
 
-    def hold_tokens(self, input_ids: torch.Tensor | None, weight: float) -> None:
+    def hold_tokens(self, input_ids: torch.Tensor | None, weight: float, window: int = 1) -> None:
         """Sets each routing layer's token prior for this forward's rows (B, T), B = r * B_mem, times `weight`
         (memory_lexical_tokens); `input_ids` None clears it. In place: generate hands the same memory to every
-        decoding step, and each step's prior is its own token's. A memory read in full (no routing) takes none."""
+        decoding step, and each step's prior is its own token's. A memory read in full (no routing) takes none.
+        `window` W > 1 (memory_lexical_window): an answer token takes the largest prior of its answer's last W tokens
+        (models/lexical.py), where `self.answer` says which tokens answer; without it every token is the question's."""
         routings = [kv.routing for kv in self.layers.values() if kv.routing is not None]
         prior = None
         if input_ids is not None and routings:
@@ -683,9 +706,31 @@ class GCAMemory:
             if input_ids.shape[0] % self.batch_size:
                 raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch "
                                  f"{self.batch_size}")
-            prior = weight * self.token_index.prior(input_ids.reshape(self.batch_size, -1))  # (B_mem, r*T, C)
+            prior = weight * self._token_prior(input_ids, window)  # (B_mem, r*T, C)
         for routing in routings:
             routing.token_prior = prior
+
+    def follow_generation(self, input_ids: torch.Tensor, fed: int) -> None:
+        """generate (`answer_start` set): the rows so far (B, T), prompt and answer, of which the next forward feeds
+        the last `fed`: sets `answer` from them. Read from the rows each step, so beam search's reordering holds."""
+        start = input_ids.shape[1] - fed
+        positions = torch.arange(start, input_ids.shape[1], device=input_ids.device)
+        self.answer = AnswerSoFar(fed=(positions >= self.answer_start).expand(input_ids.shape[0], fed),
+                                  before=input_ids[:, self.answer_start:start] if start > self.answer_start else None)
+
+    def _token_prior(self, input_ids: torch.Tensor, window: int) -> torch.Tensor:
+        """(B, T) ids -> (B_mem, r*T, C): each token's prior, or with a window and an answer the largest over it."""
+        if window == 1 or self.answer is None:
+            return self.token_index.prior(input_ids.reshape(self.batch_size, -1))
+        if self.answer.fed.shape != input_ids.shape:
+            raise ValueError(f"the answer's place {tuple(self.answer.fed.shape)} does not fit this forward's tokens "
+                             f"{tuple(input_ids.shape)}: set GCAMemory.answer for the rows being read")
+        windows = answer_windows(input_ids, self.answer.fed, window, self.answer.before)  # (B, T, W)
+        prior = None
+        for position in range(window):  # the largest over the window, one (B_mem, r*T, C) prior at a time
+            one = self.token_index.prior(windows[..., position].reshape(self.batch_size, -1).contiguous())
+            prior = one if prior is None else torch.maximum(prior, one)
+        return prior
 
     def question_rows(self, rows: torch.Tensor) -> "GCAMemory":
         """This memory with its routing priors (AwarenessModel.with_question: one per decoder row) kept for `rows`
@@ -703,7 +748,7 @@ class GCAMemory:
                   replace(kv, routing=replace(kv.routing, prior=change(kv.routing.prior, i) if by_layer
                                               else change(kv.routing.prior)))
                   for i, kv in self.layers.items()}
-        return replace(self, layers=layers)
+        return replace(self, layers=layers, answer=None, answer_tail=None)  # the answer's rows are the caller's to set
 
 
 def gca_parameter_count(

@@ -18,6 +18,13 @@ The token prior (`memory_lexical_tokens`) is the same score for one token, each 
 token a query position reads (in a decoding step, the token just generated) gain its idf. An answer that names a key
 then reads that key's chunk next, where the question's words do not lead (a two_hop chain's second fact). Each memory's
 distinct tokens are indexed once (`TokenIndex`), so a step looks its token up in O(log V + C).
+
+The answer's window (`memory_lexical_window` W > 1): a query in the answer takes, on each chunk, the largest token prior
+of the answer's last W tokens (its own among them), so a named key keeps its chunk read while the value it binds is
+written: a two_hop answer `kb d d d` reads kb's chunk at every digit, where a digit's own prior scores every chunk
+holding that digit and the router alone loses the chunk past the sizes it trained on. The largest, not the sum: a query
+scores chunks on the scale one token gives, whatever the window. Question tokens keep their own token only: the
+question prior speaks for the question.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 PAD_TOKEN = torch.iinfo(torch.long).max  # sorts after every token id
+NO_TOKEN = -1  # a window position holding no token: no chunk holds it
 
 
 def question_prior(question_ids: torch.Tensor, question_mask: torch.Tensor, chunk_ids: torch.Tensor,
@@ -76,6 +84,22 @@ class TokenIndex:
         found = self.tokens.gather(1, at) == ids
         held = self.held.gather(1, at[..., None].expand(-1, -1, self.held.shape[-1]))  # (B_mem, Q, C)
         return held * (self.idf.gather(1, at) * found)[..., None]
+
+
+def answer_windows(ids: torch.Tensor, answer: torch.Tensor, window: int,
+                   before: torch.Tensor | None = None) -> torch.Tensor:
+    """A forward's tokens (B, T), which of them are answer tokens (B, T) bool, and each row's answer tokens before
+    them (B, A), NO_TOKEN where a row's answer is shorter (None: none) -> (B, T, W) token ids, the position's own token
+    last: an answer token's window holds the tokens of its answer's last W positions, a question token's its own
+    alone, and NO_TOKEN elsewhere (before the answer began, or at a question token)."""
+    b = ids.shape[0]
+    before = ids.new_full((b, 0), NO_TOKEN) if before is None else before[:, max(0, before.shape[1] - window + 1):]
+    lead = window - 1 - before.shape[1]
+    tokens = torch.cat([ids.new_full((b, lead), NO_TOKEN), before, ids], dim=1).unfold(1, window, 1)  # (B, T, W)
+    answered = torch.cat([answer.new_zeros(b, lead), before != NO_TOKEN, answer], dim=1).unfold(1, window, 1)
+    in_run = answered.flip(-1).long().cumprod(-1).flip(-1).bool()  # every position from there to the query answers
+    in_run[..., -1] = True  # the query's own token, answer or question
+    return tokens.masked_fill(~in_run, NO_TOKEN)
 
 
 def idf(chunks: torch.Tensor, held_by: torch.Tensor) -> torch.Tensor:

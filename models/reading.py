@@ -43,6 +43,10 @@ class MemoryReading:
     # token prior): a decoder that names a key, e.g. the next key of a two_hop answer, reads that key's chunk at once,
     # the seed's <read> without a second pass. With lexical_gate, a second gate output weighs it per token
     lexical_tokens: bool = False
+    # With the token prior: an answer token takes, on each chunk, the largest token prior of its answer's last this
+    # many tokens (models/lexical.py), so a key the answer names keeps its chunk read while its value is written.
+    # 1: each token its own
+    lexical_window: int = 1
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     logn_scale: int = 0
@@ -58,7 +62,7 @@ class MemoryReading:
         if k:
             return replace(self, top_k=k)
         return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None,
-                       lexical_gate=False, lexical_tokens=False)
+                       lexical_gate=False, lexical_tokens=False, lexical_window=1)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
@@ -95,6 +99,9 @@ class MemoryReading:
         if self.lexical_tokens and not self.lexical_routing:
             p.append(f"{prefix}lexical_tokens adds each query token's own lexical prior to routing's chunk scores: it "
                      f"needs {prefix}lexical_routing > 0 (the weight of both priors)")
+        if self.lexical_window < 1 or (self.lexical_window > 1 and not self.lexical_tokens):
+            p.append(f"{prefix}lexical_window ({self.lexical_window}) is how many of the answer's last tokens the "
+                     f"token prior reads: give 1 (its own token) or more with {prefix}lexical_tokens true")
         if fusion == "merged" and (self.top_k or self.logn_scale):
             # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
             # nor the scale fits there without changing the pretrained attention

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from models.awareness import AwarenessModel
-from models.gca import GCAMemory
+from models.gca import AnswerSoFar, GCAMemory
 
 logger = logging.getLogger("ray.serve")
 MIN_TEMPERATURE = 1e-4  # a temperature below this decodes greedily (its limit): dividing logits by less overflows
@@ -194,6 +194,10 @@ class DecodingLoop:
         """One token for each row: its last token fed at its own position, over the left-padded cache."""
         mask = F.pad(rows.mask, (0, 1), value=1)
         positions = rows.mask.sum(dim=1, keepdim=True)  # the cached real tokens: the fed token's position
+        window = self.model.reading.lexical_window
+        if rows.gca is not None and window > 1:  # the fed tokens continue the rows' answers: the token prior's window
+            rows.gca.answer = AnswerSoFar.continuing([q.tokens[max(0, len(q.tokens) - window):-1]
+                                                      for q in rows.questions], 1, rows.last.device)
         logits = self._forward(rows.last[:, None], rows.cache, rows.gca, attention_mask=mask, position_ids=positions)
         rows.mask, rows.last = mask, self._sample(logits, rows.questions)
         return self._keep(rows, self._emit(rows))

@@ -51,6 +51,7 @@ def test_answers_are_the_evaluations_and_recalls_are_shares_per_layer_and_head(c
         assert 0.0 <= cell["whole_every_chunk"] <= 1.0
     assert "router_at_named_key" not in summary["cells"]["alias@1x"]  # a chain's second read only
     assert set(summary["cells"]["two_hop@1x"]["router_at_named_key"]) == set(cell["router"])
+    assert set(summary["cells"]["two_hop@1x"]["router_in_value"]) == set(cell["router"])
     whole = [row["whole"] for index in range(2) for row in score_probe(system, "two_hop", 1, NeedleSuite().seed, index)]
     assert summary["cells"]["two_hop@1x"]["keys_named_right"] >= sum(whole) / len(whole)  # a whole answer names them
 
@@ -67,7 +68,11 @@ def test_at_the_named_key_every_chunk_read_holds_the_value_s_chunk(checkpoint_ro
     cell = summary_of(run_benchmark("--model", str(every), "--variants", "two_hop", "--multipliers", "1",
                                     "--memories", "2", "--every_chunk", "false"))["cells"]["two_hop@1x"]
     assert set(cell["router_at_named_key"].values()) == set(cell["attention_at_named_key"].values()) == {1.0}
+    assert set(cell["router_in_value"].values()) == set(cell["attention_in_value"].values()) == {1.0}
     probe = make_probe("two_hop", NeedleSpec(), 4, NeedleSuite().seed, 0)
+    written, _ = named_key_inputs(probe, 2)  # the key, then the value's first two tokens
+    for row, path, value in zip(written["input_ids"].tolist(), probe.paths, probe.references, strict=True):
+        assert row[-len(path) - 2:] == [*path, *value[0][:2]]
     inputs, chunks = named_key_inputs(probe)
     for row, path, value, (chunk,) in zip(inputs["input_ids"].tolist(), probe.paths, probe.references, chunks,
                                           strict=True):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models import MemoryReading, build_pair, gca_parameter_count
-from models.lexical import TokenIndex
-from pipelines.evaluate.probes import memory_attention
+from models.lexical import NO_TOKEN, TokenIndex, answer_windows
+from pipelines.evaluate.probes import gca_blocks, memory_attention, memory_attention_probe
 from tests.conftest import random_ids
 from tests.models.test_awareness import cached_logits
 from tests.models.test_fusion import DEC_VOCAB, logits, memory_batch
@@ -66,9 +66,9 @@ def test_each_position_reads_the_chunk_holding_its_own_token(checkpoint_root):
     assert any(missed)  # the question's prior ties the two chunks: the routers pick one for both positions
 
 
-def gated_tokens(checkpoint_root, k: int = 2):
+def gated_tokens(checkpoint_root, k: int = 2, window: int = 1):
     _, routed = routed_pair(checkpoint_root, "gca", k=k, chunk_weights="router", lexical_routing=2.0,
-                            lexical_gate=True, lexical_tokens=True)
+                            lexical_gate=True, lexical_tokens=True, lexical_window=window)
     with torch.no_grad():
         for n, block in enumerate(routed.memory_readers().values()):
             gate = block.lexical_gate
@@ -106,6 +106,8 @@ def test_k_keeping_every_chunk_is_still_full_attention(checkpoint_root):
 def test_refusals_and_the_gates_are_counted():
     with pytest.raises(ValueError, match="lexical_tokens"):
         MemoryReading(top_k=2, lexical_tokens=True).check("gca")
+    with pytest.raises(ValueError, match="lexical_window"):
+        MemoryReading(top_k=2, lexical_routing=1.0, lexical_window=3).check("gca")
     one_gate = build_pair("tiny", device="meta", reading=MemoryReading(top_k=2, lexical_routing=1.0,
                                                                        lexical_gate=True))
     with pytest.raises(ValueError, match="built for the question's prior alone"):
@@ -123,3 +125,75 @@ def test_refusals_and_the_gates_are_counted():
     assert added[True] - added[False] == len(model.gca_layers) * (d.hidden_size + 1)
     assert added[True] - added[False] == (gca_parameter_count(**shape, lexical_tokens=True)
                                           - gca_parameter_count(**shape))
+
+
+def test_an_answer_tokens_window_holds_its_answers_last_tokens_and_a_question_token_its_own():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
+    answer = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 1]], dtype=torch.bool)  # row 1: two answers
+    x = NO_TOKEN
+    assert answer_windows(ids, answer, 3).tolist() == [
+        [[x, x, 10], [x, x, 11], [x, x, 12], [x, 12, 13], [12, 13, 14], [13, 14, 15]],
+        [[x, x, 20], [x, x, 21], [x, 21, 22], [x, x, 23], [x, x, 24], [x, 24, 25]]]
+    # a decoding step: one token a row, after the answer tokens the rows fed before (row 0: one; row 1: none)
+    step = answer_windows(torch.tensor([[7], [8]]), torch.ones(2, 1, dtype=torch.bool), 3,
+                          torch.tensor([[x, x, 5], [x, x, x]]))
+    assert step.tolist() == [[[x, 5, 7]], [[x, x, 8]]]
+    assert torch.equal(answer_windows(ids, answer, 1), ids[..., None])
+
+
+def test_a_named_key_keeps_its_chunk_read_through_the_tokens_after_it(checkpoint_root):
+    """k = 1, a heavy weight: the answer names a rare key, then a token every chunk holds. With a window of 3 the
+    positions after the key still read the key's chunk; with each token its own, the question's prior ties the key's
+    chunk with the asked one there and the random routers read the other for some rows."""
+    _, routed = routed_pair(checkpoint_root, "gca", k=1, lexical_routing=100.0, lexical_tokens=True,
+                            lexical_window=3)
+    where = [0, 1, 2, 3]
+    mem = needle_memory(0, [(c + 1) % 4 for c in where])  # the question's token elsewhere
+    common = mem[0, 0, 0].item()
+    mem[:, :, 0] = common  # in every chunk
+    for row, chunk in enumerate(where):
+        mem[row, chunk, 5] = NAMED
+    ones = torch.ones(len(where), 1, dtype=torch.long)
+    # the question names both rare tokens, so its prior ties their chunks; the answer: NAMED common common
+    ids = torch.cat([ones * ASKED, ones * NAMED, ones * NAMED, ones * common, ones * common], dim=1)
+    labels = torch.cat([torch.full((len(where), 2), -100), ids[:, 2:]], dim=1)
+    missed = {}
+    for window in (3, 1):
+        routed.reading = replace(routed.reading, lexical_window=window)
+        missed[window] = []
+        with torch.no_grad(), memory_attention_probe(gca_blocks(routed)) as seen:
+            routed(input_ids=ids, labels=labels, memory_input_ids=mem)
+        for layer in seen.values():  # (B_mem, H, T, M): one row a memory
+            mass = layer.view(len(where), layer.shape[1], -1, 4, 8).sum(-1)  # (B, H, T, C)
+            read = mass[:, :, 2:].argmax(-1)  # (B, H, 3): NAMED and the two tokens after it
+            missed[window].append((read != torch.tensor(where)[:, None, None]).any())
+    assert not any(missed[3])
+    assert any(missed[1])
+
+
+def test_windowed_cached_decoding_generate_and_beams_equal_full_forwards_and_it_is_saved(checkpoint_root, tmp_path):
+    """memory_lexical_window: cached decoding equals a full forward whose labels mark the continuation as the answer,
+    greedy generate is the argmax of such forwards, beam search keeps each beam's own answer, a saved model reads the
+    same, and the window changes what the model reads."""
+    routed = gated_tokens(checkpoint_root, window=3)
+    mem, mask = memory_batch(chunks=4)
+    prompt = answered_rows(mem)[0]
+    continuation = torch.cat([mem[:, 0, :1], mem[:, 1, :1], mem[:, 3, :2]], dim=1)  # each token from its own chunk
+    ids = torch.cat([prompt, continuation], dim=1)
+    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    full = logits(routed, ids, mem, mask, labels=labels)
+    torch.testing.assert_close(cached_logits(routed, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
+    routed.reading, windowed = replace(routed.reading, lexical_window=1), routed.reading
+    assert not torch.allclose(logits(routed, ids, mem, mask, labels=labels), full, rtol=1e-4, atol=1e-5)
+    routed.reading = windowed
+    assert_greedy_is_the_argmax_of_answered_forwards(routed, prompt, mem, mask)
+    beams = routed.generate(prompt, memory_input_ids=mem, memory_attention_mask=mask, max_new_tokens=4, num_beams=3,
+                            num_return_sequences=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            output_scores=True, return_dict_in_generate=True)
+    for row, sequence, score in zip(range(6), beams.sequences, beams.sequences_scores):
+        answered = torch.cat([torch.full((prompt.shape[1],), -100), sequence[prompt.shape[1]:]])[None]
+        step = logits(routed, sequence[None, :-1], mem[row // 3: row // 3 + 1], mask[row // 3: row // 3 + 1],
+                      labels=answered[:, :-1])
+        logprobs = step[0, prompt.shape[1] - 1:].log_softmax(-1).gather(-1, sequence[prompt.shape[1]:, None])
+        torch.testing.assert_close(logprobs.sum() / 4, score, rtol=1e-4, atol=1e-4)  # length_penalty 1
+    assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading.lexical_window == 3

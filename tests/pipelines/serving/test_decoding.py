@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from models import MemoryReading
+from models.gca import GCAMemory
 from pipelines.serving.decoding import DecodingLoop, Question
 from tests.conftest import random_ids
-from tests.models.test_fusion import DEC_VOCAB, memory_batch, pair, reading
+from tests.models.test_fusion import DEC_VOCAB, ENC_VOCAB, memory_batch, pair, reading
 
 MAX_TOKENS = 10
 
@@ -105,10 +106,12 @@ def test_lexically_routed_rows_keep_their_own_question_prior_as_rows_join_and_le
         assert all(torch.equal(prior, expected) for prior in layers)
 
 
-def test_rows_reading_with_the_token_prior_answer_as_each_alone_as_rows_join_and_leave(checkpoint_root):
-    """memory_lexical_tokens: each step's token prior is its rows' own tokens', whatever rows share the step."""
+@pytest.mark.parametrize("window", [1, 3])
+def test_rows_reading_with_the_token_prior_answer_as_each_alone_as_rows_join_and_leave(checkpoint_root, window):
+    """memory_lexical_tokens: each step's token prior is its rows' own tokens' (with memory_lexical_window, its own
+    answer's last tokens'), whatever rows share the step."""
     model = reading(pair(checkpoint_root, "gca", reading=MemoryReading(top_k=1, lexical_routing=50.0,
-                                                                       lexical_tokens=True)))
+                                                                       lexical_tokens=True, lexical_window=window)))
     memory = served(model, seed=4, chunks=4)
     chunks = memory.gca_memory.chunk_ids[0][0]
     prompts = [chunks[c, :4].tolist() + [5] for c in (0, 1, 2, 3)]
@@ -117,6 +120,34 @@ def test_rows_reading_with_the_token_prior_answer_as_each_alone_as_rows_join_and
     loop = DecodingLoop(model, [EOS], max_rows=8, lock=threading.Lock())
     answer(loop, first, later, after=2)
     assert [q.tokens for q in first + later] == [alone(model, q) for q in first + later]
+
+
+def test_each_decoding_step_reads_the_largest_prior_of_its_answers_last_tokens(checkpoint_root, monkeypatch):
+    """memory_lexical_window 3, a sampled answer (its tokens vary) over a memory holding each token once: at each step
+    the row's token prior is, on each chunk, the largest of its last three answer tokens' own priors (TokenIndex.prior
+    of each, by hand), not its own token's alone."""
+    model = reading(pair(checkpoint_root, "gca", reading=MemoryReading(top_k=1, lexical_routing=2.0,
+                                                                       lexical_tokens=True, lexical_window=3)))
+    ids = torch.randperm(ENC_VOCAB, generator=torch.Generator().manual_seed(0)).view(1, 8, ENC_VOCAB // 8)
+    memory = SimpleNamespace(gca_memory=model.prepare_memory(ids, torch.ones_like(ids)))  # each token in one chunk
+    steps = []
+    hold = GCAMemory.hold_tokens
+
+    def recording(self, input_ids, weight, window=1):
+        hold(self, input_ids, weight, window)
+        routing = next(kv.routing for kv in self.layers.values() if kv.routing is not None)
+        steps.append((input_ids.clone(), routing.token_prior.clone(), self.token_index, weight))
+
+    monkeypatch.setattr(GCAMemory, "hold_tokens", recording)
+    q = Question(memory.gca_memory.chunk_ids[0][0, 1, :4].tolist() + [5], memory, MAX_TOKENS, temperature=3.0, seed=2)
+    answer(DecodingLoop(model, [], max_rows=4, lock=threading.Lock()), [q], [])
+    assert len(set(q.tokens)) > 3 and len(steps) == MAX_TOKENS  # the prefill, then a step per token but the last
+    for n, (fed, prior, index, weight) in enumerate(steps[1:], start=1):
+        assert fed.tolist() == [[q.tokens[n - 1]]]
+        window = q.tokens[max(0, n - 3):n]
+        expected = torch.stack([index.prior(torch.tensor([[t]])) for t in window]).amax(0) * weight
+        torch.testing.assert_close(prior, expected)
+    assert not all(torch.equal(prior, index.prior(fed) * weight) for fed, prior, index, weight in steps[1:])
 
 
 def test_a_seeded_sample_is_the_same_alone_and_in_a_batch_and_top_p_or_temperature_near_zero_is_greedy(
