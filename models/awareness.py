@@ -360,7 +360,7 @@ class AwarenessModel(nn.Module):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             raise ValueError("memory_lexical_tokens reads each token's id: pass input_ids, not inputs_embeds")
-        memory.hold_tokens(input_ids, self.lexical_weight(), self.reading.lexical_window)
+        memory.hold_tokens(input_ids, self.lexical_weight(), self.token_window())
 
     def _place_in_answer(self, gca_memory: GCAMemory, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          labels: torch.Tensor | None, asking: bool) -> None:
@@ -376,7 +376,12 @@ class AwarenessModel(nn.Module):
                                             before=gca_memory.answer_tail)
         earlier = gca_memory.answer.before if gca_memory.answer.before is not None else input_ids[:, :0]
         fed_tokens = input_ids.masked_fill(~gca_memory.answer.fed, NO_TOKEN)
-        gca_memory.answer_tail = torch.cat([earlier, fed_tokens], dim=1)[:, -(self.reading.lexical_window - 1):]
+        gca_memory.answer_tail = torch.cat([earlier, fed_tokens], dim=1)[:, -(self.token_window() - 1):]
+
+    def token_window(self) -> int:
+        """The token prior's window now: reading.lexical_window in training, reading.lexical_reading_window (when
+        set) in eval mode."""
+        return self.reading.token_window(self.training)
 
     def lexical_weight(self) -> float:
         """The question prior's weight now: reading.lexical_routing in training, reading.lexical_reading (when set)
@@ -503,7 +508,7 @@ class AwarenessModel(nn.Module):
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, labels),
                                             segment_ids=segment_ids, labels=labels,
                                             memory_segment_ids=memory_segment_ids)
-        if self.reading.lexical_window > 1 and gca_memory is not None and input_ids is not None:
+        if self.token_window() > 1 and gca_memory is not None and input_ids is not None:
             self._place_in_answer(gca_memory, input_ids, attention_mask, labels, asking)
         if labels is not None and self.training and not _reports_router_logits(self.decoder):
             # training: the loss without the (B, T, V) logits (models/loss.py); the model returns none
@@ -549,7 +554,7 @@ class AwarenessModel(nn.Module):
             raise ValueError(f"memory batch {gca_memory.batch_size} differs from the prompt batch {input_ids.shape[0]}")
         if self._question_pending(gca_memory):  # the prompt is the question: its prior holds for every generated token
             gca_memory = self.with_question(gca_memory, input_ids, question_mask_of(input_ids, attention_mask, None))
-        if gca_memory is not None and self.reading.lexical_window > 1:  # the answer starts after the prompt
+        if gca_memory is not None and self.token_window() > 1:  # the answer starts after the prompt
             gca_memory = replace(gca_memory, answer=None, answer_tail=None, answer_start=input_ids.shape[1])
         with allowing_memory_keyword(self.decoder):
             return self.decoder.generate(

@@ -47,6 +47,10 @@ class MemoryReading:
     # many tokens (models/lexical.py), so a key the answer names keeps its chunk read while its value is written.
     # 1: each token its own
     lexical_window: int = 1
+    # With the token prior: the window when the model reads in eval mode (evaluation, generate, serving); None:
+    # memory_lexical_window. A model trained on each token's own prior reads its two_hop chains past the trained
+    # sizes with the window, and keeps what it learned on the tasks whose answers move from chunk to chunk
+    lexical_reading_window: int | None = None
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     logn_scale: int = 0
@@ -62,11 +66,16 @@ class MemoryReading:
         if k:
             return replace(self, top_k=k)
         return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None,
-                       lexical_gate=False, lexical_tokens=False, lexical_window=1)
+                       lexical_gate=False, lexical_tokens=False, lexical_window=1,
+                       lexical_reading_window=None)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
         return self.lexical_routing if training or self.lexical_reading is None else self.lexical_reading
+
+    def token_window(self, training: bool) -> int:
+        """The token prior's window: lexical_window in training, lexical_reading_window (when set) in eval mode."""
+        return self.lexical_window if training or self.lexical_reading_window is None else self.lexical_reading_window
 
     def problems(self, fusion: str | None = None, prefix: str = NAME_PREFIX) -> list[str]:
         """Every problem of these options, each naming its option as `prefix` + field (`memory_top_k`, or a config's
@@ -99,9 +108,11 @@ class MemoryReading:
         if self.lexical_tokens and not self.lexical_routing:
             p.append(f"{prefix}lexical_tokens adds each query token's own lexical prior to routing's chunk scores: it "
                      f"needs {prefix}lexical_routing > 0 (the weight of both priors)")
-        if self.lexical_window < 1 or (self.lexical_window > 1 and not self.lexical_tokens):
-            p.append(f"{prefix}lexical_window ({self.lexical_window}) is how many of the answer's last tokens the "
-                     f"token prior reads: give 1 (its own token) or more with {prefix}lexical_tokens true")
+        for name in ("lexical_window", "lexical_reading_window"):
+            window = getattr(self, name)
+            if window is not None and (window < 1 or (window > 1 and not self.lexical_tokens)):
+                p.append(f"{prefix}{name} ({window}) is how many of the answer's last tokens the token prior reads: "
+                         f"give 1 (its own token) or more with {prefix}lexical_tokens true")
         if fusion == "merged" and (self.top_k or self.logn_scale):
             # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
             # nor the scale fits there without changing the pretrained attention

@@ -194,7 +194,7 @@ class DecodingLoop:
         """One token for each row: its last token fed at its own position, over the left-padded cache."""
         mask = F.pad(rows.mask, (0, 1), value=1)
         positions = rows.mask.sum(dim=1, keepdim=True)  # the cached real tokens: the fed token's position
-        window = self.model.reading.lexical_window
+        window = self.model.token_window()
         if rows.gca is not None and window > 1:  # the fed tokens continue the rows' answers: the token prior's window
             rows.gca.answer = AnswerSoFar.continuing([q.tokens[max(0, len(q.tokens) - window):-1]
                                                       for q in rows.questions], 1, rows.last.device)

@@ -66,9 +66,10 @@ def test_each_position_reads_the_chunk_holding_its_own_token(checkpoint_root):
     assert any(missed)  # the question's prior ties the two chunks: the routers pick one for both positions
 
 
-def gated_tokens(checkpoint_root, k: int = 2, window: int = 1):
+def gated_tokens(checkpoint_root, k: int = 2, window: int = 1, reading_window: int | None = None):
     _, routed = routed_pair(checkpoint_root, "gca", k=k, chunk_weights="router", lexical_routing=2.0,
-                            lexical_gate=True, lexical_tokens=True, lexical_window=window)
+                            lexical_gate=True, lexical_tokens=True, lexical_window=window,
+                            lexical_reading_window=reading_window)
     with torch.no_grad():
         for n, block in enumerate(routed.memory_readers().values()):
             gate = block.lexical_gate
@@ -197,3 +198,31 @@ def test_windowed_cached_decoding_generate_and_beams_equal_full_forwards_and_it_
         logprobs = step[0, prompt.shape[1] - 1:].log_softmax(-1).gather(-1, sequence[prompt.shape[1]:, None])
         torch.testing.assert_close(logprobs.sum() / 4, score, rtol=1e-4, atol=1e-4)  # length_penalty 1
     assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading.lexical_window == 3
+
+
+def test_the_reading_window_holds_in_eval_mode_only_and_is_saved(checkpoint_root, tmp_path):
+    """memory_lexical_reading_window: in eval mode the model reads as one built with that window, in training as one
+    built with memory_lexical_window; saved and loaded, it reads the same."""
+    routed = gated_tokens(checkpoint_root, reading_window=3)
+    mem, mask = memory_batch(chunks=4)
+    prompt = answered_rows(mem)[0]
+    continuation = torch.cat([mem[:, 0, :1], mem[:, 1, :1], mem[:, 3, :2]], dim=1)
+    ids = torch.cat([prompt, continuation], dim=1)
+    labels = torch.cat([torch.full_like(prompt, -100), continuation], dim=1)
+    built = routed.reading
+
+    def read(model, training: bool, **reading) -> torch.Tensor:
+        model.reading = replace(built, **reading)
+        model.train(training)
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=labels, memory_input_ids=mem, memory_attention_mask=mask)
+        model.reading = built
+        return out.loss
+
+    reading_window = read(routed, False)
+    torch.testing.assert_close(reading_window, read(routed, False, lexical_window=3, lexical_reading_window=None))
+    assert not torch.allclose(reading_window, read(routed, False, lexical_reading_window=None))
+    torch.testing.assert_close(read(routed, True), read(routed, True, lexical_reading_window=None))
+    routed.eval()
+    full = logits(routed, ids, mem, mask, labels=labels)
+    assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading == built

@@ -123,11 +123,11 @@ def test_rows_reading_with_the_token_prior_answer_as_each_alone_as_rows_join_and
 
 
 def test_each_decoding_step_reads_the_largest_prior_of_its_answers_last_tokens(checkpoint_root, monkeypatch):
-    """memory_lexical_window 3, a sampled answer (its tokens vary) over a memory holding each token once: at each step
-    the row's token prior is, on each chunk, the largest of its last three answer tokens' own priors (TokenIndex.prior
-    of each, by hand), not its own token's alone."""
+    """memory_lexical_reading_window 3 (the served model reads in eval mode), a sampled answer (its tokens vary) over
+    a memory holding each token once: at each step the row's token prior is, on each chunk, the largest of its last
+    three answer tokens' own priors (TokenIndex.prior of each, by hand), not its own token's alone."""
     model = reading(pair(checkpoint_root, "gca", reading=MemoryReading(top_k=1, lexical_routing=2.0,
-                                                                       lexical_tokens=True, lexical_window=3)))
+                                                                       lexical_tokens=True, lexical_reading_window=3)))
     ids = torch.randperm(ENC_VOCAB, generator=torch.Generator().manual_seed(0)).view(1, 8, ENC_VOCAB // 8)
     memory = SimpleNamespace(gca_memory=model.prepare_memory(ids, torch.ones_like(ids)))  # each token in one chunk
     steps = []
