@@ -36,6 +36,10 @@ chunk as the memory grows. Routing keeps each query's top-k chunks and attends t
 * **Token prior** (`lexical_tokens`): each query also scores up the chunks holding the token it reads
   (`GCAMemory.hold_tokens`, once per forward or decoding step), so the key an answer names is read next; with the gate,
   its own gate output.
+* **The answer's window** (`lexical_window`, `lexical_reading_window`): an answer token's token prior is the largest
+  of its answer's last W tokens' (models/lexical.py), so a named key's chunk stays read while its value is written;
+  `GCAMemory.answer` says which tokens answer (AwarenessModel sets it from the labels, generate's rows or the
+  memory's earlier calls; the Serve loop from each row's answer).
 * **Padding**: a chunk with nothing the query may read scores -inf; a row with no memory reads nothing.
 * **Cost**: summary keys are computed once per forward or generation. Few queries (a decoding step) gather their k
   chunks (`gathered`: O(Q * k * L)); long query blocks attend over the whole memory with the unchosen chunks masked
