@@ -34,10 +34,10 @@ STEPS_A_TURN = 5  # timed decoding steps a side takes in a row (after one untime
 
 
 def build(top_k: int, fusion: str, gca_layers: str, chunk_weights: str = "attention", lexical: float = 0.0,
-          lexical_tokens: bool = False):
+          lexical_tokens: bool = False, lexical_window: int = 1):
     torch.manual_seed(0)
     reading = MemoryReading(top_k=top_k, chunk_weights=chunk_weights, lexical_routing=lexical,
-                            lexical_gate=lexical_tokens, lexical_tokens=lexical_tokens)
+                            lexical_gate=lexical_tokens, lexical_tokens=lexical_tokens, lexical_window=lexical_window)
     model = build_pair("tiny", random_init=True, fusion=fusion, gca_layers=gca_layers, reading=reading).eval()
     if fusion == "gca":
         model.set_gates(0.5)  # an open gate: the block's output is used (its cost is the same either way)
@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--lexical", type=float, default=0.0, help="the routed side's memory_lexical_routing weight")
     parser.add_argument("--lexical-tokens", action="store_true",
                         help="with --lexical: the token prior and lexical gates too (memory_lexical_tokens)")
+    parser.add_argument("--lexical-window", type=int, default=1,
+                        help="with --lexical-tokens: the answer's window (memory_lexical_window)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier "
                         "on a machine shared with other work")
     args = parser.parse_args()
@@ -91,12 +93,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     sizes, repeats = ([1024, 4096], 5) if args.quick else (args.tokens, args.repeats)
     torch.set_grad_enabled(False)
-    model = build(args.top_k, args.fusion, args.gca_layers, args.chunk_weights, args.lexical, args.lexical_tokens)
+    model = build(args.top_k, args.fusion, args.gca_layers, args.chunk_weights, args.lexical, args.lexical_tokens,
+                  args.lexical_window)
     width = model.memory_encoder.hidden_size
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; tiny pair, fusion {args.fusion}, "
           f"{len(model.gca_layers)} memory-reading layers, chunks of {args.chunk_len}, routed top-{args.top_k}, "
           f"chunk weights {args.chunk_weights}, lexical prior {args.lexical}"
-          f"{', token prior' if args.lexical_tokens else ''}")
+          f"{', token prior' if args.lexical_tokens else ''}"
+          f"{f', window {args.lexical_window}' if args.lexical_window > 1 else ''}")
     print(f"| {'memory tokens':>13} | {'chunks':>6} | {'full (ms)':>9} | {'routed (ms)':>11} | {'full t/t0':>9} | "
           f"{'routed t/t0':>11} | {'full / routed':>13} | {'prepare full / routed (ms)':>26} |")
     print("|" + "|".join("-" * (w + 2) for w in (13, 6, 9, 11, 9, 11, 13, 26)) + "|")

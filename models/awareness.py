@@ -365,9 +365,10 @@ class AwarenessModel(nn.Module):
     def _place_in_answer(self, gca_memory: GCAMemory, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          labels: torch.Tensor | None, asking: bool) -> None:
         """memory_lexical_window: which of this forward's tokens answer (GCAMemory.answer). With labels, the labelled
-        ones on; the first call over a memory without them, none (the question); a later call without them (a cached
-        decoding step), all of them, continuing the answer the memory's earlier calls fed."""
-        if labels is not None or asking:
+        ones on; the first call over a memory without them, none (the question, whether this call or with_question
+        gave the memory its prior); a later call without them (a cached decoding step), all of them, continuing the
+        answer the memory's earlier calls fed."""
+        if labels is not None or asking or gca_memory.answer_tail is None:
             fed = ~question_mask_of(input_ids, attention_mask, labels) if labels is not None else \
                 torch.zeros_like(input_ids, dtype=torch.bool)
             gca_memory.answer = AnswerSoFar(fed=fed)

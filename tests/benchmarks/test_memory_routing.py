@@ -10,13 +10,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("tokens", [[], ["--lexical-tokens"]])
+@pytest.mark.parametrize("tokens", [[], ["--lexical-tokens"], ["--lexical-tokens", "--lexical-window", "4"]])
 def test_the_quick_run_prints_a_row_per_size_for_the_presets_reading(tokens):
     done = subprocess.run([sys.executable, "benchmarks/memory_routing.py", "--quick", "--top-k", "2", "--chunk-weights",
                            "router", "--lexical", "1", "--chunk-len", "24", "--threads", "1", *tokens], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"chunk weights router, lexical prior 1.0{', token prior' if tokens else ''}\n" in done.stdout
+    shown = (", token prior" if tokens else "") + (", window 4" if len(tokens) > 1 else "")
+    assert f"chunk weights router, lexical prior 1.0{shown}\n" in done.stdout
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("|") and "---" not in line]
     assert [int(r[0].replace(",", "")) for r in rows[1:]] == [1008, 4080]  # whole chunks of 24 tokens
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows[1:])
