@@ -81,7 +81,6 @@ def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dic
     index checksum over all ranks."""
     started, losses, parts, tokens, checksum = time.perf_counter(), [], [], 0, 0
     t, world = config.train, dist.get_world_size()
-    recipe.at_step(engine, config, state.step)
     for micro in range(t.grad_accum):
         batch, _, batch_checksum = stream.batch(state.step, micro)
         loss = recipe.loss(engine, config, batch)

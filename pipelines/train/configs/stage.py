@@ -174,10 +174,6 @@ class NeedleConfig:
     # than facts, so no answer follows by elimination (the evaluation asks one a row)
     base_steps: int = 0  # the first N steps ask the base task alone (single, 1x, no hard distractors) before the
     # mixture, sizes and hard distractors start: the lookup forms there first
-    # chunks a query reads during base_steps (None: model.memory_top_k). On the base memory a k at or above its chunk
-    # count is full attention, where neither the router nor the lexical prior helps, and the lookup formed late
-    # (held-out 0.04-0.79 at step 2,000 with k 4 of 4 chunks; docs/jobs.md): a k below it reads the key's chunk first
-    base_top_k: int | None = None
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -198,9 +194,6 @@ class NeedleConfig:
                      f"{max(1, n.facts // 2)} (or ask fewer --needle.questions)")
         if self.val_memories % num_workers:
             p.append(f"needle.val_memories ({self.val_memories}) must divide over {num_workers} workers")
-        if self.base_top_k is not None and (self.base_top_k < 1 or not self.base_steps):
-            p.append(f"needle.base_top_k ({self.base_top_k}) is the chunks a query reads during needle.base_steps: "
-                     f"give k >= 1 and --needle.base_steps N > 0, or leave it unset")
         return p
 
 
@@ -255,9 +248,6 @@ class StageConfig(JobConfig):
         p += run_problems(self.train, self.scaling, self.deepspeed, self.tracking)
         p += self.data.problems()
         m, d = self.model, self.data
-        if self.needle.base_top_k is not None and not (m.memory == "gca" and m.reading.routes):
-            p.append("needle.base_top_k reads fewer chunks during the base steps of a routed model: set "
-                     "--model.memory_top_k K too (model.memory gca), or leave it unset")
         if m.liger and not self.scaling.use_gpu:
             p.append("model.liger runs Liger-Kernel's Triton kernels, which need GPU workers: set --scaling.use_gpu "
                      "true, or --model.liger false")

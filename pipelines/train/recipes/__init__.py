@@ -83,10 +83,6 @@ class Recipe(Protocol):
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int: ...
 
-    def at_step(self, engine, config: Any, step: int) -> None:
-        """Before training step `step`: what the recipe changes on the model as training moves on, set from the step
-        alone so a resumed run does as the uninterrupted one did (stage 0's base-step reading; the others: nothing)."""
-
     def loss(self, engine, config: Any, batch: dict[str, torch.Tensor]) -> Loss:
         """The micro-batch's loss; `model_loss` for a job whose model computes its own."""
 

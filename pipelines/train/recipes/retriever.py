@@ -53,9 +53,6 @@ class RetrieverRecipe:
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["query_mask"].sum() + batch["chunk_mask"].sum())
 
-    def at_step(self, engine, config: RetrieverConfig, step: int) -> None:
-        pass  # nothing changes with the step but the data and the learning rate
-
     def loss(self, engine, config: RetrieverConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return Loss(engine(**{k: v.to(engine.device) for k, v in batch.items()}), {})
 

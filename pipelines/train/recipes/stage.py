@@ -73,16 +73,6 @@ class StageRecipe:
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"] != IGNORE).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
-    def at_step(self, engine, config: StageConfig, step: int) -> None:
-        """needle.base_top_k: the base steps read that many chunks a query, the rest what the model was built with
-        (its export's reading either way)."""
-        if config.needle.base_top_k is None or config.data.train_path:
-            return
-        k = config.needle.base_top_k if step < config.needle.base_steps else config.model.reading.top_k
-        model: AwarenessModel = engine.module
-        if model.reading.top_k != k:
-            model.reading = model.reading.with_top_k(k)
-
     def loss(self, engine, config: StageConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)
 

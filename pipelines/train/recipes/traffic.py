@@ -72,9 +72,6 @@ class TrafficRecipe:
                          (lambda rows: collate(rows, size)))
         return DatasetStream(config.train, world, rows_to_batch, shuffle_buffer=config.data.shuffle_buffer)
 
-    def at_step(self, engine, config: TrafficConfig, step: int) -> None:
-        pass  # nothing changes with the step but the data and the learning rate
-
     def loss(self, engine, config: TrafficConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)  # YesNoObjective's cross-entropy over the [YES]/[NO] logits
 

@@ -65,9 +65,6 @@ class Ul2Recipe:
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["attention_mask"].sum()) + int((batch["labels"] != IGNORE).sum())
 
-    def at_step(self, engine, config: Ul2Config, step: int) -> None:
-        pass  # nothing changes with the step but the data and the learning rate
-
     def loss(self, engine, config: Ul2Config, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)
 

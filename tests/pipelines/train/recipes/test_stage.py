@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import torch
 
-from models import AwarenessModel, MemoryReading
 from pipelines.data.memory_modes import MemoryMode, read_system, system_mode
-from pipelines.data.synthetic_needles import make_batch
 from pipelines.evaluate.common import needle_spec
 from pipelines.train.configs.common import DeepSpeedSettings, ScalingSettings
 from pipelines.train.configs.stage import DataConfig, ModelConfig, NeedleConfig, StageConfig
-from pipelines.train.model import build_model
 from pipelines.train.presets import STAGE0
 from pipelines.train.recipes.stage import (STAGE, compiles_layers, engine_has_gates, lineage_tags, log_evaluation_table,
                                            prepare_paths, with_zero_stage, write_system)
-from tests.conftest import open_gates
 
 
 def test_a_dense_rag_export_carries_its_retriever(tmp_path):
@@ -131,57 +126,3 @@ def test_liger_kernels_are_refused_on_cpu_workers_and_absent_here():
     assert any("model.liger" in p and "--scaling.use_gpu true" in p for p in problems)
     if not torch.cuda.is_available():  # nothing patched where Liger cannot run
         assert not liger_available() and use_liger_kernels() is False
-
-
-def base_top_k_config(checkpoint_root, **needle) -> StageConfig:
-    """A routed tiny model (4 chunks a query) whose first 3 steps read 2 chunks a query."""
-    reading = MemoryReading(top_k=4, chunk_weights="router", lexical_routing=3.0)
-    return StageConfig(model=ModelConfig(pair="tiny", checkpoint_root=str(checkpoint_root), decoder="full",
-                                         encoder="full", gca_layers="upper_half", reading=reading),
-                       needle=NeedleConfig(base_steps=3, base_top_k=2, variants=["single", "multi_key"],
-                                           memory_scale_max=2, **needle))
-
-
-def test_the_base_steps_read_base_top_k_chunks_and_the_rest_as_built(checkpoint_root, tmp_path):
-    """needle.base_top_k: a base step's forward equals a model built with k = 2 on the same weights (routed: the
-    base memory's 4 chunks are no longer all read), a later step's a model built with k = 4; the reading is set from
-    the step alone, so a run resumed at any step reads as the uninterrupted one, and the export keeps the built k."""
-    config = base_top_k_config(checkpoint_root)
-    torch.manual_seed(0)
-    model = open_gates(build_model(config.model)).eval()
-    reference = build_model(dataclasses.replace(config.model, reading=config.model.reading.with_top_k(2))).eval()
-    reference.load_state_dict(model.state_dict())
-    engine = SimpleNamespace(module=model)
-    batch = make_batch(config.needle.spec().at_step(0), 0, [0, 1])
-    assert batch["memory_input_ids"].shape[1] == 4  # the base size: 4 chunks, all read with k = 4
-    inputs = {k: batch[k] for k in ("input_ids", "labels", "memory_input_ids")}
-    with torch.no_grad():
-        built = model(**inputs).logits
-        for step, k in [(0, 2), (2, 2), (3, 4), (7, 4), (1, 2), (5, 4)]:  # resumed before, at and after the switch
-            STAGE.at_step(engine, config, step)
-            assert model.reading.top_k == k, step
-            logits = model(**inputs).logits
-            if k == 2:
-                torch.testing.assert_close(logits, reference(**inputs).logits)
-                assert not torch.allclose(logits, built, atol=1e-4)
-            else:
-                torch.testing.assert_close(logits, built)
-        STAGE.at_step(engine, config, 0)
-    model.save_pretrained(tmp_path / "export")
-    assert AwarenessModel.from_pretrained(tmp_path / "export").reading.top_k == 4
-    unset = dataclasses.replace(config, needle=dataclasses.replace(config.needle, base_top_k=None))
-    STAGE.at_step(engine, unset, 0)  # not asked: the model reads as it is
-    assert model.reading.top_k == 2
-
-
-def test_base_top_k_is_refused_where_it_would_mean_nothing(checkpoint_root):
-    config = base_top_k_config(checkpoint_root)
-    assert config.problems() == []
-    no_base = dataclasses.replace(config, needle=dataclasses.replace(config.needle, base_steps=0))
-    assert any("needle.base_top_k (2)" in p and "--needle.base_steps" in p for p in no_base.problems())
-    zero = dataclasses.replace(config, needle=dataclasses.replace(config.needle, base_top_k=0))
-    assert any("give k >= 1" in p for p in zero.problems())
-    unrouted = dataclasses.replace(config, model=dataclasses.replace(config.model, reading=MemoryReading()))
-    assert any("--model.memory_top_k K" in p for p in unrouted.problems())
-    rag = dataclasses.replace(config, model=dataclasses.replace(config.model, memory="rag"))
-    assert any("needle.base_top_k" in p for p in rag.problems())
