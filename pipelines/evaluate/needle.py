@@ -214,13 +214,28 @@ def answer_end_loss(system: System, probe: Probe) -> list[float]:
     return (-end_logits.log_softmax(-1)[:, EOS]).tolist()
 
 
+@torch.no_grad()
+def reread_end_loss(system: System, probe: Probe) -> list[float]:
+    """answer_end_loss for an iterative rag: each question's prompt holds what its training row holds, the chunks
+    retrieved for the question and for each key its trained answer names; one row at a time, since those prompts
+    differ in length."""
+    chunks = probe.memory.tolist()
+    rereads = [named_keys(answer, system.spec.key_tokens) for answer in probe.answers]
+    losses = []
+    for question, answer, kept in zip(probe.questions, probe.answers,
+                                      chunks_read_each(chunks, probe.questions, rereads, system.mode), strict=True):
+        ids = torch.tensor([[t for i in kept for t in chunks[i]] + question + answer], device=system.model.device)
+        losses.append(-system.model(input_ids=ids).logits[0, -1].float().log_softmax(-1)[EOS].item())
+    return losses
+
+
 def score_probe(system: System, variant: str, multiplier: int, seed: int, index: int, hops: int = 2,
                 depth_bins: int = 4, hard_distractors: float = 0.0) -> list[dict[str, Any]]:
     """One row per question: RULER's string_match_all (share of its references found, whole tokens), exact (all
     found), whole (the answer is its path and references and nothing else, in some order, ended within the budget:
     RULER's match also passes an answer that gives the value twice or runs on), the depth bin of the fact holding the
-    answer, the teacher-forced loss of the answer's end (answer_end_loss; NaN for a served pyfunc, which shows no
-    logits, and for an iterative rag), for gca where its attention went, and for rag and in_context whether the
+    answer, the teacher-forced loss of the answer's end (answer_end_loss, reread_end_loss; NaN for a served pyfunc,
+    which shows no logits), for gca where its attention went, and for rag and in_context whether the
     evidence reached the prompt."""
     probe = make_probe(variant, system.spec, multiplier, seed, index, hops=hops, hard_distractors=hard_distractors)
     retrieved = None
@@ -230,8 +245,10 @@ def score_probe(system: System, variant: str, multiplier: int, seed: int, index:
         answers = answer_probe(system, probe)
     local = system.served is None  # a pyfunc shows neither its logits nor its attention
     reading = memory_attention(system, probe) if local and system.mode.kind == "gca" else [{}] * len(answers)
-    # an iterative rag's rows hold prompts of their own lengths: no batched teacher-forced pass (NaN, as served)
-    end_losses = answer_end_loss(system, probe) if local and retrieved is None else [float("nan")] * len(answers)
+    if not local:
+        end_losses = [float("nan")] * len(answers)
+    else:
+        end_losses = reread_end_loss(system, probe) if system.mode.reread else answer_end_loss(system, probe)
     recalls = evidence_recall(probe, system.mode, retrieved)
     rows = []
     for answer, refs, path, depth, read, end_loss, recall in zip(answers, probe.references, probe.paths, probe.depth,

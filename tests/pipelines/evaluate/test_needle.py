@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from models.gca import MemoryPadding
-from pipelines.data.memory_modes import MemoryMode, read_system
+from pipelines.data.memory_modes import MemoryMode, chunks_in_prompt, read_system
 from pipelines.data.synthetic_needles import BOS, EOS, EQ, KEYS, PAD, SEP, NeedleSpec, make_example
 from pipelines.evaluate.common import Progress, System, load_system
 from pipelines.evaluate.efficiency import efficiency_row
@@ -20,7 +21,7 @@ from pipelines.evaluate.probes import memory_attention_probe
 from pipelines.evaluate.needle import (VARIANTS, answer_budget, answer_end_loss, answer_probe, as_text,
                                        collect_with_progress, evidence_recall, is_whole_answer, make_probe,
                                        memory_attention, needle_metrics, needle_table, reread_answers,
-                                       score_probe, system_prompts)
+                                       reread_end_loss, score_probe, system_prompts)
 from pipelines.format.rows import IGNORE
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig, StageConfig
 from pipelines.train.model import build_model
@@ -325,6 +326,10 @@ class PromptReader:
             out.append(key)
         return out + facts.get(key, [EQ, EQ, EQ]) + [EOS]
 
+    def __call__(self, input_ids, **kwargs):
+        """No opinion on where an answer ends: uniform logits, so its end loss is the log of their width."""
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, max(KEYS) + 1))
+
     def generate(self, input_ids, max_new_tokens, stopping_criteria=(), **kwargs):
         rows = []
         for row in input_ids.tolist():
@@ -336,6 +341,31 @@ class PromptReader:
             rows.append(out[0].tolist())
         width = max(len(row) for row in rows)
         return torch.tensor([row + [PAD] * (width - len(row)) for row in rows])
+
+
+def test_an_iterative_rags_end_loss_reads_what_its_training_row_holds(tmp_path, checkpoint_root):
+    """reread_end_loss: where no answer names a key, the prompts are rag's, and it equals the batched answer_end_loss;
+    on two_hop a row's prompt also holds the chunks of the key its answer names, so it differs from rag's, row by row
+    a forward of that prompt; score_probe reports it (it was NaN)."""
+    export = export_of(tmp_path, checkpoint_root, "rag")
+    plain = load_system("rag", str(export), read_system(export))
+    iterative = dataclasses.replace(plain, mode=dataclasses.replace(plain.mode, reread=True))
+    probe = make_probe("multi_value", SPEC, 2, seed=1, index=0)
+    assert reread_end_loss(iterative, probe) == pytest.approx(answer_end_loss(plain, probe), rel=1e-4, abs=1e-5)
+    chain = make_probe("two_hop", SPEC, 4, seed=1, index=0)
+    losses, once = reread_end_loss(iterative, chain), answer_end_loss(plain, chain)
+    chunks = chain.memory.tolist()
+    for loss, question, answer, evidence in zip(losses, chain.questions, chain.answers, chain.evidence, strict=True):
+        kept = sorted({*chunks_in_prompt(chunks, question, plain.mode),
+                       *chunks_in_prompt(chunks, [BOS, *[t for t in answer if t in KEYS]], plain.mode)})
+        assert set(evidence) <= set(kept)  # both links
+        ids = torch.tensor([[t for i in kept for t in chunks[i]] + question + answer])
+        with torch.no_grad():
+            want = -plain.model(input_ids=ids).logits[0, -1].float().log_softmax(-1)[EOS]
+        assert loss == pytest.approx(float(want), rel=1e-4, abs=1e-5)
+    assert any(abs(a - b) > 1e-3 for a, b in zip(losses, once))
+    rows = score_probe(iterative, "two_hop", 4, seed=1, index=0)
+    assert all(math.isfinite(row["end_loss"]) and row["end_loss"] > 0 for row in rows)
 
 
 @pytest.mark.parametrize("variant", ["two_hop", "three_hop"])
@@ -355,6 +385,7 @@ def test_an_iterative_rag_retrieves_again_at_each_key_its_answer_names(variant):
     assert sum(held) < len(held) / 2  # one retrieval rarely holds a chain at 16x
     rows = score_probe(iterative, variant, 16, seed=1, index=0)
     assert all(row["whole"] and row["evidence_recall"] == 1.0 for row in rows)
+    assert all(row["end_loss"] == pytest.approx(math.log(max(KEYS) + 1)) for row in rows)
 
 
 def test_only_a_named_retrieving_system_may_read_again():
