@@ -116,11 +116,13 @@ def test_cached_decoding_equals_full_forward(tiny):
     torch.testing.assert_close(cached_logits(tiny, prompt, continuation, mem, mask), full, rtol=1e-4, atol=1e-5)
 
 
-def cached_logits(model, prompt, continuation, mem, mask):
+def cached_logits(model, prompt, continuation, mem=None, mask=None, memory=None):
     """The prompt's logits, then each continuation token's, one at a time from the cache and the memory encoded
-    once: (B, prompt + continuation, V)."""
+    once (or a prepared `memory`, a GCAMemory): (B, prompt + continuation, V)."""
     with torch.no_grad():
-        step = model(input_ids=prompt, memory_input_ids=mem, memory_attention_mask=mask, use_cache=True)
+        read = {"gca_memory": memory} if memory is not None else {"memory_input_ids": mem,
+                                                                   "memory_attention_mask": mask}
+        step = model(input_ids=prompt, **read, use_cache=True)
         logits, cache, memory = [step.logits], step.cache, step.gca_memory
         for t in range(continuation.shape[1]):
             step = model(input_ids=continuation[:, t : t + 1], gca_memory=memory, cache=cache,
