@@ -34,12 +34,14 @@ class NeedleStream:
     """Synthetic key -> value needles, example i drawn from seed (seed, i): any worker can make any example. With
     needle.memory_scale_max > 1, the memories of global micro-batch g (step * grad_accum + micro, the same on every
     rank) all hold memory_scale(spec, seed, g) times the base number of chunks, so they stack, and a resumed run
-    draws the same sizes. Steps before needle.base_steps ask the base task alone (NeedleSpec.at_step)."""
+    draws the same sizes. Steps before the mixture starts ask the base task alone (NeedleSpec.at_step): at
+    needle.base_steps, or at `mixture_from` where training set an earlier step (needle.base_until)."""
 
     def __init__(self, spec: NeedleSpec, seed: int, *, memories_per_step: int, grad_accum: int, rank: int,
                  world: int, mode: MemoryMode = GCA):
         self.spec, self.seed, self.rank, self.world, self.mode = spec, seed, rank, world, mode
         self.memories_per_step, self.grad_accum = memories_per_step, grad_accum
+        self.mixture_from: int | None = None
 
     def batch(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], int, int]:
         """(model inputs, examples, checksum of what this worker consumed)."""
@@ -53,7 +55,7 @@ class NeedleStream:
         per_micro = self.memories_per_step // self.grad_accum
         per_rank = per_micro // self.world
         start = step * self.memories_per_step + micro * per_micro + self.rank * per_rank
-        spec = self.spec.at_step(step)  # the base task alone for the first needle.base_steps steps
+        spec = self.spec.at_step(step, self.mixture_from)  # the base task alone until the mixture starts
         return spec, list(range(start, start + per_rank)), memory_scale(spec, self.seed, step * self.grad_accum + micro)
 
     def probe_batch(self) -> dict[str, torch.Tensor]:

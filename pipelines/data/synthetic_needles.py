@@ -34,7 +34,8 @@ Training for size and for similar facts, each off by default, so the default tas
 - `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 - `base_steps`: the first N training steps ask the base task alone (single, 1x, no hard distractors: the examples
-  the default draws), and the mixture, sizes and hard distractors start at step N. Trained on all of it from step 0,
+  the default draws), and the mixture, sizes and hard distractors start at step N, or earlier where training saw
+  the lookup form (`at_step`'s `mixture_from`: the training config's needle.base_until). Trained on all of it from step 0,
   a tiny random pair stayed on the chance plateau for 6,000 steps (docs/evaluation.md): a bigger memory and a mixed
   answer format dilute the one lookup signal that ends the plateau, which the base task forms in ~1-2k steps.
 """
@@ -121,9 +122,12 @@ class NeedleSpec:
         """The base task: single questions, base-size memories, no hard distractors (the default's examples)."""
         return replace(self, hard_distractors=0.0, memory_scale_max=1, variants=("single",), base_steps=0)
 
-    def at_step(self, step: int) -> "NeedleSpec":
-        """The task training step `step` asks: the base task for the first `base_steps` steps, then this one."""
-        return self.base() if step < self.base_steps else self
+    def at_step(self, step: int, mixture_from: int | None = None) -> "NeedleSpec":
+        """The task training step `step` asks: the base task until the mixture starts, then this one. It starts at
+        `base_steps`, or at `mixture_from` where that is earlier (the step training saw the base task's lookup
+        formed: needle.base_until)."""
+        start = self.base_steps if mixture_from is None else min(mixture_from, self.base_steps)
+        return self.base() if step < start else self
 
     @property
     def facts_per_chunk(self) -> int:

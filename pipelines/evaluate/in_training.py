@@ -169,6 +169,13 @@ def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_mem
     return metrics
 
 
+def base_accuracy(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int, world: int,
+                  mode: MemoryMode = GCA) -> float:
+    """evaluate_needles' `needle_accuracy` alone (the base task's held-out whole answers), the same on every rank."""
+    indices = list(range(rank, val_memories, world))
+    return _summed(score_needles(model, base_task(spec), seed, indices, mode=mode)).accuracy
+
+
 def needle_heatmap(model: AwarenessModel, spec: NeedleSpec, seed: int, val_memories: int, rank: int,
                    world: int, mode: MemoryMode = GCA) -> dict[str, Any]:
     """Needle accuracy by depth and memory size, on held-out memories (the needle-in-a-haystack picture)."""

@@ -35,7 +35,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []  # hook: pipelines.train.hooks, "train" and "save"
     while state.step < t.max_steps:
-        metrics = train_step(engine, recipe, config, state, stream)
+        metrics = recipe.before_step(engine, config, state, stream)
+        metrics |= train_step(engine, recipe, config, state, stream)
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         hook("train", state.step)

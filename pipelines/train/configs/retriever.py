@@ -59,4 +59,7 @@ class RetrieverConfig(JobConfig):
             p.append(f"model.encoder_checkpoint {m.encoder_checkpoint!r} is not a directory: pass a local Qwen3 "
                      f"checkpoint (config.json, *.safetensors), or leave it empty for the pair's encoder")
         p += self.needle.problems("gca", corpus=False, num_workers=self.scaling.num_workers)
+        if self.needle.base_until > 0:
+            p.append("needle.base_until reads a reader's held-out accuracy, which the retriever has none of: "
+                     "give the base task's steps with --needle.base_steps alone")
         return p + run_problems(self.train, self.scaling, self.deepspeed, self.tracking)

@@ -174,6 +174,10 @@ class NeedleConfig:
     # than facts, so no answer follows by elimination (the evaluation asks one a row)
     base_steps: int = 0  # the first N steps ask the base task alone (single, 1x, no hard distractors) before the
     # mixture, sizes and hard distractors start: the lookup forms there first
+    base_until: float = 0.0  # with base_steps, the mixture starts earlier, at the first check (every
+    # base_check_every steps) where the base task's held-out accuracy reaches this: when the lookup forms varies
+    # from run to run, so a fixed switch starts some runs' mixture on the plateau (0: at base_steps)
+    base_check_every: int = 100  # steps between base_until's checks
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -192,6 +196,13 @@ class NeedleConfig:
             p.append(f"needle.questions_per_row ({n.questions_per_row}) asks all {n.facts} facts of a memory in one "
                      f"in_context row, so its last answer follows by elimination: use --needle.questions_per_row "
                      f"{max(1, n.facts // 2)} (or ask fewer --needle.questions)")
+        if not 0 <= n.base_until <= 1:
+            p.append(f"needle.base_until must be an accuracy in [0, 1], got {n.base_until}")
+        elif n.base_until > 0 and n.base_steps == 0:
+            p.append("needle.base_until ends the base task's steps early, and there are none: give the most with "
+                     "--needle.base_steps, e.g. 4000")
+        if n.base_check_every < 1:
+            p.append(f"needle.base_check_every must be >= 1, got {n.base_check_every}")
         if self.val_memories % num_workers:
             p.append(f"needle.val_memories ({self.val_memories}) must divide over {num_workers} workers")
         return p

@@ -26,6 +26,8 @@ class TrainState:
     loss_first: float | None = None  # the first step's loss, for the summary (Ray keeps only the last report)
     parts_first: dict[str, float] = field(default_factory=dict)  # the first step's loss parts (stage 4: kl, ce)
     gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
+    mixture_from: int | None = None  # needles: the step the mixture started at (needle.base_until), so a resumed
+    # run draws the same data; None before it starts
 
 
 @dataclass
@@ -85,6 +87,10 @@ class Recipe(Protocol):
 
     def loss(self, engine, config: Any, batch: dict[str, torch.Tensor]) -> Loss:
         """The micro-batch's loss; `model_loss` for a job whose model computes its own."""
+
+    def before_step(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]:
+        """Whatever decides the next step's data from the model (stage 0: needle.base_until), before each step;
+        metrics to log with the step."""
 
     def probe(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]: ...
 

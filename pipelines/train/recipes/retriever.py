@@ -56,6 +56,9 @@ class RetrieverRecipe:
     def loss(self, engine, config: RetrieverConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return Loss(engine(**{k: v.to(engine.device) for k, v in batch.items()}), {})
 
+    def before_step(self, engine, config: RetrieverConfig, state: TrainState, stream) -> dict[str, float]:
+        return {}
+
     def probe(self, engine, config: RetrieverConfig, state: TrainState, stream) -> dict[str, float]:
         return {}
 

@@ -22,7 +22,7 @@ from pipelines.data.memory_modes import RETRIEVER_DIR, SYSTEM_FILE
 from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
-from pipelines.evaluate.in_training import evaluate_corpus, evaluate_needles, needle_heatmap
+from pipelines.evaluate.in_training import base_accuracy, evaluate_corpus, evaluate_needles, needle_heatmap
 from pipelines.format.rows import IGNORE
 from pipelines.format.shards import check_splits
 from pipelines.evaluate.probes import attention_entropy
@@ -76,6 +76,23 @@ class StageRecipe:
     def loss(self, engine, config: StageConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)
 
+    def before_step(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
+        """needle.base_until: every needle.base_check_every steps of the base task, its held-out accuracy; the mixture
+        starts at the first check that reaches the bar, at needle.base_steps at the latest. The step is kept in the
+        checkpoint's state, so a resumed run draws the data the first one did."""
+        n, metrics = config.needle, {}
+        if config.data.train_path or n.base_until <= 0:
+            return metrics
+        if state.mixture_from is None and state.step >= n.base_steps:
+            state.mixture_from = n.base_steps
+        elif state.mixture_from is None and state.step and state.step % n.base_check_every == 0:
+            accuracy = base_accuracy(engine.module, n.spec(), n.seed + 1, n.val_memories, dist.get_rank(),
+                                     dist.get_world_size(), config.model.memory_mode())
+            metrics["base_check_accuracy"] = accuracy
+            state.mixture_from = state.step if accuracy >= n.base_until else None
+        stream.mixture_from = state.mixture_from
+        return metrics if state.mixture_from is None else metrics | {"mixture_from": float(state.mixture_from)}
+
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross
         or merged fusions)."""
@@ -125,6 +142,7 @@ class StageRecipe:
             **{key: value for key, value in metrics.items()
                if key.startswith("needle_accuracy/") and not key.startswith("needle_accuracy/depth_")},
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
+            **({"mixture_from": int(metrics["mixture_from"])} if "mixture_from" in metrics else {}),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
             "gate_abs_init": math.tanh(abs(config.model.gca_gate_init)) if engine_has_gates(config) else None,
             **{key: metrics.get(key) for key in (CORPUS_METRICS if config.data.train_path else NEEDLE_LOSSES)},

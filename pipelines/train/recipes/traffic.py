@@ -79,6 +79,9 @@ class TrafficRecipe:
         """Question tokens read (the vision tokens are a fixed 196 per scene at the defaults)."""
         return int((batch["input_ids"] != traffic_tokenizer().token_to_id(PAD)).sum())
 
+    def before_step(self, engine, config: TrafficConfig, state: TrainState, stream) -> dict[str, float]:
+        return {}
+
     def probe(self, engine, config: TrafficConfig, state: TrainState, stream) -> dict[str, float]:
         return {}
 

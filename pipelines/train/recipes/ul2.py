@@ -68,6 +68,9 @@ class Ul2Recipe:
     def loss(self, engine, config: Ul2Config, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)
 
+    def before_step(self, engine, config: Ul2Config, state: TrainState, stream) -> dict[str, float]:
+        return {}
+
     def probe(self, engine, config: Ul2Config, state: TrainState, stream) -> dict[str, float]:
         return {}
 
