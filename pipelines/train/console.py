@@ -54,6 +54,11 @@ def eval_line(metrics: dict[str, Any]) -> str | None:
     return None
 
 
+def mixture_line(metrics: dict[str, Any]) -> str:
+    """`the mixture starts at step 2300`: where needle.base_until ended the base task's steps."""
+    return f"the mixture starts at step {int(metrics['mixture_from'])}"
+
+
 def closing_sentence(summary: dict[str, Any], tracking_uri: str | None) -> str:
     """What the model learned, where its export is, and how to look at the run."""
     if summary.get("error"):
@@ -83,6 +88,7 @@ class ConsoleCallback(ray.train.UserCallback):
     def __init__(self, queue: Queue, max_steps: int):
         self.queue, self.max_steps = queue, max_steps
         self.started: tuple[float, int] | None = None  # (time, step) of the first report, for the ETA
+        self.mixture_said = False
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if not metrics or "step" not in metrics[0]:
@@ -96,6 +102,9 @@ class ConsoleCallback(ray.train.UserCallback):
         self.queue.put(step_line(m, self.max_steps, eta))
         if (line := eval_line(m)) is not None:
             self.queue.put(line)
+        if "mixture_from" in m and not self.mixture_said:
+            self.queue.put(mixture_line(m))
+            self.mixture_said = True
 
 
 class Console:

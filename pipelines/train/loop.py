@@ -35,8 +35,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []  # hook: pipelines.train.hooks, "train" and "save"
     while state.step < t.max_steps:
-        metrics = recipe.before_step(engine, config, state, stream)
-        metrics |= train_step(engine, recipe, config, state, stream)
+        decided = recipe.before_step(engine, config, state, stream)
+        if decided:  # logged at the step it measured, whether or not the step is a logging one
+            tracker.log_metrics(decided, state.step)
+        metrics = train_step(engine, recipe, config, state, stream)
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         hook("train", state.step)

@@ -90,7 +90,7 @@ class Recipe(Protocol):
 
     def before_step(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]:
         """Whatever decides the next step's data from the model (stage 0: needle.base_until), before each step;
-        metrics to log with the step."""
+        what it measured, logged at once (empty on most steps)."""
 
     def probe(self, engine, config: Any, state: TrainState, stream: Stream) -> dict[str, float]: ...
 

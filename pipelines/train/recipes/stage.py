@@ -85,20 +85,23 @@ class StageRecipe:
             return metrics
         if state.mixture_from is None and state.step >= n.base_steps:
             state.mixture_from = n.base_steps
+            metrics["mixture_from"] = state.mixture_from
         elif state.mixture_from is None and state.step and state.step % n.base_check_every == 0:
-            accuracy = base_accuracy(engine.module, n.spec(), n.seed + 1, n.val_memories, dist.get_rank(),
-                                     dist.get_world_size(), config.model.memory_mode())
-            metrics["base_check_accuracy"] = accuracy
-            state.mixture_from = state.step if accuracy >= n.base_until else None
+            metrics["base_check_accuracy"] = base_accuracy(engine.module, n.spec(), n.seed + 1, n.val_memories,
+                                                           dist.get_rank(), dist.get_world_size(),
+                                                           config.model.memory_mode())
+            if metrics["base_check_accuracy"] >= n.base_until:
+                state.mixture_from = metrics["mixture_from"] = state.step
         stream.mixture_from = state.mixture_from
-        return metrics if state.mixture_from is None else metrics | {"mixture_from": float(state.mixture_from)}
+        return metrics
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """Gates and attention entropy: only GCA blocks read the memory through them (not a baseline, nor the cross
         or merged fusions)."""
         reads_through_gates = config.model.memory == "gca" and bool(engine.module.gca_blocks())  # a baseline has
         # GCA blocks it never runs
-        return probe_metrics(engine, config, state, stream) if reads_through_gates else {}
+        metrics = probe_metrics(engine, config, state, stream) if reads_through_gates else {}
+        return metrics if state.mixture_from is None else metrics | {"mixture_from": state.mixture_from}
 
     def evaluate(self, engine, config: StageConfig, rank: int, world: int) -> dict[str, float]:
         """Held-out needles, or the corpus' validation shard, with the memory and with it withheld."""

@@ -195,6 +195,24 @@ def test_base_steps_ask_the_default_task_first_then_the_mixture():
     assert "needle.base_steps must be >= 0" in " ".join(NeedleSpec(base_steps=-1).problems())
 
 
+def test_a_mixture_started_early_draws_the_mixture_s_own_batches_from_that_step():
+    """needle.base_until: training sets the stream's mixture_from where the lookup formed; from that step on the
+    batches are the mixture's, before it the default's, and base_steps stays the latest start."""
+    from pipelines.data.streams import NeedleStream
+
+    mixed = NeedleSpec(memory_scale_max=8, variants=("single", "multi_key", "multi_query"), base_steps=30)
+    assert mixed.at_step(10, mixture_from=12) == NeedleSpec() and mixed.at_step(12, mixture_from=12) == mixed
+    assert mixed.at_step(30, mixture_from=None) == mixed and mixed.at_step(29, mixture_from=40) == NeedleSpec()
+    default = NeedleStream(NeedleSpec(), 3, memories_per_step=4, grad_accum=1, rank=0, world=1)
+    unstaged = NeedleStream(dataclasses.replace(mixed, base_steps=0), 3, memories_per_step=4, grad_accum=1, rank=0,
+                            world=1)
+    stream = NeedleStream(mixed, 3, memories_per_step=4, grad_accum=1, rank=0, world=1)
+    stream.mixture_from = 12
+    for step in range(30):
+        got, want = stream.batch(step, 0)[0], (default if step < 12 else unstaged).batch(step, 0)[0]
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), step
+
+
 @pytest.mark.parametrize("key_tokens", [1, 2])
 def test_hard_distractors_are_near_identical_and_never_collide_with_an_asked_key(key_tokens):
     spec = NeedleSpec(key_tokens=key_tokens, hard_distractors=0.75)

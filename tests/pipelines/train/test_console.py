@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipelines.train.console import closing_sentence, duration, eval_line, step_line
+from pipelines.train.console import ConsoleCallback, closing_sentence, duration, eval_line, step_line
 
 
 def test_step_line():
@@ -35,3 +35,16 @@ def test_closing_sentence_says_what_was_learned_where_the_export_is_and_how_to_l
                        "majority answer 52%). The export is in /t.")
     ul2 = closing_sentence({"loss_first": 5.7, "loss_last": 5.3, "encoder": "/e", "mlflow_run_id": None}, None)
     assert ul2 == "The loss went from 5.700 to 5.300. The export is in /e."
+
+
+def test_the_start_of_the_mixture_is_said_once():
+    """needle.base_until: every report after the switch carries mixture_from; the console says it the first time."""
+    class Lines(list):
+        put = list.append
+
+    callback = ConsoleCallback(Lines(), 100)
+    for step, extra in ((50, {}), (60, {"mixture_from": 55}), (70, {"mixture_from": 55})):
+        callback.after_report(None, [{"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, **extra}], None)
+    lines = callback.queue
+    assert [line for line in lines if not line.startswith("step ")] == ["the mixture starts at step 55"]
+    assert len(lines) == 4

@@ -49,13 +49,16 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     """The entry point as a user runs it, shortened: trains, evaluates, checkpoints, exports, logs to MLflow; and
     survives the harder failure on the way: a worker dies after writing its shard of checkpoint 4 but before it is
     reported, so that checkpoint is incomplete and the run restarts from checkpoint 2 (one run for both: start-up
-    dominates; every failure mode, one run each, in test_a_failed_worker_restarts_from_the_last_complete_checkpoint)."""
+    dominates; every failure mode, one run each, in test_a_failed_worker_restarts_from_the_last_complete_checkpoint).
+    needle.base_until checks the base task before steps 1 and 2 (a random model stays below the bar) and the mixture
+    starts at needle.base_steps, 3, in the state a resumed run reads."""
     plan, marker = tmp_path / "faults.json", tmp_path / "injected-failure-save:4"
     faults.plan(plan, STAGE0.run.name, "save:4", marker)
     env = os.environ | {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(plan), "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, str(ROOT / "jobs" / "stage0.py"), "--train.max_steps", "4", "--train.eval_every", "2",
          "--train.checkpoint_every", "2", "--train.log_every", "2", "--needle.val_memories", "8",
+         "--needle.base_steps", "3", "--needle.base_until", "0.9", "--needle.base_check_every", "1",
          "--model.checkpoint_root", str(checkpoint_root), "--run.storage_path", str(tmp_path / "ray")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
     )
@@ -65,7 +68,9 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     assert marker.is_file()  # it did fail, at the checkpoint of step 4
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == sum(range(4 * STAGE0.train.memories_per_step))  # no example twice or lost
+    assert state["mixture_from"] == summary["mixture_from"] == 3
     console = result.stdout.splitlines()
+    assert "the mixture starts at step 3" in console, console
     assert any(line.startswith("step 4/4  loss ") for line in console), console
     assert any(line.startswith("eval step 2  needle acc ") for line in console), console
     assert not any("TrainingReport(" in line or "{'loss'" in line for line in console + result.stderr.splitlines())
@@ -78,6 +83,9 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
 
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
     assert run.data.params["train.max_steps"] == "4" and "needle_accuracy" in run.data.metrics
+    checks = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id,
+                                                                                   "base_check_accuracy")
+    assert {m.step for m in checks} == {1, 2} and all(m.value < 0.9 for m in checks)
     assert run.info.status == "FINISHED"
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

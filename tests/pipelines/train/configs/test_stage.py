@@ -39,6 +39,17 @@ def test_every_problem_is_reported_at_once():
         assert expected in message
 
 
+def test_base_until_needs_an_accuracy_and_base_steps_to_end_early(capsys):
+    for flags, expected in ((["--needle.base_until", "90"], "needle.base_until must be an accuracy in [0, 1], got 90"),
+                            (["--needle.base_steps", "0", "--needle.base_until", "0.9"],
+                             "give the most with --needle.base_steps"),
+                            (["--needle.base_check_every", "0"], "needle.base_check_every must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as stop:
+            parse_config(flags, DEFAULT)
+        assert stop.value.code == 2 and expected in capsys.readouterr().err
+    assert parse_config(["--needle.base_steps", "10", "--needle.base_until", "0.9"], DEFAULT).needle.base_until == 0.9
+
+
 def test_unknown_keys_and_wrong_types_are_named(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  max_step: 5\n")

@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[4]
 def test_config_errors_are_collected_and_name_the_fix(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--model.pair", "huge", "--model.temperature", "0", "--model.encoder_checkpoint",
-                      str(tmp_path / "nope")], RetrieverConfig())
+                      str(tmp_path / "nope"), "--needle.base_steps", "100", "--needle.base_until", "0.9"],
+                     RetrieverConfig())
     lines = capsys.readouterr().err.splitlines()
-    for expected, line in zip(("model.pair", "temperature", "is not a directory"), lines, strict=True):
+    for expected, line in zip(("model.pair", "temperature", "is not a directory", "needle.base_until reads"), lines,
+                              strict=True):
         assert expected in line  # one line per problem
 
 

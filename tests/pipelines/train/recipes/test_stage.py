@@ -126,3 +126,45 @@ def test_liger_kernels_are_refused_on_cpu_workers_and_absent_here():
     assert any("model.liger" in p and "--scaling.use_gpu true" in p for p in problems)
     if not torch.cuda.is_available():  # nothing patched where Liger cannot run
         assert not liger_available() and use_liger_kernels() is False
+
+
+def test_base_until_starts_the_mixture_at_the_first_check_that_reaches_the_bar(monkeypatch):
+    """needle.base_until 0.9, checked every 100 steps: held-out 0.5 at step 100 keeps the base task, 0.93 at step
+    200 starts the mixture there; it stays put (no more checks), the stream follows the state before each step, and
+    a resumed state sets a fresh stream before its first step. With no check reaching the bar, base_steps."""
+    import pipelines.train.recipes.stage as stage
+    from pipelines.train.recipes import TrainState
+
+    measured = {100: 0.5, 200: 0.93}
+    checked = []
+
+    def accuracy(model, spec, seed, val_memories, rank, world, mode):
+        checked.append(step)
+        assert spec == config.needle.spec() and seed == config.needle.seed + 1 and (rank, world) == (0, 1)
+        return measured.get(step, 0.0)
+
+    monkeypatch.setattr(stage, "base_accuracy", accuracy)
+    monkeypatch.setattr(stage.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(stage.dist, "get_world_size", lambda: 1)
+    engine = type("Engine", (), {"module": None})()
+    config = dataclasses.replace(STAGE0, needle=dataclasses.replace(STAGE0.needle, base_steps=1000, base_until=0.9))
+    stream, state, logged = type("Stream", (), {"mixture_from": None})(), TrainState(), {}
+    for step in range(0, 400):
+        state.step = step
+        if decided := STAGE.before_step(engine, config, state, stream):
+            logged[step] = decided
+        assert stream.mixture_from == (200 if step >= 200 else None)
+    assert checked == [100, 200]
+    assert logged == {100: {"base_check_accuracy": 0.5}, 200: {"base_check_accuracy": 0.93, "mixture_from": 200}}
+    resumed = type("Stream", (), {"mixture_from": None})()
+    STAGE.before_step(engine, config, TrainState(step=300, mixture_from=200), resumed)
+    assert resumed.mixture_from == 200 and checked == [100, 200]
+
+    measured.clear()
+    state = TrainState()
+    for step in range(0, 1001):
+        state.step = step
+        decided = STAGE.before_step(engine, config, state, stream)
+    assert decided == {"mixture_from": 1000} and stream.mixture_from == 1000
+    off = dataclasses.replace(config, needle=dataclasses.replace(config.needle, base_until=0.0))
+    assert STAGE.before_step(engine, off, TrainState(step=100), stream) == {}
