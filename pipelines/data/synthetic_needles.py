@@ -35,9 +35,10 @@ Training for size and for similar facts, each off by default, so the default tas
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 - `base_steps`: the first N training steps ask the base task alone (single, 1x, no hard distractors: the examples
   the default draws), and the mixture, sizes and hard distractors start at step N, or earlier where training saw
-  the lookup form (`at_step`'s `mixture_from`: the training config's needle.base_until). Trained on all of it from step 0,
-  a tiny random pair stayed on the chance plateau for 6,000 steps (docs/evaluation.md): a bigger memory and a mixed
-  answer format dilute the one lookup signal that ends the plateau, which the base task forms in ~1-2k steps.
+  the lookup form (`at_step`'s `mixture_from`: the training config's needle.base_until). Trained on all of it from
+  step 0, a tiny random pair stayed on the chance plateau for 6,000 steps (docs/evaluation.md): a bigger memory and
+  a mixed answer format dilute the one lookup signal that ends the plateau, which the base task forms in ~1-3k
+  steps, when varying from run to run.
 """
 
 from __future__ import annotations
