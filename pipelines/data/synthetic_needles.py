@@ -37,8 +37,8 @@ Training for size and for similar facts, each off by default, so the default tas
   the default draws), and the mixture, sizes and hard distractors start at step N, or earlier where training saw
   the lookup form (`at_step`'s `mixture_from`: the training config's needle.base_until). Trained on all of it from
   step 0, a tiny random pair stayed on the chance plateau for 6,000 steps (docs/evaluation.md): a bigger memory and
-  a mixed answer format dilute the one lookup signal that ends the plateau, which the base task forms in ~1-3k
-  steps, when varying from run to run.
+  a mixed answer format dilute the one lookup signal that ends the plateau, which the base task forms in 1,000
+  to past 3,000 steps, depending on the run.
 """
 
 from __future__ import annotations
