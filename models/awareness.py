@@ -360,7 +360,7 @@ class AwarenessModel(nn.Module):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             raise ValueError("memory_lexical_tokens reads each token's id: pass input_ids, not inputs_embeds")
-        memory.hold_tokens(input_ids, self.lexical_weight(), self.token_window())
+        memory.hold_tokens(input_ids, self.lexical_weight(), self.token_window(), self.reading.lexical_window_carry)
 
     def _place_in_answer(self, gca_memory: GCAMemory, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                          labels: torch.Tensor | None, asking: bool) -> None:

@@ -39,7 +39,8 @@ chunk as the memory grows. Routing keeps each query's top-k chunks and attends t
 * **The answer's window** (`lexical_window`, `lexical_reading_window`): an answer token's token prior is the largest
   of its answer's last W tokens' (models/lexical.py), so a named key's chunk stays read while its value is written;
   `GCAMemory.answer` says which tokens answer (AwarenessModel sets it from the labels, generate's rows or the
-  memory's earlier calls; the Serve loop from each row's answer).
+  memory's earlier calls; the Serve loop from each row's answer). `lexical_window_carry` < 1 weighs the earlier
+  tokens' priors down, so the chunk the token itself names still wins where the answer moves on to another value.
 * **Padding**: a chunk with nothing the query may read scores -inf; a row with no memory reads nothing.
 * **Cost**: summary keys are computed once per forward or generation. Few queries (a decoding step) gather their k
   chunks (`gathered`: O(Q * k * L)); long query blocks attend over the whole memory with the unchosen chunks masked
@@ -692,12 +693,14 @@ class GCAMemory:
     def batch_size(self) -> int:
         return self.mask.shape[0]
 
-    def hold_tokens(self, input_ids: torch.Tensor | None, weight: float, window: int = 1) -> None:
+    def hold_tokens(self, input_ids: torch.Tensor | None, weight: float, window: int = 1,
+                    carry: float = 1.0) -> None:
         """Sets each routing layer's token prior for this forward's rows (B, T), B = r * B_mem, times `weight`
         (memory_lexical_tokens); `input_ids` None clears it. In place: generate hands the same memory to every
         decoding step, and each step's prior is its own token's. A memory read in full (no routing) takes none.
         `window` W > 1 (memory_lexical_window): an answer token takes the largest prior of its answer's last W tokens
-        (models/lexical.py), where `self.answer` says which tokens answer; without it every token is the question's."""
+        (models/lexical.py), where `self.answer` says which tokens answer; without it every token is the question's.
+        `carry` (memory_lexical_window_carry): the earlier tokens' priors count at that fraction."""
         routings = [kv.routing for kv in self.layers.values() if kv.routing is not None]
         prior = None
         if input_ids is not None and routings:
@@ -710,7 +713,7 @@ class GCAMemory:
             if input_ids.shape[0] % self.batch_size:
                 raise ValueError(f"decoder batch {input_ids.shape[0]} is not a multiple of the memory batch "
                                  f"{self.batch_size}")
-            prior = weight * self._token_prior(input_ids, window)  # (B_mem, r*T, C)
+            prior = weight * self._token_prior(input_ids, window, carry)  # (B_mem, r*T, C)
         for routing in routings:
             routing.token_prior = prior
 
@@ -722,8 +725,9 @@ class GCAMemory:
         self.answer = AnswerSoFar(fed=(positions >= self.answer_start).expand(input_ids.shape[0], fed),
                                   before=input_ids[:, self.answer_start:start] if start > self.answer_start else None)
 
-    def _token_prior(self, input_ids: torch.Tensor, window: int) -> torch.Tensor:
-        """(B, T) ids -> (B_mem, r*T, C): each token's prior, or with a window and an answer the largest over it."""
+    def _token_prior(self, input_ids: torch.Tensor, window: int, carry: float = 1.0) -> torch.Tensor:
+        """(B, T) ids -> (B_mem, r*T, C): each token's prior, or with a window and an answer the largest over it, the
+        earlier tokens' times `carry`."""
         if window == 1 or self.answer is None:
             return self.token_index.prior(input_ids.reshape(self.batch_size, -1))
         if self.answer.fed.shape != input_ids.shape:
@@ -733,6 +737,8 @@ class GCAMemory:
         prior = None
         for position in range(window):  # the largest over the window, one (B_mem, r*T, C) prior at a time
             one = self.token_index.prior(windows[..., position].reshape(self.batch_size, -1).contiguous())
+            if position < window - 1 and carry != 1:  # an earlier token's (the last position is the token's own)
+                one = carry * one
             prior = one if prior is None else torch.maximum(prior, one)
         return prior
 

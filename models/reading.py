@@ -51,6 +51,10 @@ class MemoryReading:
     # memory_lexical_window. A model trained on each token's own prior reads its two_hop chains past the trained
     # sizes with the window, and keeps what it learned on the tasks whose answers move from chunk to chunk
     lexical_reading_window: int | None = None
+    # With a window > 1: an earlier answer token's prior counts at this fraction of its weight, the token's own at
+    # all of it, so a key the answer named still scores its chunk up but no longer outranks the chunk the token
+    # itself names (a second value's first digit). 1: every token of the window alike
+    lexical_window_carry: float = 1.0
     # Length-aware scale (gca and cross): queries times max(1, log n / log N), n the real memory tokens a query
     # reads; N: the memory length trained at (a larger memory then sharpens instead of diluting). 0: off
     logn_scale: int = 0
@@ -67,7 +71,7 @@ class MemoryReading:
             return replace(self, top_k=k)
         return replace(self, top_k=0, chunk_weights="attention", lexical_routing=0.0, lexical_reading=None,
                        lexical_gate=False, lexical_tokens=False, lexical_window=1,
-                       lexical_reading_window=None)
+                       lexical_reading_window=None, lexical_window_carry=1.0)
 
     def lexical_weight(self, training: bool) -> float:
         """The question prior's weight: lexical_routing in training, lexical_reading (when set) in eval mode."""
@@ -113,6 +117,9 @@ class MemoryReading:
             if window is not None and (window < 1 or (window > 1 and not self.lexical_tokens)):
                 p.append(f"{prefix}{name} ({window}) is how many of the answer's last tokens the token prior reads: "
                          f"give 1 (its own token) or more with {prefix}lexical_tokens true")
+        if not 0 < self.lexical_window_carry <= 1:
+            p.append(f"{prefix}lexical_window_carry ({self.lexical_window_carry}) is the fraction of its prior an "
+                     f"earlier answer token keeps in the window: give a value in (0, 1]")
         if fusion == "merged" and (self.top_k or self.logn_scale):
             # merged attention shares one softmax between the decoder's own tokens and the memory: neither routing
             # nor the scale fits there without changing the pretrained attention

@@ -4,11 +4,13 @@ decoder names is read next."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from models import MemoryReading, build_pair, gca_parameter_count
+from models.gca import AnswerSoFar, GCAMemory
 from models.lexical import NO_TOKEN, TokenIndex, answer_windows
 from pipelines.evaluate.probes import gca_blocks, memory_attention, memory_attention_probe
 from tests.conftest import random_ids
@@ -66,10 +68,11 @@ def test_each_position_reads_the_chunk_holding_its_own_token(checkpoint_root):
     assert any(missed)  # the question's prior ties the two chunks: the routers pick one for both positions
 
 
-def gated_tokens(checkpoint_root, k: int = 2, window: int = 1, reading_window: int | None = None):
+def gated_tokens(checkpoint_root, k: int = 2, window: int = 1, reading_window: int | None = None,
+                 carry: float = 1.0):
     _, routed = routed_pair(checkpoint_root, "gca", k=k, chunk_weights="router", lexical_routing=2.0,
                             lexical_gate=True, lexical_tokens=True, lexical_window=window,
-                            lexical_reading_window=reading_window)
+                            lexical_reading_window=reading_window, lexical_window_carry=carry)
     with torch.no_grad():
         for n, block in enumerate(routed.memory_readers().values()):
             gate = block.lexical_gate
@@ -142,6 +145,27 @@ def test_an_answer_tokens_window_holds_its_answers_last_tokens_and_a_question_to
     assert torch.equal(answer_windows(ids, answer, 1), ids[..., None])
 
 
+def test_the_carry_weighs_the_earlier_answer_tokens_priors_down():
+    """memory_lexical_window_carry, by hand: chunks [5 1] [6 1] [7 1]; the question 9 (in no chunk), the answer 5 6 7
+    with a window of 2. Each answer token's prior on a chunk is the larger of its own token's idf there and carry
+    times the token before's; the question token's is its own."""
+    chunks = torch.tensor([[[5, 1], [6, 1], [7, 1]]])
+    ids = torch.tensor([[9, 5, 6, 7]])
+    i = idf(3, 1)
+    for carry in (1.0, 0.5):
+        routing = SimpleNamespace(token_prior=None)
+        memory = GCAMemory(layers={0: SimpleNamespace(routing=routing)}, states=torch.zeros(1, 6, 4),
+                           mask=torch.ones(1, 6, dtype=torch.bool),
+                           chunk_ids=(chunks, torch.ones_like(chunks, dtype=torch.bool)),
+                           answer=AnswerSoFar(fed=torch.tensor([[False, True, True, True]])))
+        memory.hold_tokens(ids, 2.0, window=2, carry=carry)
+        expected = 2 * torch.tensor([[[0, 0, 0], [i, 0, 0], [carry * i, i, 0], [0, carry * i, i]]])
+        torch.testing.assert_close(routing.token_prior, expected)
+    with pytest.raises(ValueError, match="lexical_window_carry"):
+        MemoryReading(top_k=2, lexical_routing=1.0, lexical_tokens=True, lexical_window=2,
+                      lexical_window_carry=0.0).check("gca")
+
+
 def test_a_named_key_keeps_its_chunk_read_through_the_tokens_after_it(checkpoint_root):
     """k = 1, a heavy weight: the answer names a rare key, then a token every chunk holds. With a window of 3 the
     positions after the key still read the key's chunk; with each token its own, the question's prior ties the key's
@@ -205,8 +229,8 @@ def test_windowed_cached_decoding_generate_and_beams_equal_full_forwards_and_it_
 
 def test_the_reading_window_holds_in_eval_mode_only_and_is_saved(checkpoint_root, tmp_path):
     """memory_lexical_reading_window: in eval mode the model reads as one built with that window, in training as one
-    built with memory_lexical_window; saved and loaded, it reads the same."""
-    routed = gated_tokens(checkpoint_root, reading_window=3)
+    built with memory_lexical_window; saved and loaded, it reads the same, its carry too."""
+    routed = gated_tokens(checkpoint_root, reading_window=3, carry=0.75)
     mem, mask = memory_batch(chunks=4)
     prompt = answered_rows(mem)[0]
     continuation = torch.cat([mem[:, 0, :1], mem[:, 1, :1], mem[:, 3, :2]], dim=1)
@@ -226,6 +250,7 @@ def test_the_reading_window_holds_in_eval_mode_only_and_is_saved(checkpoint_root
     torch.testing.assert_close(reading_window, read(routed, False, lexical_window=3, lexical_reading_window=None))
     assert not torch.allclose(reading_window, read(routed, False, lexical_reading_window=None))
     torch.testing.assert_close(read(routed, True), read(routed, True, lexical_reading_window=None))
+    assert not torch.allclose(reading_window, read(routed, False, lexical_window_carry=1.0))  # the carry reads
     routed.eval()
     full = logits(routed, ids, mem, mask, labels=labels)
     assert reloaded_reading_alike(routed, tmp_path / "run", ids, mem, mask, labels, full).reading == built
