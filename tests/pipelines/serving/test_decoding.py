@@ -133,8 +133,8 @@ def test_each_decoding_step_reads_the_largest_prior_of_its_answers_last_tokens(c
     steps = []
     hold = GCAMemory.hold_tokens
 
-    def recording(self, input_ids, weight, window=1):
-        hold(self, input_ids, weight, window)
+    def recording(self, input_ids, weight, window=1, carry=1.0):
+        hold(self, input_ids, weight, window, carry)
         routing = next(kv.routing for kv in self.layers.values() if kv.routing is not None)
         steps.append((input_ids.clone(), routing.token_prior.clone(), self.token_index, weight))
 
