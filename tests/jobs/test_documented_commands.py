@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "docs" / "results").glob("*.md")), *sorted((ROOT / "jobs").glob("*.py"))]
-TRAINING_JOBS = ("stage0", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "retriever", "sweep")
+TRAINING_JOBS = ("stage0", "beyond_lexical", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "retriever", "sweep")
 # The command the issue asks to show: prod on 2 nodes x 8 GPUs plans and fits.
 MUST_SHOW = ["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",
              "--data.train_path", "C/train", "--data.val_path", "C/val", "--dry-run"]
@@ -146,7 +146,8 @@ def dry_run(job: str, args: list[str], capsys) -> str:
     """The job's own entry (run_job for the stage and UL2 jobs, jobs/sweep.py's main) with --dry-run: it must exit 0
     from the dry run, before any Ray or DeepSpeed start. Returns what it printed."""
     from pipelines.train.job import run_job
-    from pipelines.train.presets import ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, TRAFFIC_VLM
+    from pipelines.train.presets import (BEYOND_LEXICAL, ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4,
+                                          TRAFFIC_VLM)
 
     args = args if "--dry-run" in args else [*args, "--dry-run"]
     with pytest.raises(SystemExit) as exit:
@@ -155,7 +156,7 @@ def dry_run(job: str, args: list[str], capsys) -> str:
 
             jobs.sweep.main(args)
         else:
-            run_job(args, {"stage0": STAGE0, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4,
+            run_job(args, {"stage0": STAGE0, "beyond_lexical": BEYOND_LEXICAL, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4,
                            "encoder_ul2": ENCODER_UL2, "traffic_vlm": TRAFFIC_VLM, "retriever": RETRIEVER}[job], "")
     out, err = capsys.readouterr()
     assert exit.value.code == 0, err

@@ -1,17 +1,20 @@
 """The jobs' embedded defaults (pipelines/train/presets.py): every preset validates as it stands (stages 1 and 2 ask
 only for their corpus, and validate once given one), crosses the Ray Train boundary as a dict unchanged, and the
-sweepable stages are the stage jobs' own presets."""
+sweepable stages are the stage jobs' own presets; the beyond-lexical preset is what docs/jobs.md says it is."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
+from pipelines.cli import parse_config
 from pipelines.train import presets
-from pipelines.train.presets import ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
+from pipelines.train.presets import BEYOND_LEXICAL, ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
 
-READY = {"STAGE0": STAGE0, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM,
+READY = {"STAGE0": STAGE0, "BEYOND_LEXICAL": BEYOND_LEXICAL, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM,
          "RETRIEVER": RETRIEVER}
 
 
@@ -44,7 +47,19 @@ def test_the_sweepable_stages_are_the_stage_jobs_presets():
     assert STAGES == {0: STAGE0, 1: STAGE1, 2: STAGE2}
     assert RETRIEVER.needle == STAGE0.needle  # the retriever learns what the stage-0 reader learns
     assert all(preset.stage == stage for stage, preset in STAGES.items()) and STAGE4.stage == 4
-    names = [p.run.name for p in (STAGE0, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM, RETRIEVER)]
+    names = [p.run.name for p in (STAGE0, BEYOND_LEXICAL, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM, RETRIEVER)]
     assert len(set(names)) == len(names)  # each job's runs under its own name
     assert {k for k, v in vars(presets).items() if k.isupper() and hasattr(v, "problems")} == {
-        "STAGE0", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM", "RETRIEVER"}  # a new preset: a test
+        "STAGE0", "BEYOND_LEXICAL", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM", "RETRIEVER"}  # a new preset: a test
+
+
+def test_the_beyond_lexical_preset_is_stage0_with_the_flags_its_docs_table_names():
+    """docs/jobs.md lists, as jobs/stage0.py flags, where the preset differs from make demo's: those flags on STAGE0
+    must give the preset exactly (its run name aside), so the table and the code cannot drift apart."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "jobs.md").read_text()
+    section = text.split("### Questions retrieval cannot match")[1].split("\n### ")[0]
+    table = section.split("| option | what it does, and why |")[1].split("\n\n")[0]
+    flags = [flag for cell in re.findall(r"^\| `([^`]+)` \|", table, re.M) for flag in cell.split()]
+    assert len(flags) > 10, table
+    documented = parse_config(flags, STAGE0)
+    assert documented == dataclasses.replace(BEYOND_LEXICAL, run=STAGE0.run)
