@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "Makefile", ROOT / "cluster.yaml", *sorted((ROOT / "docs").glob("*.md")),
              *sorted((ROOT / "docs" / "results").glob("*.md")), *sorted((ROOT / "jobs").glob("*.py"))]
-TRAINING_JOBS = ("stage0", "beyond_lexical", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "retriever", "sweep")
+TRAINING_JOBS = ("stage0", "beyond_lexical", "stage1", "stage2", "stage4", "encoder_ul2", "traffic_vlm", "retriever",
+                 "sweep")
 # The command the issue asks to show: prod on 2 nodes x 8 GPUs plans and fits.
 MUST_SHOW = ["--model.pair", "prod", "--scaling.use_gpu", "true", "--scaling.num_workers", "16",
              "--data.train_path", "C/train", "--data.val_path", "C/val", "--dry-run"]
@@ -156,8 +157,9 @@ def dry_run(job: str, args: list[str], capsys) -> str:
 
             jobs.sweep.main(args)
         else:
-            run_job(args, {"stage0": STAGE0, "beyond_lexical": BEYOND_LEXICAL, "stage1": STAGE1, "stage2": STAGE2, "stage4": STAGE4,
-                           "encoder_ul2": ENCODER_UL2, "traffic_vlm": TRAFFIC_VLM, "retriever": RETRIEVER}[job], "")
+            run_job(args, {"stage0": STAGE0, "beyond_lexical": BEYOND_LEXICAL, "stage1": STAGE1, "stage2": STAGE2,
+                           "stage4": STAGE4, "encoder_ul2": ENCODER_UL2, "traffic_vlm": TRAFFIC_VLM,
+                           "retriever": RETRIEVER}[job], "")
     out, err = capsys.readouterr()
     assert exit.value.code == 0, err
     return out

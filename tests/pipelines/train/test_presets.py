@@ -12,10 +12,11 @@ import pytest
 
 from pipelines.cli import parse_config
 from pipelines.train import presets
-from pipelines.train.presets import BEYOND_LEXICAL, ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, STAGES, TRAFFIC_VLM
+from pipelines.train.presets import (BEYOND_LEXICAL, ENCODER_UL2, RETRIEVER, STAGE0, STAGE1, STAGE2, STAGE4, STAGES,
+                                    TRAFFIC_VLM)
 
-READY = {"STAGE0": STAGE0, "BEYOND_LEXICAL": BEYOND_LEXICAL, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2, "TRAFFIC_VLM": TRAFFIC_VLM,
-         "RETRIEVER": RETRIEVER}
+READY = {"STAGE0": STAGE0, "BEYOND_LEXICAL": BEYOND_LEXICAL, "STAGE4": STAGE4, "ENCODER_UL2": ENCODER_UL2,
+         "TRAFFIC_VLM": TRAFFIC_VLM, "RETRIEVER": RETRIEVER}
 
 
 @pytest.mark.parametrize("name", sorted(READY))
@@ -50,7 +51,8 @@ def test_the_sweepable_stages_are_the_stage_jobs_presets():
     names = [p.run.name for p in (STAGE0, BEYOND_LEXICAL, STAGE1, STAGE2, STAGE4, ENCODER_UL2, TRAFFIC_VLM, RETRIEVER)]
     assert len(set(names)) == len(names)  # each job's runs under its own name
     assert {k for k, v in vars(presets).items() if k.isupper() and hasattr(v, "problems")} == {
-        "STAGE0", "BEYOND_LEXICAL", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM", "RETRIEVER"}  # a new preset: a test
+        "STAGE0", "BEYOND_LEXICAL", "STAGE1", "STAGE2", "STAGE4", "ENCODER_UL2", "TRAFFIC_VLM",
+        "RETRIEVER"}  # a new preset: a test
 
 
 def test_the_beyond_lexical_preset_is_stage0_with_the_flags_its_docs_table_names():
