@@ -117,8 +117,8 @@ def build_optimizer(groups: list[dict[str, Any]], t: TrainConfig) -> torch.optim
     state dict, quantization constants and all, with the engine's)."""
     if t.optimizer == "adamw_8bit":
         return bnb.optim.AdamW8bit(groups, lr=t.lr, weight_decay=t.weight_decay)
-    # fused: the whole update in one kernel on CPU as on CUDA; torch's default on CPU steps each tensor in a Python
-    # loop, which cost the tiny pair's job 3-4 ms a step (of ~100) against 0.6 fused
+    # fused: the whole update in one kernel, on CPU as on CUDA; torch's default on CPU steps each tensor in a Python
+    # loop, a cost a small model's step notices
     return torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay, fused=True)
 
 
