@@ -58,7 +58,7 @@ STAGE0 = StageConfig(
 # weigh the question's prior and the token's own, and in eval mode an answer token keeps its answer's last 4 tokens'
 # priors at 0.75 of their weight. The mixture starts once the base task's lookup has formed (held-out 0.75), when
 # that happens varies by seed. ZeRO-0 and evaluations every 1,000 steps: 316k parameters need no partitioning, and
-# ZeRO-2's fixed cost a step and the evaluations are what kept this schedule from about 15 minutes here.
+# ZeRO-2's fixed cost a step is time the model does not use.
 BEYOND_LEXICAL = dataclasses.replace(
     STAGE0,
     model=dataclasses.replace(STAGE0.model, reading=dataclasses.replace(
