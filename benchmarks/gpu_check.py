@@ -76,6 +76,11 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle") -> list[Step]:
         # jobs' default; compiled layers recompile per GCA block at these sizes): every ratio from one card
         Step("mfu proto1 levers", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3",
                                    "--warmup", "2", "--profile", str(WORK / "proto1-step-profile.txt")], 130),
+        # the bare step at the stage job's own shape (4 rows a step, as "stage2 proto1 50 steps" runs): the step the
+        # job's step is compared with
+        Step("mfu proto1 stage shape", [python, "benchmarks/gpu_mfu.py", "--micro-batch", "4", "--repeats", "5",
+                                        "--warmup", "2", "--levers", "eager", "liger", "--no-flop-check"], 80,
+             default=False),
         Step("mfu scale", [python, "benchmarks/gpu_mfu.py", "--pair", "scale", "--max-micro-batch", "4",
                            "--repeats", "3", "--warmup", "2", "--levers", "eager", "liger", "--no-flop-check"], 130),
         # the seed's QLoRA plan: the scale pair with an NF4 base and 8-bit AdamW against the plan and a 40 GiB card,
@@ -105,8 +110,10 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle") -> list[Step]:
 
 
 def steps_to_run(plan: list[Step], only: list[str]) -> list[Step]:
-    """The steps named by --only, in plan order; without --only, the default ones."""
-    return [s for s in plan if s.name in only] if only else [s for s in plan if s.default]
+    """The steps named by --only, in the order named (what matters most first, so a short budget cuts the rest);
+    without --only, the default ones in plan order."""
+    by_name = {s.name: s for s in plan}
+    return [by_name[name] for name in dict.fromkeys(only)] if only else [s for s in plan if s.default]
 
 
 VERSIONS = """
