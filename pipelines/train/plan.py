@@ -118,13 +118,13 @@ class MemoryPlan:
                  f"| {'per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
         lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.rows.items()]
         lines.append(f"| {'total while training':<44} | {self.total_gib:8.2f} |")
-        if i.quantize != "none":
-            building = "quantized load"
+        if self.load_rows:
+            building = "quantized load" if i.quantize != "none" else "zero.Init build"
+            lines += [f"| {f'loading ({building}), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
+            lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.load_rows.items()]
+            lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
         else:
-            building = "zero.Init build" if self.zero_stage == 3 else "whole pair on each GPU"
-        lines += [f"| {f'loading ({building}), per GPU':<44} | {'GiB':>8} |", f"|{'-' * 46}|{'-' * 10}|"]
-        lines += [f"| {name:<44} | {gib:8.2f} |" for name, gib in self.load_rows.items()]
-        lines.append(f"| {'total while loading':<44} | {self.load_gib:8.2f} |")
+            lines.append("loading: in host memory; DeepSpeed's start moves the pair to each GPU (the training rows)")
         lines += [f"host memory while loading, {name}: {gib:.1f} GiB" for name, gib in self.load_host_gib.items()]
         if self.deepspeed_estimate_gib is not None:
             lines.append("DeepSpeed's ZeRO-3 estimate of model states (full training): "
@@ -247,9 +247,11 @@ def _plan_at(inputs: PlanInput, stage: int, counted: tuple[dict[str, int], int, 
         plan.load_rows, plan.load_host_gib = quantized_load_peak(inputs, params, model, sizes)
     else:
         plan.load_rows, plan.load_host_gib = load_peak(inputs, params, model)
-        if stage < 3:  # every rank builds the whole pair and moves it to its GPU
-            plan.load_rows = {"the whole pair (bf16)": 2 * (total - params.get("decoder LoRA", 0)) / GIB,
-                              "CUDA context, NCCL": CUDA_CONTEXT_GIB}
+        if stage < 3:  # every rank builds the whole pair in host memory; DeepSpeed's start moves it to the GPU,
+            # where the training rows already count it: no GPU peak of its own (measured on an H200: 0.5 GiB)
+            plan.load_rows = {}
+            plan.load_host_gib[f"every node ({inputs.gpus_per_node} ranks, each the whole pair in bf16)"] = (
+                inputs.gpus_per_node * 2 * (total - params.get("decoder LoRA", 0)) / GIB)
     if inputs.decoder == "full" and inputs.encoder == "full" and stage == 3:
         # lazy: DeepSpeed; every stage job's --dry-run prints this plan, and only this row needs it
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs

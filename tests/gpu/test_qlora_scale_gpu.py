@@ -96,7 +96,10 @@ def measure(config: StageConfig, out) -> dict:
               "zero_stage": config.deepspeed.zero_stage, "seconds_per_step": round(seconds, 3),
               "decoder_tokens_per_s": round(tokens / seconds, 1),
               "peak_gib": {k: round(v, 2) for k, v in peaks.items()},
-              "plan_gib": {"loading": round(plan.load_gib, 2), "training": round(plan.total_gib, 2)},
+              # a GPU load phase only where the plan has one (a quantized load; a 16-bit pair below ZeRO-3 is built
+              # in host memory and moved by DeepSpeed's start, inside the training phase)
+              "plan_gib": {"loading": round(plan.load_gib, 2) if plan.load_rows else None,
+                           "training": round(plan.total_gib, 2)},
               "losses": measured["losses"], "grad_norms": measured["grad_norms"]}
     print(plan.table())
     print("qlora-gpu " + json.dumps(record), flush=True)
@@ -124,6 +127,8 @@ def assert_peaks_match_the_plan(record: dict, device) -> None:
         pytest.skip("GPU memory is measured on CUDA only")
     for phase, peak in record["peak_gib"].items():
         predicted = record["plan_gib"][phase]
+        if predicted is None:
+            continue
         assert abs(predicted - peak) <= PLAN_TOLERANCE * peak, (phase, predicted, peak)
 
 
