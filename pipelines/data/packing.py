@@ -78,7 +78,12 @@ def _fit(example: dict, spec: PackingSpec, stats: PackStats) -> dict:
 
 def collate_packed(rows: list[list[dict]], spec: PackingSpec,
                    stats: PackStats | None = None) -> dict[str, torch.Tensor]:
-    """Packed rows -> the tensors AwarenessModel.forward takes (padding: segment -1, label -100, masked chunks)."""
+    """Packed rows -> the tensors AwarenessModel.forward takes (padding: segment -1, label -100, masked chunks).
+
+    A batch whose every row is one example filling it comes back as plain rows: no segment ids, default positions,
+    and a memory mask only where a chunk is short. The loss is the same; what changes is that attention needs no
+    mask, so SDPA can take its flash and cuDNN kernels (a packed row's block-causal mask and the memory's per-token
+    mask keep the decoder and the GCA blocks on the masked kernels)."""
     b = max(len(rows), 1)
     t = max((sum(len(e["input_ids"]) for e in row) for row in rows), default=1)
     c = max((sum(len(e["memory_input_ids"]) for e in row) for row in rows), default=1)
@@ -109,6 +114,9 @@ def collate_packed(rows: list[list[dict]], spec: PackingSpec,
     if stats is not None:
         stats.real_tokens += int((segment_ids >= 0).sum())
         stats.padded_tokens += int((segment_ids < 0).sum())
+    if bool((segment_ids == 0).all()):  # one example a row, no padding: plain rows (unpacked)
+        plain = {"input_ids": input_ids, "labels": labels, "memory_input_ids": memory}
+        return plain if bool(memory_mask.all()) else plain | {"memory_attention_mask": memory_mask}
     return {
         "input_ids": input_ids,
         "labels": labels,

@@ -23,7 +23,6 @@ from pipelines.data.streams import validation_rows
 from pipelines.evaluate import plots
 from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.evaluate.in_training import base_accuracy, evaluate_corpus, evaluate_needles, needle_heatmap
-from pipelines.format.rows import IGNORE
 from pipelines.format.shards import check_splits
 from pipelines.evaluate.probes import attention_entropy
 from pipelines.tracking.lineage import data_manifest_hash, git_commit, system_info
@@ -71,7 +70,8 @@ class StageRecipe:
         return make_stream(config, rank, world, start_step, teacher_logits=worker.get("teacher_logits"))
 
     def count_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != IGNORE).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
+        """Decoder tokens the step reads, padding excluded (tok/s means the same for packed and plain rows)."""
+        return int((batch["segment_ids"] >= 0).sum()) if "segment_ids" in batch else batch["input_ids"].numel()
 
     def loss(self, engine, config: StageConfig, batch: dict[str, torch.Tensor]) -> Loss:
         return model_loss(engine, batch)
