@@ -38,6 +38,7 @@ import torch
 from timing import timed_side_by_side
 
 from models import build_pair, training_flops
+from pipelines.train.profiling import activities, sort_key, top_operators
 from models.flops import PARTS, flop_counter
 from models.kernels import liger_available, use_liger_kernels
 from pipelines.train.configs.stage import ModelConfig
@@ -214,15 +215,13 @@ def measure(args, lever: str, model, params, optimizer, micro_batch: int, device
 
 def profile_step(step: Callable[[], None], path: str, cuda: bool) -> None:
     """One step under torch.profiler: the top operators by device time (CPU time on CPU), written to `path`."""
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities(cuda)) as profiler:
         step()
         if cuda:
             torch.cuda.synchronize()
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     with open(path, "w") as f:
-        f.write(profiler.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n")
-    print(f"profile of one step, top operators by {key}: {path}")
+        f.write(top_operators(profiler, cuda))
+    print(f"profile of one step, top operators by {sort_key(cuda)}: {path}")
 
 
 def table(args, rows: list[dict], micro_batch: int) -> None:

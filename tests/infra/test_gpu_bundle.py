@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from models.awareness import AwarenessModel
+from pipelines.train.hooks import HOOK_ENV
+from pipelines.train.profiling import OUT_ENV, STEPS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,8 +117,13 @@ def test_the_gpu_box_script_fits_one_device_command():
     assert [s.name for s in default] == ["versions", "gpu tests", "mfu proto1 levers", "mfu scale",
                                          "mfu prod 8 layers"]
     assert sum(s.limit_s for s in default) <= check.BUDGET_S <= 540  # the device's 600 s command, install and report
-    second = check.steps_to_run(steps, ["stage2 corpus", "stage2 proto1 50 steps", "ttft 16k 64k", "versions"])
+    second = check.steps_to_run(steps, ["stage2 corpus", "stage2 proto1 50 steps", "mfu proto1 stage shape",
+                                        "ttft 16k 64k", "versions"])
     assert sum(s.limit_s for s in second) <= check.BUDGET_S  # the stage job and TTFT: a second device command
+    job = next(s for s in check.steps(sys.executable, out=Path("/report")) if s.name == "stage2 proto1 50 steps")
+    assert job.env == {HOOK_ENV: "pipelines.train.profiling:profile_steps", STEPS_ENV: "20:25",  # steps 21-25
+                       OUT_ENV: "/report/stage2-step-profile.txt"}
+    assert (check.HOOK_ENV, check.PROFILE_STEPS_ENV, check.PROFILE_OUT_ENV) == (HOOK_ENV, STEPS_ENV, OUT_ENV)
     serving = check.steps_to_run(steps, ["versions", "serve demo", "serve proto1", "versions"])  # in the order named
     assert [s.name for s in serving] == ["versions", "serve demo", "serve proto1"]
     assert sum(s.limit_s for s in serving) <= check.BUDGET_S  # the serving checks: one device command of their own
