@@ -179,6 +179,8 @@ def test_export_reloads_without_deepspeed(tmp_path, checkpoint_root, local_ray, 
     from pipelines.train.recipes.jobs import train
 
     config = small_config(tmp_path, checkpoint_root, f"export-{memory}", steps=4, memory=memory)
+    if memory == "in_context":  # all 4 facts asked in one prompt would give the last by elimination (refused)
+        config = dataclasses.replace(config, needle=dataclasses.replace(config.needle, questions_per_row=2))
     summary = train(config)
     assert summary["memory"] == memory
     system = read_system(summary["export"])
