@@ -18,6 +18,7 @@ from pipelines.tracking.tracker import Tracker, for_other_nodes
 from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
                                     setup_deepspeed)
 from pipelines.train.hooks import installed_hook
+from pipelines.train.plan import measured_peak_gib
 from pipelines.train.recipes import Recipe, TrainState
 
 
@@ -105,10 +106,12 @@ def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dic
     part_values = {n: v / world for n, v in zip(names, totals[3:].tolist(), strict=True)}
     state.parts_first = state.parts_first or dict(part_values)
     elapsed = time.perf_counter() - started
+    peak = measured_peak_gib()  # GPU workers: this rank's peak so far, as jobs/plan.py counts it
     return {"step": state.step, "loss": loss, "loss_first": state.loss_first, "lr": max(engine.get_lr()),
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
             "examples_seen": state.examples_seen, "index_checksum": float(state.index_checksum), **part_values,
-            **{f"{n}_first": v for n, v in state.parts_first.items()}}
+            **{f"{n}_first": v for n, v in state.parts_first.items()},
+            **({"gpu_peak_gib": peak} if peak is not None else {})}
 
 
 def resumed_state(engine, world: int) -> TrainState:

@@ -19,6 +19,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from models import PAIRS, LoraPlan, LoraSettings, apply_lora, build_pair
 from models.fusion import FUSIONS
 from models.kernels import liger_available
@@ -158,6 +160,17 @@ def plan_for_stage(config) -> MemoryPlan:
         fusion=config.model.fusion, zero_stage=config.deepspeed.zero_stage, quantize=config.model.quantize,
         optimizer=config.train.optimizer, fused_loss=uses_liger(config),
     ))
+
+
+
+def measured_peak_gib() -> float | None:
+    """This process's GPU peak as the plan counts it: the allocator's peak reservation plus what the device holds
+    outside the allocator now (CUDA context, NCCL buffers); None without CUDA. A training job reports it beside the
+    plan's prediction."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (torch.cuda.max_memory_reserved() + total - free - torch.cuda.memory_reserved()) / GIB
 
 
 def uses_liger(config) -> bool:

@@ -152,6 +152,9 @@ class StageRecipe:
             "examples_seen": metrics.get("examples_seen"),
             "index_checksum": metrics.get("index_checksum"),  # which examples were seen: a resumed run's must match
             "export": export_dir,
+            # GPU runs: rank 0's measured peak beside the memory plan's (the GPU tests hold them within 15%)
+            **({"gpu_peak_gib": metrics.get("gpu_peak_gib"),
+                "planned_peak_gib": round(plan_for_stage(config).peak_gib, 2)} if config.scaling.use_gpu else {}),
         }
 
 

@@ -1,9 +1,11 @@
 import pytest
+import torch
 
 from jobs.plan import main as plan_main
 from pipelines.train.configs.common import ScalingSettings
 from pipelines.train.configs.stage import ModelConfig, StageConfig
-from pipelines.train.plan import GIB, PlanInput, fused_loss_bytes, plan_for_stage, plan_memory, uses_liger
+from pipelines.train.plan import (GIB, PlanInput, fused_loss_bytes, measured_peak_gib, plan_for_stage, plan_memory,
+                                  uses_liger)
 
 
 def test_prod_pair_with_lora_fits_two_h100_nodes():
@@ -152,3 +154,14 @@ def test_the_stage_jobs_plan_counts_the_loss_its_workers_use():
     liger = StageConfig(model=ModelConfig(pair="proto1", liger=True), scaling=gpu)
     assert uses_liger(liger) and not uses_liger(StageConfig(model=ModelConfig(liger=None)))  # here: no CUDA
     assert "logits and loss (Liger's fused chunks)" in plan_for_stage(liger).rows
+
+
+def test_the_measured_peak_is_the_allocators_peak_plus_what_the_device_holds_outside_it(monkeypatch):
+    """What a GPU job reports beside the plan (gpu_peak_gib): counted as the GPU tests count their peaks."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * GIB, 140 * GIB))  # 40 GiB in use on the device
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 38 * GIB)  # so 2 GiB outside the allocator
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 45 * GIB)
+    assert measured_peak_gib() == 47.0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert measured_peak_gib() is None
