@@ -93,8 +93,7 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle", out: Path = WORK) ->
         # the seed's QLoRA plan: the scale pair with an NF4 base and 8-bit AdamW against the plan and a 40 GiB card,
         # then in bf16 for the tokens/s beside it (31 GiB of bf16 checkpoints written first)
         Step("qlora scale", pytest + [QLORA_TESTS], 240, default=False),
-        # micro-batch 8 fixed (it fits: the eager row ran there), not found by doubling; Liger's MoE kernels compile
-        # on their first step
+        # micro-batch 8 fixed (it fits: the eager row ran there), not found by doubling
         Step("mfu prod 8 layers", [python, "benchmarks/gpu_mfu.py", "--pair", "prod", "--layers", "8",
                                    "--micro-batch", "8", "--repeats", "3", "--warmup", "2", "--levers", "eager",
                                    "liger", "--no-flop-check"], 130),

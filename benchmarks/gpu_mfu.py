@@ -38,11 +38,11 @@ import torch
 from timing import timed_side_by_side
 
 from models import build_pair, training_flops
-from pipelines.train.profiling import activities, sort_key, top_operators
 from models.flops import PARTS, flop_counter
 from models.kernels import liger_available, use_liger_kernels
 from pipelines.train.configs.stage import ModelConfig
 from pipelines.train.model import prepare_model
+from pipelines.train.profiling import activities, sort_key, top_operators
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0  # H200 too; H100 PCIe: 756; A100: 312
 

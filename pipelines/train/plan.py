@@ -162,7 +162,6 @@ def plan_for_stage(config) -> MemoryPlan:
     ))
 
 
-
 def measured_peak_gib() -> float | None:
     """This process's GPU peak as the plan counts it: the allocator's peak reservation plus what the device holds
     outside the allocator now (CUDA context, NCCL buffers); None without CUDA. A training job reports it beside the
