@@ -84,10 +84,10 @@ def steps(python: str, bundle: Path = ROOT / ".gpu-bundle", out: Path = WORK) ->
         Step("mfu proto1 levers", [python, "benchmarks/gpu_mfu.py", "--max-micro-batch", "16", "--repeats", "3",
                                    "--warmup", "2", "--profile", str(WORK / "proto1-step-profile.txt")], 130),
         # the bare step at the stage job's own shape (4 rows a step, as "stage2 proto1 50 steps" runs): the step the
-        # job's step is compared with
+        # job's step is compared with; beside it the same ids packed 4 examples a row, what masked attention costs
         Step("mfu proto1 stage shape", [python, "benchmarks/gpu_mfu.py", "--micro-batch", "4", "--repeats", "5",
-                                        "--warmup", "2", "--levers", "eager", "liger", "--no-flop-check"], 80,
-             default=False),
+                                        "--warmup", "2", "--levers", "eager", "liger", "--packed", "4",
+                                        "--no-flop-check"], 100, default=False),
         Step("mfu scale", [python, "benchmarks/gpu_mfu.py", "--pair", "scale", "--max-micro-batch", "4",
                            "--repeats", "3", "--warmup", "2", "--levers", "eager", "liger", "--no-flop-check"], 100),
         # the seed's QLoRA plan: the scale pair with an NF4 base and 8-bit AdamW against the plan and a 40 GiB card,

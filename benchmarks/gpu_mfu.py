@@ -139,6 +139,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", default="auto",
                         help="rows per step, or 'auto': the largest power of two that fits (CUDA; 1 on CPU)")
     parser.add_argument("--max-micro-batch", type=int, default=64, help="where 'auto' stops doubling")
+    parser.add_argument("--packed", type=int, default=1,
+                        help="with N > 1, also time each lever's pair step on the same ids packed N examples a row "
+                             "(segment ids: the masked attention a packed corpus row takes)")
     parser.add_argument("--gca-layers", default="upper_third", help="GCA placement (models.placement)")
     parser.add_argument("--lora-rank", type=int, default=16, help="decoder LoRA rank")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -193,6 +196,8 @@ def measure(args, lever: str, model, params, optimizer, micro_batch: int, device
     cuda = device.type == "cuda"
     with_memory, alone = make_batches(model, micro_batch, args, device)
     batches = [with_memory, alone] if first else [with_memory]
+    if args.packed > 1:
+        batches.append(packed(with_memory, args.packed))
     steps = [make_step(model, params, optimizer, batch) for batch in batches]
     flops = [training_flops(model, batch) for batch in batches]
     checks = [] if args.no_flop_check or not first else [cross_check(model, batch) for batch in batches]
@@ -206,11 +211,28 @@ def measure(args, lever: str, model, params, optimizer, micro_batch: int, device
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     if first and args.profile:
         profile_step(steps[0], args.profile, cuda)
-    names = [f"pair, {lever}", "decoder alone (no GCA, no memory), eager"]
     memory_tokens = micro_batch * args.chunks * args.chunk_len
-    rows = [{"name": name, "time": t, "flops": f, "memory_tokens": m, "peak": peak, "check": c}
-            for name, t, f, m, c in zip(names, times, flops, (memory_tokens, 0), checks or [None, None])]
-    return rows
+    rows = [(f"pair, {lever}", memory_tokens)] + ([("decoder alone (no GCA, no memory), eager", 0)] if first else [])
+    rows += [(f"pair, {lever}, {args.packed} examples packed a row", memory_tokens)] if args.packed > 1 else []
+    checks = checks + [None] * (len(rows) - len(checks))
+    return [{"name": name, "time": t, "flops": f, "memory_tokens": m, "peak": peak, "check": c}
+            for (name, m), t, f, c in zip(rows, times, flops, checks, strict=True)]
+
+
+def packed(batch: dict, examples: int) -> dict:
+    """The same ids as `examples` examples a row, each with its own share of the chunks: segment ids, positions
+    restarting per example (pipelines.data.packing's layout). The FLOPs are counted as for the plain rows, so the
+    row beside them shows what the masks cost."""
+    ids, memory = batch["input_ids"], batch["memory_input_ids"]
+    (rows, seq), chunks = ids.shape, memory.shape[1]
+    if seq % examples or chunks % examples:
+        raise SystemExit(f"--packed {examples}: --seq ({seq}) and --chunks ({chunks}) must divide by it")
+    device = ids.device
+    per_token = torch.arange(examples, device=device).repeat_interleave(seq // examples)
+    per_chunk = torch.arange(examples, device=device).repeat_interleave(chunks // examples)
+    return {"input_ids": ids, "memory_input_ids": memory, "segment_ids": per_token.repeat(rows, 1),
+            "position_ids": torch.arange(seq // examples, device=device).repeat(rows, examples),
+            "memory_segment_ids": per_chunk.repeat(rows, 1)}
 
 
 def profile_step(step: Callable[[], None], path: str, cuda: bool) -> None:
