@@ -51,6 +51,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             metrics |= recipe.evaluate(engine, config, rank, world)
             logging_step = True
         if logging_step:
+            peak = measured_peak_gib()  # GPU workers: this rank's peak so far, as jobs/plan.py counts it
+            metrics |= {"gpu_peak_gib": peak} if peak is not None else {}
             tracker.log_metrics(metrics, state.step)
         if state.step % t.checkpoint_every == 0 or final:
             # Every checkpoint carries the small export (GCA, projection, LoRA: gathered, not the base weights), so any
@@ -106,12 +108,10 @@ def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dic
     part_values = {n: v / world for n, v in zip(names, totals[3:].tolist(), strict=True)}
     state.parts_first = state.parts_first or dict(part_values)
     elapsed = time.perf_counter() - started
-    peak = measured_peak_gib()  # GPU workers: this rank's peak so far, as jobs/plan.py counts it
     return {"step": state.step, "loss": loss, "loss_first": state.loss_first, "lr": max(engine.get_lr()),
             "tokens_per_s": totals[1].item() / elapsed, "step_seconds": elapsed,
             "examples_seen": state.examples_seen, "index_checksum": float(state.index_checksum), **part_values,
-            **{f"{n}_first": v for n, v in state.parts_first.items()},
-            **({"gpu_peak_gib": peak} if peak is not None else {})}
+            **{f"{n}_first": v for n, v in state.parts_first.items()}}
 
 
 def resumed_state(engine, world: int) -> TrainState:
