@@ -90,8 +90,7 @@ def measure(config: StageConfig, out) -> dict:
     tokens = config.data.max_tokens * config.train.memories_per_step
     steady = measured["step_seconds"][1:] or measured["step_seconds"]  # the first step warms the kernels up
     seconds = sorted(steady)[len(steady) // 2]
-    peaks = {phase: measured[phase]["reserved"] + measured[phase]["outside_allocator"]
-             for phase in ("loading", "training")}
+    peaks = {phase: measured[phase]["peak"] for phase in ("loading", "training")}
     record = {"pair": PAIR, "quantize": config.model.quantize, "optimizer": config.train.optimizer,
               "zero_stage": config.deepspeed.zero_stage, "seconds_per_step": round(seconds, 3),
               "decoder_tokens_per_s": round(tokens / seconds, 1),

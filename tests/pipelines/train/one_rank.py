@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipelines.train.configs.stage import StageConfig
-from pipelines.train.plan import GIB
+from pipelines.train.plan import GIB, measured_peak_gib
 
 
 def run_one_rank(config: StageConfig, out: Path) -> dict:
@@ -41,13 +41,11 @@ def _rank(_: int, port: int, config: dict, out: str) -> None:
 
 
 def device_peak_gib(cuda: bool) -> dict[str, float]:
-    """The allocator's peak reservation since the last reset, and the device's memory held outside the allocator."""
+    """The peak since the last reset as a GPU job reports it (pipelines.train.plan.measured_peak_gib: the allocator's
+    peak reservation plus what the device holds outside it), and the allocator's peak allocation beside it."""
     if not cuda:
-        return {"reserved": 0.0, "outside_allocator": 0.0}
-    free, total = torch.cuda.mem_get_info()
-    return {"reserved": torch.cuda.max_memory_reserved() / GIB,
-            "allocated": torch.cuda.max_memory_allocated() / GIB,
-            "outside_allocator": (total - free - torch.cuda.memory_reserved()) / GIB}
+        return {"peak": 0.0, "allocated": 0.0}
+    return {"peak": measured_peak_gib(), "allocated": torch.cuda.max_memory_allocated() / GIB}
 
 
 def build_and_train(config: StageConfig, cuda: bool) -> dict:
