@@ -513,6 +513,7 @@ class AwarenessModel(nn.Module):
             self._place_in_answer(gca_memory, input_ids, attention_mask, labels, asking)
         if labels is not None and self.training and not _reports_router_logits(self.decoder):
             # training: the loss without the (B, T, V) logits (models/loss.py); the model returns none
+            decoder_kwargs.setdefault("use_cache", False)  # a training forward decodes nothing after it
             hidden = self.decoder.model(input_ids=input_ids, attention_mask=attention_mask, gca_memory=gca_memory,
                                         **decoder_kwargs).last_hidden_state  # (B, T, H)
             out = AwarenessOutput(loss=causal_lm_loss(hidden, self.decoder.get_output_embeddings(), labels))

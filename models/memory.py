@@ -78,18 +78,19 @@ class MemoryEncoder(nn.Module):
         return self._encode_states(ids, mask)
 
     def _encode_states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # use_cache=False: nothing decodes after the encoder, so its keys and values are never kept.
         # Positions count real tokens only, so left and right padding give the same states.
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B*C, L)
         embeds = self.encoder.embed_tokens(ids)
         if self.attention == "causal":
-            out = self.encoder(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids)
+            out = self.encoder(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids, use_cache=False)
         else:
             full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=embeds,
                                              attention_mask=mask.long())
             # is_causal=False reaches SDPA through transformers' kwargs, so a skipped (None) mask stays bidirectional.
             out = self.encoder(
                 inputs_embeds=embeds, attention_mask={"full_attention": full}, position_ids=position_ids,
-                is_causal=False,
+                is_causal=False, use_cache=False,
             )
         return out.last_hidden_state
 

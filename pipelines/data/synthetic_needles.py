@@ -23,7 +23,8 @@ Training for size and for similar facts, each off by default, so the default tas
   training and for the evaluation's probes alike.
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
-  token with its evidence) and `two_hop` (variable tracking with each link in a chunk of its own; its memory grows
+  token with its evidence; the answer names the key before its value, `BOS alias` -> `key d d d`, so the alias is
+  translated by what training taught and the fact is read by its key, among alias_multi_key's many) and `two_hop` (variable tracking with each link in a chunk of its own; its memory grows
   as multi_key's does, with chains nobody asks, so the second link is one link among many). `three_hop` is
   scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. A chain's
   answer names each key it passes before the value (`BOS ka` -> `kb d d d`): the decoder reads again at the key it
@@ -162,9 +163,10 @@ class NeedleSpec:
         return parse_mixture(self.variants)[0]
 
     def row_len(self, variant: str = "single") -> int:
-        """Tokens of one question row: BOS, the key(s), the answer's tokens (a chain's path, the value(s)), EOS."""
+        """Tokens of one question row: BOS, the key(s), the answer's tokens (the keys it names: a chain's path, an
+        alias's key; the value(s)), EOS."""
         two = variant in ("multi_query", "multi_value")
-        path = self.key_tokens * (CHAIN_HOPS.get(variant, 1) - 1)
+        path = self.key_tokens * (CHAIN_HOPS.get(variant, 1) - 1 + (variant in ALIAS_VARIANTS))
         return self.prompt_len + self.key_tokens * (variant == "multi_query") + path + self.value_digits * (1 + two) + 1
 
     @property
@@ -248,8 +250,9 @@ class NeedleMemory:
     """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, the
     answer a model is trained to give (the path, then the references one after another; multi_value's two in memory
     order), where (as a fraction of the memory) the fact holding the answer starts, the chunks its evidence lies in
-    (every fact the answer needs: both values, both keys, every hop), and its path: the keys a chain's answer names
-    before the value (two_hop, three_hop; empty elsewhere); and its task."""
+    (every fact the answer needs: both values, both keys, every hop), and its path: the keys its answer names before
+    the value (a chain's links, two_hop and three_hop; the aliased key, alias and alias_multi_key; empty elsewhere);
+    and its task."""
 
     memory: np.ndarray
     questions: list[list[int]]
@@ -303,7 +306,7 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
 class DrawnFacts(NamedTuple):
     """A memory's facts before placement and, per question: its prompt, its references, the fact holding its
     (first) answer, every fact it needs; the (key, value) facts hard distractors imitate; per question the keys
-    its answer names before the value (chains; None: none); and the groups of facts each placed in chunks of their
+    its answer names before the value (chains, aliases; None: none); and the groups of facts each placed in chunks of their
     own (every chain of the memory, asked or not; None: the asked questions' `needed`)."""
 
     facts: list[list[int]]
@@ -357,8 +360,11 @@ def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.
                           [list(pair) for pair in pairs], [(keys[f], values[f]) for pair in pairs for f in pair])
     order = rng.choice(n_facts, size=min(spec.questions, n_facts), replace=False).tolist()
     named = alias if variant in ALIAS_VARIANTS else list
+    # an alias answer names the key it translates the alias to (`BOS alias` -> `key d d d`), as a chain's names its
+    # next key: the token prior then reads that key's chunk among the memory's many facts
     drawn = DrawnFacts(facts, [[BOS, *named(keys[f])] for f in order], [[values[f]] for f in order], order,
-                       [[f] for f in order], [(keys[f], values[f]) for f in order])
+                       [[f] for f in order], [(keys[f], values[f]) for f in order],
+                       [list(keys[f]) for f in order] if variant in ALIAS_VARIANTS else None)
     if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
         second = digits(len(order))
         drawn.needed[:] = [[f, len(facts) + q] for q, f in enumerate(order)]

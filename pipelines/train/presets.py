@@ -65,7 +65,7 @@ BEYOND_LEXICAL = dataclasses.replace(
         STAGE0.model.reading, top_k=4, lexical_gate=True, lexical_tokens=True, lexical_reading_window=4,
         lexical_window_carry=0.75)),
     needle=dataclasses.replace(
-        STAGE0.needle, variants=["single", "multi_key", "multi_value:3", "multi_query:3", "alias:3",
+        STAGE0.needle, variants=["single", "multi_key", "multi_value:4", "multi_query:4", "alias:3",
                                  "alias_multi_key:2", "two_hop:4"], base_steps=4000, base_until=0.75),
     train=dataclasses.replace(STAGE0.train, max_steps=10000, eval_every=1000, checkpoint_every=1000),
     deepspeed=DeepSpeedSettings(zero_stage=0),

@@ -82,9 +82,11 @@ def facts_in(memory: np.ndarray) -> dict[tuple[int, ...], list[list[int]]]:
 
 def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> list[int]:
     """The answer worked out from the memory alone, as a reader would (an alias read back through ALIAS_OF)."""
+    named = []  # an alias answer names the key before its value
     if variant in ("alias", "alias_multi_key"):
         key_of = {a: k for k, a in ALIAS_OF.items()}
         question = question[:1] + [key_of[a] for a in question[1:]]
+        named = question[1:]
     keys = [tuple(question[1 + i * key_tokens : 1 + (i + 1) * key_tokens])
             for i in range((len(question) - 1) // key_tokens)]
     if variant == "multi_query":
@@ -96,7 +98,7 @@ def solve(variant: str, question: list[int], facts: dict, key_tokens: int) -> li
     while variant in ("variable_tracking", "two_hop", "three_hop") and tuple(value) in facts:  # a link: follow it
         path += value if variant != "variable_tracking" else []
         (value,) = facts[tuple(value)]
-    return path + value
+    return named + path + value
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -335,9 +337,9 @@ def test_the_alias_map_is_one_fixed_bijection_onto_tokens_no_alias_memory_holds(
         for index in range(4):
             example = make_example(NeedleSpec(), seed, index, variant="alias")
             facts = facts_in(example["memory"])
-            for row in example["input_ids"].tolist():
-                (key,) = [k for k, values in facts.items() if values == [row[2:-1]]]
-                assert row[1] == ALIAS_OF[key[0]]
+            for row in example["input_ids"].tolist():  # BOS alias key d d d EOS
+                (key,) = [k for k, values in facts.items() if values == [row[3:-1]]]
+                assert row[1] == ALIAS_OF[key[0]] and row[2] == key[0]
 
 
 @pytest.mark.parametrize("variant", ["alias", "alias_multi_key"])
@@ -350,14 +352,17 @@ def test_an_alias_question_shares_no_token_with_its_evidence_chunk(variant, key_
     spec = NeedleSpec(key_tokens=key_tokens)
     for index in range(4):
         probe = make_probe(variant, spec, scale, seed=9, index=index, hard_distractors=hard)
-        for question, evidence, answer in zip(probe.questions, probe.evidence, probe.answers, strict=True):
+        for question, evidence, answer, path in zip(probe.questions, probe.evidence, probe.answers, probe.paths,
+                                                    strict=True):
             (chunk,) = evidence
             words = tokenizer.decode(question, skip_special_tokens=False).split()
             assert not tokens(question) & tokens(probe.memory[chunk].tolist())
             assert not set(words) & set(tokenizer.decode(probe.memory[chunk].tolist()).split())
             key_of = {a: k for k, a in ALIAS_OF.items()}
             key = [key_of[a] for a in question[1:]]
-            assert as_fact(key, answer) in as_fact(probe.memory[chunk].tolist(), [])  # the evidence holds the answer
+            assert path == key and answer[: len(key)] == key  # the answer names the key, then its value
+            assert as_fact(key, answer[len(key) :]) in as_fact(probe.memory[chunk].tolist(), [])  # the evidence
+            # holds the answer
 
 
 def as_fact(key: list[int], value: list[int]) -> str:

@@ -63,7 +63,8 @@ def test_exact_match_needs_every_answer_token(variant, mode):
     runs_on = score_needles(Reader(wrong_from_end=0), spec, 3, [0, 1], mode=mode, variant=variant, scale=2)
     assert runs_on.accuracy == 0.0  # every reference, then no EOS: not a whole answer
     assert right.tokens == wrong_last.tokens
-    per_question = {"multi_value": 6, "multi_query": 6, "two_hop": 4}.get(variant, 3) + 1  # two_hop: kb d d d
+    per_question = {"multi_value": 6, "multi_query": 6, "two_hop": 4, "alias": 4}.get(variant, 3) + 1  # two_hop:
+    # kb d d d; alias: key d d d
     assert right.tokens == right.total * per_question  # answer tokens and EOS, nothing else is a label
 
 
