@@ -1,5 +1,5 @@
 """Stage 0 on the questions retrieval cannot match: the stage-0 mixture plus alias, alias_multi_key and two_hop
-(docs/jobs.md, "Questions retrieval cannot match"), about 16-18 minutes on 2 CPU cores.
+(docs/jobs.md, "Questions retrieval cannot match"), about 17 minutes on 2 CPU cores.
 
     python jobs/beyond_lexical.py                           # embedded default: tiny pair, CPU, 10,000 steps
     python jobs/beyond_lexical.py --train.seed 1            # any config field, as --section.field VALUE

@@ -83,7 +83,8 @@ class MemoryEncoder(nn.Module):
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B*C, L)
         embeds = self.encoder.embed_tokens(ids)
         if self.attention == "causal":
-            out = self.encoder(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids, use_cache=False)
+            out = self.encoder(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=position_ids,
+                               use_cache=False)
         else:
             full = create_bidirectional_mask(config=self.encoder.config, inputs_embeds=embeds,
                                              attention_mask=mask.long())

@@ -24,8 +24,9 @@ Training for size and for similar facts, each off by default, so the default tas
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
   token with its evidence; the answer names the key before its value, `BOS alias` -> `key d d d`, so the alias is
-  translated by what training taught and the fact is read by its key, among alias_multi_key's many) and `two_hop` (variable tracking with each link in a chunk of its own; its memory grows
-  as multi_key's does, with chains nobody asks, so the second link is one link among many). `three_hop` is
+  translated by what training taught and the fact is read by its key, among alias_multi_key's many) and `two_hop`
+  (variable tracking with each link in a chunk of its own; its memory grows as multi_key's does, with chains nobody
+  asks, so the second link is one link among many). `three_hop` is
   scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. A chain's
   answer names each key it passes before the value (`BOS ka` -> `kb d d d`): the decoder reads again at the key it
   named, so every read is one lookup, as the seed's `<read>` has the decoder say what it reads; in one forward, a
@@ -306,8 +307,8 @@ def near_facts(rng: np.random.Generator, spec: NeedleSpec, targets: list[tuple[l
 class DrawnFacts(NamedTuple):
     """A memory's facts before placement and, per question: its prompt, its references, the fact holding its
     (first) answer, every fact it needs; the (key, value) facts hard distractors imitate; per question the keys
-    its answer names before the value (chains, aliases; None: none); and the groups of facts each placed in chunks of their
-    own (every chain of the memory, asked or not; None: the asked questions' `needed`)."""
+    its answer names before the value (chains, aliases; None: none); and the groups of facts each placed in chunks
+    of their own (every chain of the memory, asked or not; None: the asked questions' `needed`)."""
 
     facts: list[list[int]]
     asked: list[list[int]]
