@@ -26,13 +26,13 @@ Training for size and for similar facts, each off by default, so the default tas
   token with its evidence; the answer names the key before its value, `BOS alias` -> `key d d d`, so the alias is
   translated by what training taught and the fact is read by its key, among alias_multi_key's many) and `two_hop`
   (variable tracking with each link in a chunk of its own; its memory grows as multi_key's does, with chains nobody
-  asks, so the second link is one link among many). `three_hop` is
-  scored only (TRAINED_VARIANTS leaves it out): whether a read learned on two hops follows a third. A chain's
-  answer names each key it passes before the value (`BOS ka` -> `kb d d d`): the decoder reads again at the key it
-  named, so every read is one lookup, as the seed's `<read>` has the decoder say what it reads; in one forward, a
-  second GCA layer routed by the first one's read did not learn in 7,000 steps (variable tracking,
-  docs/results/2026-11-26-variable-tracking.md). variable_tracking keeps RULER's answer, the value alone. Alias keys
-  come from the len(ALIASES) key tokens that have an alias, so alias_multi_key holds at most that many one-token keys.
+  asks, so the second link is one link among many). `three_hop` is scored only (TRAINED_VARIANTS leaves it out):
+  whether a read learned on two hops follows a third. A chain's answer names each key it passes before the value
+  (`BOS ka` -> `kb d d d`): the decoder reads again at the key it named, so every read is one lookup, as the seed's
+  `<read>` has the decoder say what it reads; in one forward, a second GCA layer routed by the first one's read did
+  not learn in 7,000 steps (variable tracking, docs/results/2026-11-26-variable-tracking.md). variable_tracking
+  keeps RULER's answer, the value alone. Alias keys come from the len(ALIASES) key tokens that have an alias, so
+  alias_multi_key holds at most that many one-token keys.
 - `questions_per_row`: an in_context row asks at most this many of its memory's questions after the memory; a row
   asking every fact lets its last answer follow by elimination. The evaluation asks one question a row.
 - `base_steps`: the first N training steps ask the base task alone (single, 1x, no hard distractors: the examples
