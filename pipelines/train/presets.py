@@ -53,21 +53,21 @@ STAGE0 = StageConfig(
 
 # The tasks retrieval cannot match (`python jobs/beyond_lexical.py`; docs/jobs.md, "Questions retrieval cannot
 # match"): stage 0's mixture plus alias, alias_multi_key and two_hop, each option below measured in that section.
-# Each query reads 4 chunks (every chunk of the base memory, so every alias question trains the match from alias to
-# key), each token also scores up the chunks holding it (the key a two_hop answer names is read next), learned gates
-# weigh the question's prior and the token's own, and in eval mode an answer token keeps its answer's last 4 tokens'
-# priors at 0.75 of their weight. The mixture starts once the base task's lookup has formed (held-out 0.75), when
-# that happens varies by seed. ZeRO-0 and evaluations every 1,000 steps: 316k parameters need no partitioning, and
-# ZeRO-2's fixed cost a step is time the model does not use.
+# Each query reads 2 chunks, as stage 0's do: an alias answer names its key, so the decoder, not the blocks'
+# attention, translates the alias, and each token also scores up the chunks holding it (the key an answer names is
+# read next). Learned gates weigh the question's prior and the token's own, and in eval mode an answer token keeps its
+# answer's last 4 tokens' priors at 0.75 of their weight. The mixture starts once the base task's lookup has formed
+# (held-out 0.75), when that happens varies by seed. ZeRO-0 and evaluations every 1,000 steps: 316k parameters need no
+# partitioning, and ZeRO-2's fixed cost a step is time the model does not use.
 BEYOND_LEXICAL = dataclasses.replace(
     STAGE0,
     model=dataclasses.replace(STAGE0.model, reading=dataclasses.replace(
-        STAGE0.model.reading, top_k=4, lexical_gate=True, lexical_tokens=True, lexical_reading_window=4,
+        STAGE0.model.reading, lexical_gate=True, lexical_tokens=True, lexical_reading_window=4,
         lexical_window_carry=0.75)),
     needle=dataclasses.replace(
         STAGE0.needle, variants=["single", "multi_key", "multi_value:4", "multi_query:4", "alias:3",
                                  "alias_multi_key:2", "two_hop:4"], base_steps=4000, base_until=0.75),
-    train=dataclasses.replace(STAGE0.train, max_steps=10000, eval_every=1000, checkpoint_every=1000),
+    train=dataclasses.replace(STAGE0.train, max_steps=6000, eval_every=1000, checkpoint_every=1000),
     deepspeed=DeepSpeedSettings(zero_stage=0),
     run=RunSettings(name="beyond-lexical"),
 )
