@@ -64,7 +64,8 @@ class NeedleSuite:
     # jobs/encode_memory.py --store_dtype), not as encoded; none: as encoded
     store_dtype: str | None = None
     # systems (by their --names) that retrieve again at each key their answer names: an iterative rag (rag and
-    # dense_rag exports; the same export may be scored with and without it under two names)
+    # dense_rag exports; a plain export may be scored with and without it under two names, while one trained with
+    # model.rag_reread always retrieves again)
     reread: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
