@@ -136,6 +136,25 @@ def dense_top_chunks_each(chunks: list[list[int]], queries: list[list[int]], k: 
     return top_k(_retriever(str(retriever)).scores_side(padded_rows(queries)) @ embedded.T, k)
 
 
+def dense_top_chunks_many(memories: list[list[list[int]]], queries: list[list[list[int]]], k: int,
+                          retriever: str) -> list[list[list[int]]]:
+    """dense_top_chunks_each for several memories at once, each memory's queries ranked over its own chunks only.
+    Every chunk and every query is embedded in one encoder pass a side: a training batch's memories are each new,
+    so nothing is cached, and two passes a memory cost the step more than its reader's forward."""
+    from models.retriever import padded_rows, top_k  # heavy: see _retriever
+
+    model = _retriever(str(retriever))
+    chunks_embedded = model.scores_side(padded_rows([c for chunks in memories for c in chunks]))  # (sum C, H)
+    queries_embedded = model.scores_side(padded_rows([q for asked in queries for q in asked]))  # (sum Q, H)
+    ranked, first_chunk, first_query = [], 0, 0
+    for chunks, asked in zip(memories, queries, strict=True):
+        own = chunks_embedded[first_chunk: first_chunk + len(chunks)]
+        scores = queries_embedded[first_query: first_query + len(asked)] @ own.T
+        ranked.append(top_k(scores, k) if chunks else [[] for _ in asked])
+        first_chunk, first_query = first_chunk + len(chunks), first_query + len(asked)
+    return ranked
+
+
 def chunks_in_prompt(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:
     """Indices of the chunks a prompt-memory system puts before its prompt, in memory order: every chunk (in_context)
     or the retriever's top k (rag: BM25; dense_rag: the retriever export), whole chunks up to the budget; none for gca
@@ -183,6 +202,17 @@ def within_budget(chunks: list[list[int]], order: list[int], budget: int) -> lis
         kept.append(i)
         used += len(chunks[i])
     return kept
+
+
+def prompt_memories_many(memories: list[list[list[int]]], queries: list[list[list[int]]],
+                         mode: MemoryMode) -> list[list[list[int]]]:
+    """prompt_memories for each of several memories and its queries; dense_rag embeds them all at once
+    (dense_top_chunks_many), the other systems take them one memory at a time."""
+    if mode.kind != "dense_rag":
+        return [prompt_memories(chunks, asked, mode) for chunks, asked in zip(memories, queries, strict=True)]
+    tops = dense_top_chunks_many(memories, queries, mode.rag_k, mode.retriever)
+    return [[[t for i in within_budget(chunks, sorted(top), mode.context_budget) for t in chunks[i]] for top in ranked]
+            for chunks, ranked in zip(memories, tops, strict=True)]
 
 
 def prompt_memory(chunks: list[list[int]], query: list[int], mode: MemoryMode) -> list[int]:

@@ -51,7 +51,7 @@ from typing import Literal, NamedTuple, get_args
 import numpy as np
 import torch
 
-from pipelines.data.memory_modes import GCA, MemoryMode, chunks_read_each, prompt_memories
+from pipelines.data.memory_modes import GCA, MemoryMode, chunks_read_each, prompt_memories_many
 from pipelines.format.rows import IGNORE
 
 PAD, BOS, EQ, SEP, EOS = 0, 1, 2, 3, 4
@@ -579,20 +579,24 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
     rows: list[list[int]] = []
     labels: list[list[int]] = []
     answer_rows, answer_starts, lengths, depth = [], [], [], []
-    for index in indices:
-        example = make_example(spec, seed, index, scale, variant)
-        chunks = example["memory"].tolist()
+    examples = [make_example(spec, seed, index, scale, variant) for index in indices]
+    chunks_each = [example["memory"].tolist() for example in examples]
+    questions_each = [example["input_ids"].tolist() for example in examples]
+    # a retriever indexes (or embeds) a memory once for all its questions; in_context's rows need no query
+    queries_each = [[[] if mode.kind == "in_context" else q[: example["prompt_len"]] for q in questions]
+                    for example, questions in zip(examples, questions_each, strict=True)]
+    if mode.reread:  # an iterative rag holds what it retrieves again at each key its answer names
+        memories_each = []
+        for example, chunks, queries, questions in zip(examples, chunks_each, queries_each, questions_each,
+                                                       strict=True):
+            rereads = [named_keys(q[example["prompt_len"]:], spec.key_tokens) for q in questions]
+            memories_each.append([[t for i in kept for t in chunks[i]]
+                                  for kept in chunks_read_each(chunks, queries, rereads, mode)])
+    else:
+        memories_each = prompt_memories_many(chunks_each, queries_each, mode)
+    for example, questions, memories in zip(examples, questions_each, memories_each, strict=True):
         prompt_len = example["prompt_len"]
         depth.append(example["depth"])
-        questions = example["input_ids"].tolist()
-        # a retriever indexes (or embeds) the memory once for all its questions; in_context's rows need no query
-        queries = [[] if mode.kind == "in_context" else q[:prompt_len] for q in questions]
-        if mode.reread:  # an iterative rag holds what it retrieves again at each key its answer names
-            rereads = [named_keys(q[prompt_len:], spec.key_tokens) for q in questions]
-            memories = [[t for i in kept for t in chunks[i]] for kept in chunks_read_each(chunks, queries, rereads,
-                                                                                          mode)]
-        else:
-            memories = prompt_memories(chunks, queries, mode)
         for n, (question, target) in enumerate(zip(questions, example["labels"].tolist(), strict=True)):
             if mode.kind != "in_context" or n % per_row == 0:
                 rows.append(memories[n])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipelines.data.memory_modes import (MemoryMode, chunks_in_prompt, chunks_in_prompt_each, evidence_held,
-                                         memory_into_prompt, prompt_memories, prompt_memory, top_chunks)
+                                         memory_into_prompt, prompt_memories, prompt_memories_many, prompt_memory,
+                                         top_chunks)
 from pipelines.data.packing import PackingSpec
 from pipelines.data.streams import collate_memory_mode
 from pipelines.data.synthetic_needles import BOS, EQ, PROMPT_LEN, NeedleSpec, make_example, needle_batch
@@ -188,3 +189,16 @@ def test_rag_reread_is_a_retrievers_option_and_its_export_says_so(tmp_path):
     assert not [p for p in config.model.problems() if "reread" in p]
     write_system(tmp_path, config)
     assert system_mode(read_system(tmp_path)) == MemoryMode("rag", rag_k=2, reread=True)
+
+
+def test_dense_rag_over_several_memories_at_once_equals_one_memory_at_a_time(retriever_export):
+    """A training batch embeds every memory's chunks and questions in one pass a side; each question still ranks
+    its own memory's chunks only, as the evaluation's one memory at a time does (memories of other sizes and
+    variants, so rows pad differently in the two)."""
+    examples = [make_example(SPEC, 3, 0), make_example(SPEC, 3, 1, 4), make_example(SPEC, 3, 2, 2, "multi_query")]
+    memories = [e["memory"].tolist() for e in examples]
+    queries = [[q[: e["prompt_len"]] for q in e["input_ids"].tolist()] for e in examples]
+    mode = MemoryMode("dense_rag", rag_k=2, retriever=str(retriever_export))
+    assert prompt_memories_many(memories, queries, mode) == [
+        prompt_memories(chunks, asked, mode) for chunks, asked in zip(memories, queries, strict=True)]
+    assert [len(m) for m in memories] == [SPEC.chunks, 4 * SPEC.chunks, 2 * SPEC.chunks]
