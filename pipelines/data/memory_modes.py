@@ -140,7 +140,7 @@ def dense_top_chunks_many(memories: list[list[list[int]]], queries: list[list[li
                           retriever: str) -> list[list[list[int]]]:
     """dense_top_chunks_each for several memories at once, each memory's queries ranked over its own chunks only.
     Every chunk and every query is embedded in one encoder pass a side: a training batch's memories are each new,
-    so nothing is cached, and two passes a memory cost the step more than its reader's forward."""
+    so nothing is cached, and two small passes a memory were most of the cost of building its rows."""
     from models.retriever import padded_rows, top_k  # heavy: see _retriever
 
     model = _retriever(str(retriever))
