@@ -77,6 +77,7 @@ ALIAS_FILLER = FILLER[: -len(ALIASES)]
 ALIAS_SEED = 45  # the one fixed permutation every alias memory obeys, whatever the run's seed: training can teach it
 ALIAS_OF = dict(zip(ALIASED_KEYS, np.random.default_rng(ALIAS_SEED).permutation(np.array(ALIASES)).tolist()))
 KEY_TOKENS = (1, 2)
+VALUE_ORDERS = ("memory", "sorted")  # multi_value's trained answer order (NeedleSpec.value_order)
 SCALE_STREAM, VARIANT_STREAM = 3, 4  # generator streams beside an example's own (seed, index)
 
 
@@ -120,6 +121,7 @@ class NeedleSpec:
     hops: tuple[int, ...] = (2, 3)  # variable_tracking chain lengths (training draws one per memory)
     questions_per_row: int = 4  # in_context training rows: questions after one copy of the memory
     base_steps: int = 0  # training steps that ask the base task alone before the mixture, sizes and hard distractors
+    value_order: str = "memory"  # multi_value's trained answer: its two values in memory order, or "sorted"
 
     def base(self) -> "NeedleSpec":
         """The base task: single questions, base-size memories, no hard distractors (the default's examples)."""
@@ -188,6 +190,8 @@ class NeedleSpec:
             problems.append(f"needle.value_range ({self.value_range}) must be between 2 and {len(VALUES)}")
         if self.distractors < 0:
             problems.append("needle.distractors must be >= 0")
+        if self.value_order not in VALUE_ORDERS:
+            problems.append(f"needle.value_order must be one of {VALUE_ORDERS}, got {self.value_order!r}")
         if not 0.0 <= self.hard_distractors <= 1.0:
             problems.append(f"needle.hard_distractors ({self.hard_distractors}) is a share of the free fact slots: "
                             f"give one within [0, 1]")
@@ -249,11 +253,11 @@ def draw_variant(spec: NeedleSpec, seed: int, index: int) -> tuple[str, int]:
 @dataclass
 class NeedleMemory:
     """One memory (chunks, chunk_len) and its questions, each with the token strings its answer must contain, the
-    answer a model is trained to give (the path, then the references one after another; multi_value's two in memory
-    order), where (as a fraction of the memory) the fact holding the answer starts, the chunks its evidence lies in
-    (every fact the answer needs: both values, both keys, every hop), and its path: the keys its answer names before
-    the value (a chain's links, two_hop and three_hop; the aliased key, alias and alias_multi_key; empty elsewhere);
-    and its task."""
+    answer a model is trained to give (the path, then the references one after another; multi_value's two in the
+    spec's value_order), where (as a fraction of the memory) the fact holding the answer starts, the chunks its
+    evidence lies in (every fact the answer needs: both values, both keys, every hop), and its path: the keys its
+    answer names before the value (a chain's links, two_hop and three_hop; the aliased key, alias and
+    alias_multi_key; empty elsewhere); and its task."""
 
     memory: np.ndarray
     questions: list[list[int]]
@@ -403,14 +407,23 @@ def generate_memory(variant: str, spec: NeedleSpec, scale: int, rng: np.random.G
     else:
         memory, starts = place(facts, spec, chunks, rng, ALIAS_FILLER if variant in ALIAS_VARIANTS else FILLER)
     paths = drawn.paths or [[] for _ in drawn.asked]
-    answers = [path + ([t for _, ref in sorted(zip((starts[f] for f in facts_needed), refs_q)) for t in ref]
-                       if variant == "multi_value" else [t for ref in refs_q for t in ref])
+    answers = [path + [t for ref in (trained_order(refs_q, [starts[f] for f in facts_needed], spec.value_order)
+                                     if variant == "multi_value" else refs_q) for t in ref]
                for path, refs_q, facts_needed in zip(paths, refs, needed, strict=True)]
     return NeedleMemory(memory=memory, questions=drawn.asked, references=refs,
                         depth=[starts[f] / (chunks * spec.chunk_len) for f in drawn.answer_fact],
                         evidence=[sorted({starts[f] // spec.chunk_len for f in facts_needed})
                                   for facts_needed in needed],
                         answers=answers, paths=paths, variant=variant)
+
+
+def trained_order(values: list[list[int]], starts: list[int], order: str) -> list[list[int]]:
+    """multi_value's values in the order its trained answer gives them: where their facts start in the memory
+    ("memory"), or by their digits ("sorted"). A reader that sees each chunk apart from the others, as gca's blocks
+    do, cannot tell which of two chunks comes first, so memory order is a coin flip to it; the digits are not."""
+    if order == "sorted":
+        return sorted(values)
+    return [ref for _, ref in sorted(zip(starts, values))]
 
 
 def place(facts: list[list[int]], spec: NeedleSpec, chunks: int, rng: np.random.Generator,

@@ -109,8 +109,8 @@ def score_needles(
 
 
 def _exact_in_the_other_order(model, ids, memory, labels, rows, positions) -> torch.Tensor:
-    """multi_value's two values teacher-forced in the other order, for the questions missed in memory order: (Q,)
-    bool. The target holds them in memory order, and jobs/evaluate.py takes them in either (RULER's
+    """multi_value's two values teacher-forced in the other order, for the questions missed in the trained order: (Q,)
+    bool. The target holds them in needle.value_order, and jobs/evaluate.py takes them in either (RULER's
     string_match_all: every reference in the answer); a read of chunks that does not see their order would otherwise
     score about half of what the suite gives it. Only the rows holding these questions run again."""
     picked, local = rows[:, 0].unique(return_inverse=True)  # the batch rows that hold them, and each one's place

@@ -178,6 +178,8 @@ class NeedleConfig:
     # base_check_every steps) where the base task's held-out accuracy reaches this: when the lookup forms varies
     # from run to run, so a fixed switch starts some runs' mixture on the plateau (0: at base_steps)
     base_check_every: int = 100  # steps between base_until's checks
+    value_order: str = "memory"  # multi_value's trained answer: its two values in memory order, or "sorted" by
+    # their digits (a reader that sees chunks apart, as gca does, cannot tell memory order; scoring takes either)
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -186,7 +188,8 @@ class NeedleConfig:
                           value_range=self.value_range, chunk_len=self.chunk_len, distractors=self.distractors,
                           key_tokens=self.key_tokens, hard_distractors=self.hard_distractors,
                           memory_scale_max=self.memory_scale_max, variants=tuple(self.variants), hops=tuple(self.hops),
-                          questions_per_row=self.questions_per_row, base_steps=self.base_steps)
+                          questions_per_row=self.questions_per_row, base_steps=self.base_steps,
+                          value_order=self.value_order)
 
     def problems(self, memory: str, *, corpus: bool, num_workers: int) -> list[str]:
         """The needle section's problems for a run reading its memory as `memory` (corpus: on shards, not needles)."""

@@ -131,6 +131,26 @@ def test_a_multi_query_row_and_a_multi_value_row_by_hand():
                                                               tuple(flat[second + 2 : second + 5])])
 
 
+def test_multi_value_sorted_order_changes_only_the_trained_answer():
+    """value_order "sorted": the same memory, questions and references, each answer its two values by their digits
+    (a reader that sees chunks apart cannot tell memory order); the default stays memory order."""
+    spec = NeedleSpec(facts=8, questions=8, distractors=1)
+    in_memory = generate_memory("multi_value", spec, 2, np.random.default_rng(5))
+    sorted_spec = dataclasses.replace(spec, value_order="sorted")
+    by_digits = generate_memory("multi_value", sorted_spec, 2, np.random.default_rng(5))
+    assert np.array_equal(in_memory.memory, by_digits.memory) and in_memory.references == by_digits.references
+    flat = in_memory.memory.ravel().tolist()
+    swapped = 0
+    for question, answer, sorted_answer in zip(in_memory.questions, in_memory.answers, by_digits.answers, strict=True):
+        starts = [i for i in range(len(flat) - 1) if flat[i] == question[1] and flat[i + 1] == EQ]
+        values = [flat[s + 2 : s + 5] for s in starts]
+        assert answer == values[0] + values[1] and sorted_answer == [t for v in sorted(values) for t in v]
+        swapped += answer != sorted_answer
+    assert 0 < swapped < len(in_memory.answers)  # the two orders differ on some questions, not all
+    assert NeedleSpec(value_order="shuffled").problems() == [
+        "needle.value_order must be one of ('memory', 'sorted'), got 'shuffled'"]
+
+
 def test_mixed_examples_are_deterministic_per_index():
     spec = NeedleSpec(key_tokens=2, hard_distractors=0.5, memory_scale_max=4,
                       variants=("single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"))

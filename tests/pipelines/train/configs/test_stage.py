@@ -39,11 +39,13 @@ def test_every_problem_is_reported_at_once():
         assert expected in message
 
 
-def test_base_until_needs_an_accuracy_and_base_steps_to_end_early(capsys):
+def test_needle_settings_out_of_range_stop_with_one_line(capsys):
     for flags, expected in ((["--needle.base_until", "90"], "needle.base_until must be an accuracy in [0, 1], got 90"),
                             (["--needle.base_steps", "0", "--needle.base_until", "0.9"],
                              "give the most with --needle.base_steps"),
-                            (["--needle.base_check_every", "0"], "needle.base_check_every must be >= 1, got 0")):
+                            (["--needle.base_check_every", "0"], "needle.base_check_every must be >= 1, got 0"),
+                            (["--needle.value_order", "shuffled"],
+                             "needle: needle.value_order must be one of ('memory', 'sorted'), got 'shuffled'")):
         with pytest.raises(SystemExit) as stop:
             parse_config(flags, DEFAULT)
         assert stop.value.code == 2 and expected in capsys.readouterr().err
