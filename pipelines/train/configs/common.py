@@ -85,7 +85,7 @@ class TrainConfig:
     log_every: int = 20  # steps between progress lines and logged metrics
     eval_every: int = 200  # steps between validation evaluations (and one at the end)
     checkpoint_every: int = 200  # steps between checkpoints (and one at the end); a resumed run starts from the last
-    seed: int = 0  # model initialisation and data order
+    seed: int = 0  # new modules' initialisation and a corpus's shuffle (needle memories come from needle.seed)
     # adamw (torch's) | adamw_8bit (bitsandbytes' AdamW8bit: both moments in 8 bits, blockwise-quantized; 2 bytes
     # per trained parameter instead of 8), handed to DeepSpeed as its client optimizer either way
     optimizer: str = "adamw"
