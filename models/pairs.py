@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -42,12 +43,13 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
     instead of minutes on the CPU (another random stream, so the device is part of the stamp)."""
     root = Path(root)
     decoder_dir, encoder_dir = root / spec.decoder, root / spec.encoder
-    # Rewritten whenever the architecture, seed or dtype changed, so a cache never serves stale weights.
+    # Rewritten whenever the architecture, seed or dtype changed, so a cache never serves stale weights. Pairs that
+    # share a decoder (tiny, tiny-shared) stamp it alike: only their encoders differ.
     written_as = ({} if dtype is None else {"dtype": str(dtype)}) | \
         ({} if torch.device(device).type == "cpu" else {"device": torch.device(device).type})
-    stamps = {directory: json.dumps({"config": fields, "seed": seed, "from_decoder": spec.encoder_from_decoder,
-                                     **written_as}, sort_keys=True)
-              for directory, fields in ((decoder_dir, spec.decoder_config), (encoder_dir, spec.encoder_config))}
+    stamps = {decoder_dir: json.dumps({"config": spec.decoder_config, "seed": seed, **written_as}, sort_keys=True),
+              encoder_dir: json.dumps({"config": spec.encoder_config, "seed": seed,
+                                       "from_decoder": spec.encoder_from_decoder, **written_as}, sort_keys=True)}
     if all(_stamped(directory, stamp) for directory, stamp in stamps.items()):
         return decoder_dir, encoder_dir
     dcfg = decoder_config(spec)
@@ -63,9 +65,21 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
         if not _stamped(directory, stamps[directory]):
             if dtype is not None:
                 model.to(dtype)
-            model.save_pretrained(directory)
-            (directory / RANDOM_WEIGHTS_MARKER).write_text(stamps[directory])
+            _save_in_place(model, directory, stamps[directory])
     return decoder_dir, encoder_dir
+
+
+def _save_in_place(model: torch.nn.Module, directory: Path, stamp: str) -> None:
+    """save_pretrained into a staging directory beside `directory`, then each file moved in (os.replace), the stamp
+    last: a process loading the checkpoint meanwhile (every worker of a run, a test) gets each file whole, old or
+    new, and one that has the old weights mapped keeps them; written in place, a rewrite changed the weights of
+    runs starting beside it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}-") as staging:
+        model.save_pretrained(staging)
+        Path(staging, RANDOM_WEIGHTS_MARKER).write_text(stamp)
+        for name in sorted(os.listdir(staging), key=lambda name: name == RANDOM_WEIGHTS_MARKER):
+            os.replace(Path(staging, name), directory / name)
 
 
 def _stamped(directory: Path, stamp: str) -> bool:

@@ -93,6 +93,27 @@ def test_random_checkpoints_are_rewritten_when_the_architecture_changes(tmp_path
     assert (decoder_dir / "model.safetensors").read_bytes() != first  # not a stale cache
 
 
+def test_a_rewrite_leaves_a_loaded_checkpoint_whole_and_pairs_sharing_a_decoder_never_rewrite_it(tmp_path):
+    """A reader that opened the weights before a rewrite (another seed here) still reads the old ones, a new reader
+    the new ones: files are replaced, never written in place. tiny and tiny-shared share their decoder, and
+    writing one after the other leaves it as it was."""
+    from safetensors import safe_open
+
+    decoder_dir, _ = write_random_checkpoints(PAIRS["tiny"], tmp_path)
+    weights = decoder_dir / "model.safetensors"
+    with safe_open(weights, "pt") as before:
+        name = next(iter(before.keys()))
+        old = before.get_tensor(name)
+        write_random_checkpoints(PAIRS["tiny"], tmp_path, seed=1)
+        assert torch.equal(before.get_tensor(name), old)
+    with safe_open(weights, "pt") as after:
+        assert not torch.equal(after.get_tensor(name), old)
+    inode = weights.stat().st_ino
+    write_random_checkpoints(PAIRS["tiny-shared"], tmp_path, seed=1)
+    assert weights.stat().st_ino == inode  # the shared decoder: not rewritten
+    assert not list(tmp_path.glob(".*"))  # no staging directory left behind
+
+
 def test_tiny_shared_encoder_starts_from_its_decoder(tmp_path):
 
     model = build_pair("tiny-shared", checkpoint_root=tmp_path)
