@@ -18,7 +18,8 @@ Training for size and for similar facts, each off by default, so the default tas
   (never the whole key: a key still names one fact).
 - `variants`: the training mixture over the evaluation's RULER-style tasks (pipelines.evaluate.needle asks the same
   formats): `multi_key` (more facts), `multi_value` (the asked key holds two values: `BOS k` -> both, in memory
-  order), `multi_query` (`BOS ka kb` -> both values), `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` ->
+  order or sorted, `value_order`; in training, `one_value_share` of the asked keys hold one value, so the answer's
+  end is read from the memory, not from the task), `multi_query` (`BOS ka kb` -> both values), `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` ->
   the digits). A memory's variant is drawn from the seed and its index; `generate_memory` builds them, for
   training and for the evaluation's probes alike.
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
@@ -122,10 +123,15 @@ class NeedleSpec:
     questions_per_row: int = 4  # in_context training rows: questions after one copy of the memory
     base_steps: int = 0  # training steps that ask the base task alone before the mixture, sizes and hard distractors
     value_order: str = "memory"  # multi_value's trained answer: its two values in memory order, or "sorted"
+    one_value_share: float = 0.0  # share of a multi_value training memory's asked keys given no second value
 
     def base(self) -> "NeedleSpec":
         """The base task: single questions, base-size memories, no hard distractors (the default's examples)."""
         return replace(self, hard_distractors=0.0, memory_scale_max=1, variants=("single",), base_steps=0)
+
+    def scored(self) -> "NeedleSpec":
+        """The tasks as the evaluation asks them: every asked multi_value key holds two values."""
+        return replace(self, one_value_share=0.0)
 
     def at_step(self, step: int, mixture_from: int | None = None) -> "NeedleSpec":
         """The task training step `step` asks: the base task until the mixture starts, then this one. It starts at
@@ -192,6 +198,9 @@ class NeedleSpec:
             problems.append("needle.distractors must be >= 0")
         if self.value_order not in VALUE_ORDERS:
             problems.append(f"needle.value_order must be one of {VALUE_ORDERS}, got {self.value_order!r}")
+        if not 0.0 <= self.one_value_share < 1.0:
+            problems.append(f"needle.one_value_share ({self.one_value_share}) is the share of a multi_value "
+                            f"memory's asked keys holding one value: give one within [0, 1)")
         if not 0.0 <= self.hard_distractors <= 1.0:
             problems.append(f"needle.hard_distractors ({self.hard_distractors}) is a share of the free fact slots: "
                             f"give one within [0, 1]")
@@ -370,11 +379,14 @@ def keyed_facts(variant: str, spec: NeedleSpec, scale: int, slots: int, rng: np.
     drawn = DrawnFacts(facts, [[BOS, *named(keys[f])] for f in order], [[values[f]] for f in order], order,
                        [[f] for f in order], [(keys[f], values[f]) for f in order],
                        [list(keys[f]) for f in order] if variant in ALIAS_VARIANTS else None)
-    if variant == "multi_value":  # a second value for each asked key, somewhere else in the memory
-        second = digits(len(order))
-        drawn.needed[:] = [[f, len(facts) + q] for q, f in enumerate(order)]
-        facts += [[*keys[f], EQ, *v, SEP] for f, v in zip(order, second, strict=True)]
-        drawn.refs[:] = [[values[f], s] for f, s in zip(order, second, strict=True)]
+    if variant == "multi_value":  # a second value for the asked keys, somewhere else in the memory
+        # in training, spec.one_value_share of them keep one: the answer's end is then told by the key's facts
+        # in the memory, not by the task
+        twice = order[: len(order) - round(spec.one_value_share * len(order))]
+        second = digits(len(twice))
+        drawn.needed[: len(twice)] = [[f, len(facts) + q] for q, f in enumerate(twice)]
+        facts += [[*keys[f], EQ, *v, SEP] for f, v in zip(twice, second, strict=True)]
+        drawn.refs[: len(twice)] = [[values[f], s] for f, s in zip(twice, second, strict=True)]
     return drawn
 
 
@@ -489,9 +501,12 @@ def make_example(spec: NeedleSpec, seed: int, index: int, scale: int = 1,
     if variant == "single" and spec.hard_distractors == 0 and spec.key_tokens == 1:
         return single_example(spec, seed, index, scale)
     drawn = generate_memory(variant, spec, scale, np.random.default_rng([seed, index]), hops, spec.hard_distractors)
-    rows = [question + answer + [EOS] for question, answer in zip(drawn.questions, drawn.answers, strict=True)]
-    labels = [[IGNORE] * len(question) + answer + [EOS] for question, answer in zip(drawn.questions, drawn.answers,
-                                                                                     strict=True)]
+    width = max(len(question) + len(answer) for question, answer in zip(drawn.questions, drawn.answers)) + 1
+    # rows of one memory are as long as its longest (one_value_share's answers differ): PAD, no label, after EOS
+    rows = [question + answer + [EOS] + [PAD] * (width - len(question) - len(answer) - 1)
+            for question, answer in zip(drawn.questions, drawn.answers, strict=True)]
+    labels = [[IGNORE] * len(question) + answer + [EOS] + [IGNORE] * (width - len(question) - len(answer) - 1)
+              for question, answer in zip(drawn.questions, drawn.answers, strict=True)]
     return {"memory": drawn.memory, "input_ids": np.array(rows), "labels": np.array(labels),
             "depth": np.array(drawn.depth), "prompt_len": len(drawn.questions[0])}
 
@@ -526,6 +541,12 @@ def single_example(spec: NeedleSpec, seed: int, index: int, scale: int = 1) -> d
     }
 
 
+def answer_lengths(example: dict[str, np.ndarray]) -> list[int]:
+    """Per question row of make_example's: its answer's tokens and EOS, the labelled ones (a shorter row's padding
+    after EOS has no label)."""
+    return (example["labels"] != IGNORE).sum(1).tolist()
+
+
 def answer_positions(starts: list[int], lengths: list[int]) -> torch.Tensor:
     """(Q, longest answer): each question's answer positions, its EOS last (an answer that does not end there is
     not whole), a shorter answer's last one repeated (exact match over the row is unchanged by a repeat)."""
@@ -552,7 +573,7 @@ def make_batch(spec: NeedleSpec, seed: int, indices: list[int], scale: int = 1,
         labels[b * per_memory : b * per_memory + q, :t] = torch.from_numpy(e["labels"])
         rows += range(b * per_memory, b * per_memory + q)
         starts += [e["prompt_len"]] * q
-        lengths += [t - e["prompt_len"]] * q  # the answer's tokens and EOS
+        lengths += answer_lengths(e)
     return {
         "memory_input_ids": torch.from_numpy(np.stack([e["memory"] for e in examples])),
         "input_ids": input_ids,
@@ -610,7 +631,9 @@ def needle_batch(spec: NeedleSpec, seed: int, indices: list[int], mode: MemoryMo
     for example, questions, memories in zip(examples, questions_each, memories_each, strict=True):
         prompt_len = example["prompt_len"]
         depth.append(example["depth"])
-        for n, (question, target) in enumerate(zip(questions, example["labels"].tolist(), strict=True)):
+        for n, (question, target, length) in enumerate(zip(questions, example["labels"].tolist(),
+                                                           answer_lengths(example), strict=True)):
+            question, target = question[: prompt_len + length], target[: prompt_len + length]  # no padding
             if mode.kind != "in_context" or n % per_row == 0:
                 rows.append(memories[n])
                 labels.append([IGNORE] * len(rows[-1]))

@@ -145,6 +145,7 @@ def evaluate_needles(model: AwarenessModel, spec: NeedleSpec, seed: int, val_mem
     question a row. A run trained on more adds, with the memory: each other variant of its mixture
     (`needle_accuracy/<variant>`), its hard distractors (`needle_accuracy/hard`) and its largest memory
     (`needle_accuracy/<N>x`)."""
+    spec = spec.scored()
     indices = list(range(rank, val_memories, world))
     metrics = {}
     for label, system in (("needle", mode), ("no_memory", NO_MEMORY)):

@@ -101,7 +101,7 @@ def make_probe(variant: str, spec: NeedleSpec, multiplier: int, seed: int, index
     if variant not in VARIANTS:
         raise ValueError(f"unknown needle variant {variant!r}; choose from {VARIANTS}")
     rng = np.random.default_rng([seed, VARIANTS.index(variant), multiplier, hops, index])
-    return generate_memory(variant, spec, multiplier, rng, hops=hops, hard=hard_distractors)
+    return generate_memory(variant, spec.scored(), multiplier, rng, hops=hops, hard=hard_distractors)
 
 
 def as_text(tokens: list[int]) -> str:

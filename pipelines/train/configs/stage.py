@@ -180,6 +180,10 @@ class NeedleConfig:
     base_check_every: int = 100  # steps between base_until's checks
     value_order: str = "memory"  # multi_value's trained answer: its two values in memory order, or "sorted" by
     # their digits (a reader that sees chunks apart, as gca does, cannot tell memory order; scoring takes either)
+    # share (0-1) of a multi_value training memory's asked keys given one value, not two: whether an answer ends
+    # after one value is then told by the key's facts in the memory, not by which task the memory is (the
+    # evaluation's multi_value, in training and jobs/evaluate.py, asks two-valued keys only)
+    one_value_share: float = 0.0
     val_memories: int = 64  # held-out memories for needle accuracy
     seed: int = 1234  # training memories come from (seed, index); validation from (seed + 1, index)
 
@@ -189,7 +193,7 @@ class NeedleConfig:
                           key_tokens=self.key_tokens, hard_distractors=self.hard_distractors,
                           memory_scale_max=self.memory_scale_max, variants=tuple(self.variants), hops=tuple(self.hops),
                           questions_per_row=self.questions_per_row, base_steps=self.base_steps,
-                          value_order=self.value_order)
+                          value_order=self.value_order, one_value_share=self.one_value_share)
 
     def problems(self, memory: str, *, corpus: bool, num_workers: int) -> list[str]:
         """The needle section's problems for a run reading its memory as `memory` (corpus: on shards, not needles)."""

@@ -151,6 +151,42 @@ def test_multi_value_sorted_order_changes_only_the_trained_answer():
         "needle.value_order must be one of ('memory', 'sorted'), got 'shuffled'"]
 
 
+def test_one_value_share_leaves_some_asked_keys_one_value_in_training_only():
+    """one_value_share: that share of a multi_value memory's asked keys holds one fact, answered by its value alone;
+    the rest hold two. Every batch marks each row's own answer and EOS (in_context rows hold no padding between
+    questions), and the evaluation's probes, built from the same spec, ask two-valued keys only."""
+    from pipelines.data.memory_modes import MemoryMode
+    from pipelines.evaluate.needle import make_probe
+
+    spec = NeedleSpec(variants=("multi_value",), value_order="sorted", one_value_share=0.25)
+    for index in range(6):
+        drawn = generate_memory("multi_value", spec, 2, np.random.default_rng(index))
+        facts, lengths = facts_in(drawn.memory), []
+        for question, answer in zip(drawn.questions, drawn.answers, strict=True):
+            values = facts[(question[1],)]
+            assert answer == [t for v in sorted(values) for t in v]
+            lengths.append(len(values))
+        assert sorted(lengths) == [1, 1, 2, 2, 2, 2, 2, 2]  # round(0.25 * 8) keys with one value
+    full = dataclasses.replace(spec, one_value_share=0.0)
+    for index in range(3):
+        probe, probe_full = make_probe("multi_value", spec, 4, 1, index), make_probe("multi_value", full, 4, 1, index)
+        assert np.array_equal(probe.memory, probe_full.memory) and probe.answers == probe_full.answers
+        assert all(len(refs) == 2 for refs in probe.references)
+    examples = [make_example(spec, 3, i, variant="multi_value") for i in range(2)]
+    answers = [row[PROMPT_LEN : row.index(EOS) + 1] for e in examples for row in e["input_ids"].tolist()]
+    assert {len(a) for a in answers} == {2 * spec.value_digits + 1, spec.value_digits + 1}
+    for mode in ("gca", "in_context", "rag"):
+        batch = needle_batch(spec, 3, [0, 1], MemoryMode(mode), variant="multi_value")
+        got = batch["input_ids"][batch["answer_rows"][:, None], batch["answer_positions"]].tolist()
+        assert [row[: len(a)] for row, a in zip(got, answers, strict=True)] == answers
+        assert all(set(row[len(a):]) <= {EOS} for row, a in zip(got, answers, strict=True))
+        if mode == "in_context":  # padding only at a row's end
+            assert all(PAD not in np.trim_zeros(np.array(row), "b") for row in batch["input_ids"].tolist())
+    assert NeedleSpec(one_value_share=1.0).problems() == [
+        "needle.one_value_share (1.0) is the share of a multi_value memory's asked keys holding one value: give one "
+        "within [0, 1)"]
+
+
 def test_mixed_examples_are_deterministic_per_index():
     spec = NeedleSpec(key_tokens=2, hard_distractors=0.5, memory_scale_max=4,
                       variants=("single:2", "multi_key", "multi_value", "multi_query", "variable_tracking"))

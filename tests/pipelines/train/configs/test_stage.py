@@ -45,7 +45,9 @@ def test_needle_settings_out_of_range_stop_with_one_line(capsys):
                              "give the most with --needle.base_steps"),
                             (["--needle.base_check_every", "0"], "needle.base_check_every must be >= 1, got 0"),
                             (["--needle.value_order", "shuffled"],
-                             "needle: needle.value_order must be one of ('memory', 'sorted'), got 'shuffled'")):
+                             "needle: needle.value_order must be one of ('memory', 'sorted'), got 'shuffled'"),
+                            (["--needle.one_value_share", "1"],
+                             "needle.one_value_share (1.0) is the share of a multi_value memory's asked keys")):
         with pytest.raises(SystemExit) as stop:
             parse_config(flags, DEFAULT)
         assert stop.value.code == 2 and expected in capsys.readouterr().err
