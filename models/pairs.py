@@ -72,8 +72,7 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
 def _save_in_place(model: torch.nn.Module, directory: Path, stamp: str) -> None:
     """save_pretrained into a staging directory beside `directory`, then each file moved in (os.replace), the stamp
     last: a process loading the checkpoint meanwhile (every worker of a run, a test) gets each file whole, old or
-    new, and one that has the old weights mapped keeps them; written in place, a rewrite changed the weights of
-    runs starting beside it."""
+    new, and one that has the old weights mapped keeps them."""
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}-") as staging:
         model.save_pretrained(staging)

@@ -19,9 +19,9 @@ Training for size and for similar facts, each off by default, so the default tas
 - `variants`: the training mixture over the evaluation's RULER-style tasks (pipelines.evaluate.needle asks the same
   formats): `multi_key` (more facts), `multi_value` (the asked key holds two values: `BOS k` -> both, in memory
   order or sorted, `value_order`; in training, `one_value_share` of the asked keys hold one value, so the answer's
-  end is read from the memory, not from the task), `multi_query` (`BOS ka kb` -> both values), `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` ->
-  the digits). A memory's variant is drawn from the seed and its index; `generate_memory` builds them, for
-  training and for the evaluation's probes alike.
+  end is read from the memory, not from the task), `multi_query` (`BOS ka kb` -> both values),
+  `variable_tracking` (`ka = kb ; kb = d d d ;`, `BOS ka` -> the digits). A memory's variant is drawn from the seed
+  and its index; `generate_memory` builds them, for training and for the evaluation's probes alike.
 - Tasks where retrieval by the question's words cannot find the evidence (issue 45): `alias` and `alias_multi_key`
   (single and multi_key asked by the key's alias, ALIAS_OF: the fact writes the key, so the question shares no
   token with its evidence; the answer names the key before its value, `BOS alias` -> `key d d d`, so the alias is
