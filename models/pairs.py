@@ -65,11 +65,11 @@ def write_random_checkpoints(spec: PairSpec, root: str | Path, *, seed: int = 0,
         if not _stamped(directory, stamps[directory]):
             if dtype is not None:
                 model.to(dtype)
-            _save_in_place(model, directory, stamps[directory])
+            _save_by_moving_in(model, directory, stamps[directory])
     return decoder_dir, encoder_dir
 
 
-def _save_in_place(model: torch.nn.Module, directory: Path, stamp: str) -> None:
+def _save_by_moving_in(model: torch.nn.Module, directory: Path, stamp: str) -> None:
     """save_pretrained into a staging directory beside `directory`, then each file moved in (os.replace), the stamp
     last: a process loading the checkpoint meanwhile (every worker of a run, a test) gets each file whole, old or
     new, and one that has the old weights mapped keeps them."""
