@@ -51,6 +51,16 @@ def test_a_young_lock_is_removed_once_it_is_old(tmp_path, monkeypatch):
     assert not lock.exists()
 
 
+def _running_compilers(pid):
+    """The C++ compilers under `pid`; a child that exits between the listing and the read is not one of them."""
+    compilers = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "cc1plus" in child.name():
+                compilers.append(child)
+    return compilers
+
+
 def test_a_prebuild_stopped_midway_leaves_no_lock(tmp_path):
     """`make install` killed during the op's build (a SIGTERM from a stopped `make`): the build lock goes with it,
     so the next install or training run does not wait out the stale-lock age (10 min)."""
@@ -62,7 +72,7 @@ def test_a_prebuild_stopped_midway_leaves_no_lock(tmp_path):
     deadline, compilers = time.monotonic() + 120, []
     while not compilers:  # a fresh cache: it must build; it holds the lock by the time the compilers run
         assert build.poll() is None and time.monotonic() < deadline, build.stdout.read().decode()[-2000:]
-        compilers = [c for c in psutil.Process(build.pid).children(recursive=True) if "cc1plus" in c.name()]
+        compilers = _running_compilers(build.pid)
         time.sleep(0.1)
     assert list(tmp_path.glob("*/lock"))
     build.send_signal(signal.SIGTERM)
