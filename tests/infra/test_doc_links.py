@@ -1,5 +1,6 @@
 """Every link between the README and the docs lands: the file it names exists, and a `#section` it names is one of
-that file's headings (as GitHub derives a heading's anchor)."""
+that file's headings (as GitHub derives a heading's anchor); and every results page is in the results index, where
+the reference pages find it."""
 
 from __future__ import annotations
 
@@ -47,3 +48,9 @@ def test_the_check_finds_a_missing_file_and_a_missing_section(tmp_path):
                     "[nowhere](#no-section) [web](https://example.com)\n")
     assert broken_links(page, tmp_path) == ["page.md: other.md (no such file)",
                                             "page.md: #no-section (no such section)"]
+
+
+def test_every_results_page_is_in_the_results_index():
+    results = ROOT / "docs" / "results"
+    index = (results / "README.md").read_text()
+    assert [p.name for p in sorted(results.glob("2*.md")) if f"]({p.name})" not in index] == []
