@@ -408,8 +408,10 @@ def needle_table(systems: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int) -> tuple[dict, dict, dict]:
-    """metrics (rates with their 95% Wilson intervals), counts, and the single-needle heatmap (depth x size)."""
+def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec,
+                   depth_bins: int) -> tuple[dict, dict, dict | None]:
+    """metrics (rates with their 95% Wilson intervals), counts, and the single-needle heatmap (depth x size; None
+    where single was not asked)."""
     metrics: dict[str, Any] = {}
     counts: dict[str, int] = {}
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -439,6 +441,8 @@ def needle_metrics(rows: list[dict[str, Any]], spec: NeedleSpec, depth_bins: int
             metrics[f"attention/{variant}/{multiplier}x/top_chunk"] = top / len(read)
             metrics[f"attention/{variant}/{multiplier}x/top_chunk/ci95"] = list(rate_interval(top, len(read)))
     sizes = sorted({int(r["multiplier"]) for r in rows if r["variant"] == "single"})
+    if not sizes:  # the heatmap is single's by depth: a suite that does not ask single has none
+        return metrics, counts, None
     heatmap = {"memory_tokens": [memory_chunks(spec, m) * spec.chunk_len for m in sizes], "accuracy_by_depth": []}
     for b in range(depth_bins):
         line = []
@@ -463,7 +467,7 @@ class NeedleEvaluation:
         single = {k: v for k, v in metrics.items() if k.startswith("needle/single/") and k.endswith("x")}
         line = f"{source.name}: needle " + "  ".join(
             f"{k.split('/')[-1]} {v:.2f} (whole {metrics[f'{k}/whole_answer']:.2f})" for k, v in single.items())
-        return SuiteResult(metrics, counts, {"heatmaps": heatmap}, line)
+        return SuiteResult(metrics, counts, {"heatmaps": heatmap} if heatmap else {}, line)
 
     def close(self) -> None:
         pass

@@ -75,7 +75,7 @@ def evaluation_figures(results: dict[str, Any]) -> dict[str, Any]:
         figure = needle_heatmap_figure(heatmap)
         figure.axes[0].set_title(f"{system}: single-needle exact match")
         figures[f"needle_heatmap_{system}.png"] = figure
-    if results.get("heatmaps"):
+    if any(key.startswith("needle/") for entry in results["systems"].values() for key in entry["metrics"]):
         figures["needle_accuracy_by_size.png"] = accuracy_by_size_figure(results)
     if results.get("efficiency"):
         figures["ttft_by_memory_size.png"] = ttft_figure(results)

@@ -122,6 +122,7 @@ def test_needle_metrics_count_rates_intervals_and_the_heatmap():
     assert low < 0.75 < high
     assert metrics["needle/multi_value/4x"] == 0.0 and metrics["needle/multi_value/4x/string_match"] == 0.5
     assert heatmap == {"memory_tokens": [SPEC.chunks * SPEC.chunk_len], "accuracy_by_depth": [[1.0], [0.5]]}
+    assert needle_metrics(rows[4:], SPEC, depth_bins=2)[2] is None  # no single asked: no heatmap to draw
 
 
 @pytest.mark.parametrize("memory", ["gca", "in_context", "rag", "none"])

@@ -40,6 +40,16 @@ def test_evaluation_figures_by_file_name():
     assert plots.evaluation_figures({"systems": {}}) == {}
 
 
+def test_a_suite_without_single_draws_its_sizes_and_no_empty_heatmap():
+    """The heatmap is single's by depth: without single there is none (it was an empty picture), and the sizes
+    figure still draws the tasks that were asked."""
+    results = {"systems": {"gca": {"metrics": {"needle/multi_key/1x": 0.9, "needle/multi_key/4x": 0.8}}}}
+    figures = plots.evaluation_figures(results)
+    assert sorted(figures) == ["needle_accuracy_by_size.png"]
+    assert [axis.get_title() for axis in figures["needle_accuracy_by_size.png"].axes] == ["multi_key"]
+    plots.close(figures["needle_accuracy_by_size.png"])
+
+
 def test_accuracy_by_size_has_a_panel_per_variant_and_a_line_per_system():
     figure = plots.accuracy_by_size_figure(RESULTS)
     panels = {axis.get_title(): axis for axis in figure.axes}
