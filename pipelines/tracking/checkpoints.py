@@ -25,6 +25,9 @@ RECORDS = "checkpoints"  # the run's artifact directory of checkpoint records
 TAG_PREFIX = "checkpoint."
 LATEST_TAG = "checkpoint.latest"
 EXPORT_DIR = "export"  # where a checkpoint holds its loadable export (pipelines.train.engine writes it)
+# a run that averages its weights (train.ema_decay) exports the average, and its final checkpoint the last step's own
+# weights here too, so the two can be evaluated side by side
+UNAVERAGED_EXPORT_DIR = "export-unaveraged"
 
 
 def record_name(step: int) -> str:

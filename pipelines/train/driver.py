@@ -16,13 +16,12 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from pipelines.cli import ConfigError
-from pipelines.tracking.checkpoints import CheckpointRecorder
+from pipelines.tracking.checkpoints import EXPORT_DIR, UNAVERAGED_EXPORT_DIR, CheckpointRecorder
 from pipelines.tracking.tracker import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.traffic import TrafficConfig
 from pipelines.train.configs.ul2 import Ul2Config
 from pipelines.train.console import Console, quiet
-from pipelines.train.engine import EXPORT_DIR
 from pipelines.train.loop import train_loop_per_worker
 from pipelines.train.recipes import Job, Prepared, Recipe
 
@@ -180,6 +179,7 @@ def summarise(job: str, recipe: Recipe, config, result, tracker: Tracker, *,
     metrics = result.metrics or {}
     checkpoint = result.checkpoint.path if result.checkpoint else None
     export_dir = f"{checkpoint}/{EXPORT_DIR}" if checkpoint else None
+    unaveraged = f"{checkpoint}/{UNAVERAGED_EXPORT_DIR}" if checkpoint and config.train.ema_decay else None
     summary = {
         "job": job,
         **recipe.summary(config, metrics, export_dir, tracker),
@@ -188,6 +188,7 @@ def summarise(job: str, recipe: Recipe, config, result, tracker: Tracker, *,
         # data, Ray start, training and evaluation, up to the summary
         "seconds": round(seconds, 1) if seconds is not None else None,
         "checkpoint": checkpoint,
+        **({"export_unaveraged": unaveraged} if unaveraged else {}),  # the last step's own weights (train.ema_decay)
         "mlflow_run_id": tracker.run_id,
         "error": repr(result.error) if result.error else None,
     }

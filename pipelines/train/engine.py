@@ -23,7 +23,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from models import UNPARTITIONED, AwarenessModel, Partitioner
 from models.quantization import is_quantized
-from pipelines.tracking.checkpoints import EXPORT_DIR
+from pipelines.train.averaging import WeightAverage
 from pipelines.train.configs.common import TrainConfig
 from pipelines.train.configs.stage import StageConfig
 from pipelines.train.configs.ul2 import Ul2Config
@@ -153,26 +153,27 @@ def mark_zero3_leaf_modules(model: AwarenessModel) -> None:
         set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
 
 
-def save_checkpoint(engine, state, metrics: dict[str, float], *, export: Callable[[Path], None] | None = None,
+def save_checkpoint(engine, state, metrics: dict[str, float], *, write: Callable[[Path], None] | None = None,
                     before_report: Callable[[], None] | None = None) -> None:
     """Every worker writes its ZeRO shard into its own directory and reports it; Ray Train registers the checkpoint
     only once every worker has reported, so one that a dying worker left incomplete is never resumed from.
-    `export(directory)` adds what users load (at every checkpoint unless run.export_every_checkpoint is false);
+    `write(directory)` adds what the checkpoint carries besides the engine's shards (what users load, EXPORT_DIR;
+    the weight average);
     `before_report()` runs once the checkpoint is whole on this worker and before it is reported."""
     with tempfile.TemporaryDirectory() as tmp:
         engine.save_checkpoint(tmp, tag=ENGINE_TAG, client_state={"trainer_state": asdict(state)})
         if dist.get_rank() == 0:
             (Path(tmp) / STATE_FILE).write_text(json.dumps(asdict(state)))
-        if export is not None:
-            export(Path(tmp) / EXPORT_DIR)
+        if write is not None:
+            write(Path(tmp))
         if before_report is not None:
             before_report()
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def restore_checkpoint(engine, state_cls: type):
-    """Model, optimizer, scheduler and the loop's state (a `state_cls`, saved as client state "trainer_state") from
-    the latest registered checkpoint, if any."""
+def restore_checkpoint(engine, state_cls: type, average: WeightAverage | None = None):
+    """Model, optimizer, scheduler, the weight average and the loop's state (a `state_cls`, saved as client state
+    "trainer_state") from the latest registered checkpoint, if any."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return state_cls()
@@ -182,4 +183,6 @@ def restore_checkpoint(engine, state_cls: type):
         # anyway, loaded and quantized again, and what trains is checked by the resume tests
         strict = not is_quantized(engine.module)
         _, client_state = engine.load_checkpoint(directory, tag=ENGINE_TAG, load_module_strict=strict)
+        if average is not None:
+            average.load(Path(directory))
     return state_cls(**client_state["trainer_state"])

@@ -7,6 +7,7 @@ import functools
 import importlib
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from pipelines.evaluate.collectives import summed_over_ranks
+from pipelines.tracking.checkpoints import EXPORT_DIR, UNAVERAGED_EXPORT_DIR
 from pipelines.tracking.tracker import Tracker, for_other_nodes
+from pipelines.train.averaging import WeightAverage, applied
 from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
                                     setup_deepspeed)
 from pipelines.train.hooks import installed_hook
@@ -31,7 +34,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ds_config = deepspeed_config(config, world)
     model = recipe.build_model(config, worker, ds_config)
     engine = setup_deepspeed(model, config, recipe.parameter_groups(model), ds_config)
-    state = resumed_state(engine, world)
+    average = WeightAverage.of_trained(engine.module, config.train.ema_decay)  # None: no averaging
+    state = resumed_state(engine, world, average)
     stream = recipe.stream(config, worker, rank, world, state.step)
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []  # hook: pipelines.train.hooks, "train" and "save"
@@ -40,6 +44,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if decided:  # logged at the step it measured, whether or not the step is a logging one
             tracker.log_metrics(decided, state.step)
         metrics = train_step(engine, recipe, config, state, stream)
+        if average is not None:
+            average.update()
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         hook("train", state.step)
@@ -48,7 +54,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if logging_step:
             metrics |= recipe.probe(engine, config, state, stream)
         if state.step % t.eval_every == 0 or final:
-            metrics |= recipe.evaluate(engine, config, rank, world)
+            with applied(average):  # what the export holds
+                metrics |= recipe.evaluate(engine, config, rank, world)
+            if average is not None and final:
+                unaveraged = recipe.evaluate(engine, config, rank, world)
+                metrics |= {f"unaveraged/{k}": v for k, v in unaveraged.items()}
             logging_step = True
         if logging_step:
             peak = measured_peak_gib()  # GPU workers: this rank's peak so far, as jobs/plan.py counts it
@@ -58,13 +68,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             # Every checkpoint carries the small export (GCA, projection, LoRA: gathered, not the base weights), so any
             # of them can be registered; run.export_every_checkpoint false keeps it to the final one.
             exported = final or config.run.export_every_checkpoint
-            export = functools.partial(recipe.export, engine, config, worker) if exported else None
-            save_checkpoint(engine, state, metrics, export=export,
+            write = functools.partial(checkpoint_extras, recipe, engine, config, worker, average, exported, final)
+            save_checkpoint(engine, state, metrics, write=write,
                             before_report=functools.partial(hook, "save", state.step))
         elif logging_step:
             ray.train.report(metrics)
-    recipe.finish(engine, config, state, tracker, rank, world)
+    with applied(average):
+        recipe.finish(engine, config, state, tracker, rank, world)
     tracker.save_pending(loop_config.get("tracking_pending"))  # the driver retries what the server refused
+
+
+def checkpoint_extras(recipe: Recipe, engine, config, worker: dict[str, Any], average: WeightAverage | None,
+                      exported: bool, final: bool, directory: Path) -> None:
+    """What a checkpoint holds besides the engine's shards: the export (of the averaged weights where the run averages
+    them), the average itself, and in the final one the last step's own weights exported beside it."""
+    if exported:
+        with applied(average):
+            recipe.export(engine, config, worker, directory / EXPORT_DIR)
+    if average is not None:
+        if dist.get_rank() == 0:
+            average.save(directory)
+        if final:
+            recipe.export(engine, config, worker, directory / UNAVERAGED_EXPORT_DIR)
 
 
 def recipe_from(reference: str) -> Recipe:
@@ -114,10 +139,10 @@ def train_step(engine, recipe: Recipe, config, state: TrainState, stream) -> dic
             **{f"{n}_first": v for n, v in state.parts_first.items()}}
 
 
-def resumed_state(engine, world: int) -> TrainState:
+def resumed_state(engine, world: int, average: WeightAverage | None = None) -> TrainState:
     """The checkpoint's state, refused when it was trained on another number of workers: a sharded corpus stream
     deals its row groups by the world size, so only the same one resumes exactly (ZeRO shards need it too)."""
-    state = restore_checkpoint(engine, TrainState)
+    state = restore_checkpoint(engine, TrainState, average)
     if state.world and state.world != world:
         raise ValueError(f"the checkpoint was written by {state.world} workers and this run has {world}: resume with "
                          f"--scaling.num_workers {state.world}, or start a new run (another --run.name)")

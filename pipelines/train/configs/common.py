@@ -50,6 +50,11 @@ def run_problems(t: "TrainConfig", scaling: "ScalingSettings", deepspeed: "DeepS
                  f"deepspeed.offload_optimizer moves them to CPU memory: use one of the two")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1:
         p.append("train.lr must be positive and train.min_lr_ratio within [0, 1]")
+    if not 0 <= t.ema_decay < 1:
+        p.append(f"train.ema_decay must be within [0, 1), e.g. 0.999 (0: no average), got {t.ema_decay}")
+    elif t.ema_decay and deepspeed.zero_stage in (None, 3):
+        p.append("train.ema_decay averages whole parameters, which ZeRO-3 partitions: use --deepspeed.zero_stage 0-2, "
+                 "or --train.ema_decay 0")
     if scaling.num_workers <= 0:
         p.append("scaling.num_workers must be positive")
     elif t.memories_per_step % (scaling.num_workers * t.grad_accum):
@@ -80,6 +85,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 30  # linear warm-up from 0 to lr
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    # evaluations and exports read an exponential moving average of the trained weights (pipelines/train/averaging.py)
+    # over about the last 1 / (1 - ema_decay) steps; 0: the last step's weights. ZeRO 0-2 (whole parameters)
+    ema_decay: float = 0.0
     grad_clip: float = 1.0  # gradient norm clipped to this (0: no clipping)
     frozen_decoder_steps: int = 0  # the plan's warm-up phase: decoder updates start after this many steps
     log_every: int = 20  # steps between progress lines and logged metrics

@@ -144,6 +144,9 @@ class StageRecipe:
             # the mixture's other tasks and its largest memory (whole answers, as needle_accuracy), not the depths
             **{key: value for key, value in metrics.items()
                if key.startswith("needle_accuracy/") and not key.startswith("needle_accuracy/depth_")},
+            # train.ema_decay: the last step's own weights, beside the average the fields above read
+            **{key: value for key, value in metrics.items() if key.startswith("unaveraged/needle_accuracy")
+               and not key.startswith("unaveraged/needle_accuracy/depth_")},
             "no_memory_accuracy": metrics.get("no_memory_accuracy"),
             **({"mixture_from": int(metrics["mixture_from"])} if "mixture_from" in metrics else {}),
             "gate_abs_mean": metrics.get("gate_abs_mean"),
