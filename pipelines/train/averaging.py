@@ -1,7 +1,8 @@
 """train.ema_decay: an exponential moving average of the trained weights, the weights evaluations and exports read.
-A run's last steps still move its weights by the learning rate's floor, so where training stops is partly chance;
-the average over the last ~1/(1 - decay) steps is steadier than any one of them. torch's EMA update
-(`torch.optim.swa_utils.get_ema_multi_avg_fn`) over the trained parameters alone, kept in fp32 beside them."""
+A run's last steps still move its weights at the learning rate's floor; the average over the last ~1/(1 - decay)
+steps is the usual remedy, though not one that helped the beyond-lexical preset (docs/jobs.md, "Weight averaging").
+torch's EMA update (`torch.optim.swa_utils.get_ema_multi_avg_fn`) over the trained parameters alone, in fp32 beside
+them."""
 
 from __future__ import annotations
 
