@@ -3,7 +3,7 @@ one process: quick experiments on training for size without Ray.
 
 It trains with the project's own parts, as the stage-0 job's worker does: the preset's model config
 (`pipelines.train.model.build_model`), the needle stream (`NeedleStream`), AdamW, gradient clipping and the job's
-schedule (`pipelines.train.engine.cosine_factor`), plus the model's routing loss; then scores held-out memories with
+schedule (`pipelines.train.engine.Schedule`), plus the model's routing loss; then scores held-out memories with
 `score_needles` (exact match, one question a row, as `jobs/evaluate.py` asks) at each size, and for a routing model
 the share of questions whose evidence chunk is among the top-k chunks a router picks at the question's last token.
 Phases train one after another on their own needle settings (a curriculum by hand); `--init-from` continues from a
@@ -36,7 +36,7 @@ from pipelines.data.synthetic_needles import generate_memory
 from pipelines.evaluate.in_training import score_needles
 from pipelines.evaluate.probes import chunk_reading
 from pipelines.train.configs.stage import ModelConfig, NeedleConfig
-from pipelines.train.engine import cosine_factor
+from pipelines.train.engine import Schedule
 from pipelines.train.model import build_model
 from pipelines.train.presets import STAGE0
 
@@ -67,7 +67,7 @@ def train(model, config: ModelConfig, phases: list[tuple[int, NeedleConfig]], lr
     t = dataclasses.replace(STAGE0.train, max_steps=sum(steps for steps, _ in phases), lr=lr)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_factor(t))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule(t))
     model.train()
     step, start, losses, routing = 0, time.time(), [], []
     for steps, needle in phases:

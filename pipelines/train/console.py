@@ -55,8 +55,10 @@ def eval_line(metrics: dict[str, Any]) -> str | None:
 
 
 def mixture_line(metrics: dict[str, Any]) -> str:
-    """`the mixture starts at step 2300`: where needle.base_until ended the base task's steps."""
-    return f"the mixture starts at step {int(metrics['mixture_from'])}"
+    """`the mixture starts at step 2300`: where needle.base_until ended the base task's steps (`; the run ends at step
+    7300`: needle.mixture_steps)."""
+    ends = f"; the run ends at step {int(metrics['last_step'])}" if "last_step" in metrics else ""
+    return f"the mixture starts at step {int(metrics['mixture_from'])}{ends}"
 
 
 def closing_sentence(summary: dict[str, Any], tracking_uri: str | None) -> str:
@@ -94,12 +96,13 @@ class ConsoleCallback(ray.train.UserCallback):
         if not metrics or "step" not in metrics[0]:
             return
         m, now = metrics[0], time.monotonic()
+        last = int(m.get("last_step", self.max_steps))  # where a recipe ends the run (TrainState.decay)
         if self.started is None or m["step"] <= self.started[1]:  # first report, or a restart from a checkpoint
             self.started = (now, m["step"])
             eta = None
         else:
-            eta = (now - self.started[0]) / (m["step"] - self.started[1]) * (self.max_steps - m["step"])
-        self.queue.put(step_line(m, self.max_steps, eta))
+            eta = (now - self.started[0]) / (m["step"] - self.started[1]) * (last - m["step"])
+        self.queue.put(step_line(m, last, eta))
         if (line := eval_line(m)) is not None:
             self.queue.put(line)
         if "mixture_from" in m and not self.mixture_said:

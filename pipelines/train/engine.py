@@ -97,13 +97,14 @@ def zero3_loading(ds_config: dict[str, Any]) -> Iterator[Partitioner]:
 
 
 def setup_deepspeed(model: torch.nn.Module, config, groups: dict[str, list[torch.nn.Parameter]],
-                    ds_config: dict[str, Any]):
-    """A torch AdamW over the recipe's parameter groups and transformers' warmup + cosine schedule, handed to
-    DeepSpeed: no DeepSpeed optimizer op to JIT-build. `ds_config` is deepspeed_config(config, world), the dict the
-    model was built with (zero3_loading). Reads only config.train and config.deepspeed."""
+                    ds_config: dict[str, Any], schedule: Schedule | None = None):
+    """A torch AdamW over the recipe's parameter groups and transformers' warmup + cosine schedule (`schedule`, the
+    loop's, which a recipe may move), handed to DeepSpeed: no DeepSpeed optimizer op to JIT-build. `ds_config` is
+    deepspeed_config(config, world), the dict the model was built with (zero3_loading). Reads only config.train and
+    config.deepspeed."""
     t = config.train
     optimizer = build_optimizer([{"params": params, "name": name} for name, params in groups.items()], t)
-    scheduler = lr_scheduler(optimizer, t)
+    scheduler = lr_scheduler(optimizer, t, schedule)
     if config.deepspeed.stage == 3:
         mark_zero3_leaf_modules(model)
     clear_stale_build_lock()  # initialize loads DeepSpeed's CPU comm op; a killed build's lock would hang it
@@ -122,24 +123,52 @@ def build_optimizer(groups: list[dict[str, Any]], t: TrainConfig) -> torch.optim
     return torch.optim.AdamW(groups, lr=t.lr, weight_decay=t.weight_decay, fused=True)
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """transformers' warmup + cosine to lr * min_lr_ratio for every group, except that the decoder group's learning
-    rate stays 0 for the plan's warm-up phase (train.frozen_decoder_steps)."""
-    cosine = cosine_factor(t)
-    factors = [frozen_for(t.frozen_decoder_steps, cosine) if group["name"] == "decoder" else cosine
+def lr_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig,
+                 schedule: Schedule | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """`schedule` (transformers' warmup + cosine to lr * min_lr_ratio) for every group, except that the decoder
+    group's learning rate stays 0 for the plan's warm-up phase (train.frozen_decoder_steps)."""
+    schedule = schedule or Schedule(t)
+
+    def factor(step: int) -> float:  # a function, not the Schedule: LambdaLR checkpoints an object's attributes,
+        return schedule(step)  # and the span lives in the loop's state
+
+    factors = [frozen_for(t.frozen_decoder_steps, factor) if group["name"] == "decoder" else factor
                for group in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
-def cosine_factor(t: TrainConfig) -> Callable[[int], float]:
-    """transformers' schedule as a function of the step (its public constructor, read off a one-weight optimizer),
-    read one step ahead: its factor at step 0 is 0, so the first update would only warm Adam's moments. Update k
-    trains at transformers' factor for k + 1 (lr / warmup first, the floor on the last update). The stage-0 demo
-    moved with it: 0.84 needle accuracy with transformers' step 0 at LR 0, 0.95 with this (docs/jobs.md, stage 0)."""
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    factor = get_cosine_with_min_lr_schedule_with_warmup(probe, t.warmup_steps, t.max_steps,
-                                                         min_lr_rate=t.min_lr_ratio).lr_lambdas[0]
-    return lambda step: factor(min(step + 1, t.max_steps))
+class Schedule:
+    """transformers' warmup + cosine schedule (its public constructor, read off a one-weight optimizer) as a
+    function of the step, read one step ahead: its factor at step 0 is 0, so the first update would only warm Adam's
+    moments. Update k trains at transformers' factor for k + 1 (lr / warmup first, the floor on the last update). The
+    stage-0 demo moved with it: 0.84 needle accuracy with transformers' step 0 at LR 0, 0.95 with this (docs/jobs.md,
+    stage 0).
+
+    The cosine spans the run (warmup to train.max_steps) unless `span` is set to [first, last]: then the rate stays
+    at its peak after warmup until `first` and decays from there to the floor at `last` (a stage-0 run whose needle
+    mixture starts when the lookup forms, needle.mixture_steps: TrainState.decay)."""
+
+    def __init__(self, t: TrainConfig):
+        self.t, self.span = t, None
+        self.whole = self.cosine(t.warmup_steps, t.max_steps)
+        self.spans: dict[tuple[int, int], Callable[[int], float]] = {}
+
+    def cosine(self, warmup: int, steps: int) -> Callable[[int], float]:
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        return get_cosine_with_min_lr_schedule_with_warmup(probe, warmup, steps,
+                                                           min_lr_rate=self.t.min_lr_ratio).lr_lambdas[0]
+
+    def __call__(self, step: int) -> float:
+        ahead = step + 1
+        if self.span is None:
+            return self.whole(min(ahead, self.t.max_steps))
+        first, last = self.span
+        warming = self.whole(ahead) if ahead < self.t.warmup_steps else 1.0
+        if ahead <= first:
+            return warming
+        if (first, last) not in self.spans:
+            self.spans[first, last] = self.cosine(0, last - first)
+        return min(warming, self.spans[first, last](min(ahead, last) - first))
 
 
 def frozen_for(steps: int, factor: Callable[[int], float]) -> Callable[[int], float]:

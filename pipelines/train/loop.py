@@ -18,8 +18,8 @@ from pipelines.evaluate.collectives import summed_over_ranks
 from pipelines.tracking.checkpoints import EXPORT_DIR, UNAVERAGED_EXPORT_DIR
 from pipelines.tracking.tracker import Tracker, for_other_nodes
 from pipelines.train.averaging import WeightAverage, applied
-from pipelines.train.engine import (deepspeed_config, quiet_known_warnings, restore_checkpoint, save_checkpoint,
-                                    setup_deepspeed)
+from pipelines.train.engine import (Schedule, deepspeed_config, quiet_known_warnings, restore_checkpoint,
+                                    save_checkpoint, setup_deepspeed)
 from pipelines.train.hooks import installed_hook
 from pipelines.train.plan import measured_peak_gib
 from pipelines.train.recipes import Recipe, TrainState
@@ -33,23 +33,27 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.manual_seed(config.train.seed)
     ds_config = deepspeed_config(config, world)
     model = recipe.build_model(config, worker, ds_config)
-    engine = setup_deepspeed(model, config, recipe.parameter_groups(model), ds_config)
+    schedule = Schedule(config.train)  # the learning rate's; a recipe may move its cosine (TrainState.decay)
+    engine = setup_deepspeed(model, config, recipe.parameter_groups(model), ds_config, schedule)
     average = WeightAverage.of_trained(engine.module, config.train.ema_decay)  # None: no averaging
     state = resumed_state(engine, world, average)
     stream = recipe.stream(config, worker, rank, world, state.step)
     tracker = Tracker(worker_tracking_uri(loop_config), loop_config.get("mlflow_run_id") if rank == 0 else None)
     hook, t, step_seconds = installed_hook(), config.train, []  # hook: pipelines.train.hooks, "train" and "save"
-    while state.step < t.max_steps:
+    while state.step < state.last_step(t.max_steps):
         decided = recipe.before_step(engine, config, state, stream)
         if decided:  # logged at the step it measured, whether or not the step is a logging one
             tracker.log_metrics(decided, state.step)
+        schedule.span = state.decay
         metrics = train_step(engine, recipe, config, state, stream)
+        if state.decay:
+            metrics["last_step"] = state.decay[1]
         if average is not None:
             average.update()
         step_seconds.append(metrics["step_seconds"])
         metrics["step_seconds_median"] = statistics.median(step_seconds[-100:])
         hook("train", state.step)
-        final = state.step == t.max_steps
+        final = state.step == state.last_step(t.max_steps)
         logging_step = state.step % t.log_every == 0 or final
         if logging_step:
             metrics |= recipe.probe(engine, config, state, stream)

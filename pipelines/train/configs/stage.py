@@ -178,6 +178,10 @@ class NeedleConfig:
     # base_check_every steps) where the base task's held-out accuracy reaches this: when the lookup forms varies
     # from run to run, so a fixed switch starts some runs' mixture on the plateau (0: at base_steps)
     base_check_every: int = 100  # steps between base_until's checks
+    mixture_steps: int = 0  # with base_until, the run ends this many steps after the mixture starts, its learning
+    # rate at its peak until then and decaying over these steps, so every run trains the mixture as long whenever
+    # its lookup forms (train.max_steps, at least base_steps + mixture_steps, is the most it may take); 0: the run
+    # ends at train.max_steps, one cosine over it
     value_order: str = "memory"  # multi_value's trained answer: its two values in memory order, or "sorted" by
     # their digits (a reader that sees chunks apart, as gca does, cannot tell memory order; scoring takes either)
     # share (0-1) of a multi_value training memory's asked keys given one value, not two: whether an answer ends
@@ -208,6 +212,11 @@ class NeedleConfig:
         elif n.base_until > 0 and n.base_steps == 0:
             p.append("needle.base_until ends the base task's steps early, and there are none: give the most with "
                      "--needle.base_steps, e.g. 4000")
+        if n.mixture_steps < 0:
+            p.append(f"needle.mixture_steps must be >= 0, got {n.mixture_steps}")
+        elif n.mixture_steps and n.base_until <= 0:
+            p.append("needle.mixture_steps counts the mixture's steps from where needle.base_until starts it, and "
+                     "base_until is off: give it too, e.g. --needle.base_until 0.75 --needle.base_steps 4000")
         if n.base_check_every < 1:
             p.append(f"needle.base_check_every must be >= 1, got {n.base_check_every}")
         if self.val_memories % num_workers:
@@ -265,7 +274,11 @@ class StageConfig(JobConfig):
                                   num_workers=self.scaling.num_workers)
         p += run_problems(self.train, self.scaling, self.deepspeed, self.tracking)
         p += self.data.problems()
-        m, d = self.model, self.data
+        m, d, n = self.model, self.data, self.needle
+        if n.mixture_steps > 0 and n.base_until > 0 and self.train.max_steps < n.base_steps + n.mixture_steps:
+            p.append(f"train.max_steps ({self.train.max_steps}) is the most a run with needle.mixture_steps may take, "
+                     f"and one whose mixture starts at needle.base_steps takes {n.base_steps + n.mixture_steps}: "
+                     f"use --train.max_steps {n.base_steps + n.mixture_steps}")
         if m.liger and not self.scaling.use_gpu:
             p.append("model.liger runs Liger-Kernel's Triton kernels, which need GPU workers: set --scaling.use_gpu "
                      "true, or --model.liger false")

@@ -28,6 +28,12 @@ class TrainState:
     gate_history: list[list[float]] = field(default_factory=list)  # [step, |tanh(gate)| per GCA layer...]
     mixture_from: int | None = None  # needles: the step the mixture started at (needle.base_until), so a resumed
     # run draws the same data; None before it starts
+    decay: list[int] | None = None  # [first, last]: the learning rate's cosine runs over these steps, at its peak
+    # before (engine.Schedule), and the run ends at `last` (needle.mixture_steps); None: over the whole run, which
+    # ends at train.max_steps
+
+    def last_step(self, max_steps: int) -> int:
+        return self.decay[1] if self.decay else max_steps
 
 
 @dataclass

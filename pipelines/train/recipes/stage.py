@@ -79,7 +79,8 @@ class StageRecipe:
     def before_step(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:
         """needle.base_until: every needle.base_check_every steps of the base task, its held-out accuracy; the mixture
         starts at the first check that reaches the bar, at needle.base_steps at the latest. The step is kept in the
-        checkpoint's state, so a resumed run draws the data the first one did."""
+        checkpoint's state, so a resumed run draws the data the first one did. With needle.mixture_steps the run
+        ends that many steps later, its learning rate held at its peak until the mixture starts (TrainState.decay)."""
         n, metrics = config.needle, {}
         if config.data.train_path or n.base_until <= 0:
             return metrics
@@ -93,6 +94,9 @@ class StageRecipe:
             if metrics["base_check_accuracy"] >= n.base_until:
                 state.mixture_from = metrics["mixture_from"] = state.step
         stream.mixture_from = state.mixture_from
+        if n.mixture_steps:  # until the mixture starts, the rate holds at its peak and the run may take max_steps
+            state.decay = ([state.mixture_from, state.mixture_from + n.mixture_steps] if state.mixture_from is not None
+                           else [config.train.max_steps] * 2)
         return metrics
 
     def probe(self, engine, config: StageConfig, state: TrainState, stream) -> dict[str, float]:

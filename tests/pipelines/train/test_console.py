@@ -48,3 +48,16 @@ def test_the_start_of_the_mixture_is_said_once():
     lines = callback.queue
     assert [line for line in lines if not line.startswith("step ")] == ["the mixture starts at step 55"]
     assert len(lines) == 4
+
+
+def test_a_run_that_ends_after_its_mixture_counts_to_its_last_step():
+    """needle.mixture_steps: once reports carry last_step, the step line and its ETA count to it, not max_steps."""
+    class Lines(list):
+        put = list.append
+
+    callback = ConsoleCallback(Lines(), 9000)
+    for step, extra in ((100, {}), (200, {"mixture_from": 150, "last_step": 5150})):
+        callback.after_report(None, [{"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0, **extra}], None)
+    first, second, mixture = callback.queue
+    assert first.startswith("step 100/9000  ") and second.startswith("step 200/5150  ")
+    assert mixture == "the mixture starts at step 150; the run ends at step 5150"

@@ -51,14 +51,16 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     reported, so that checkpoint is incomplete and the run restarts from checkpoint 2 (one run for both: start-up
     dominates; every failure mode, one run each, in test_a_failed_worker_restarts_from_the_last_complete_checkpoint).
     needle.base_until checks the base task before steps 1 and 2 (a random model stays below the bar) and the mixture
-    starts at needle.base_steps, 3, in the state a resumed run reads."""
+    starts at needle.base_steps, 3, in the state a resumed run reads; needle.mixture_steps 1 ends the run at step 4,
+    short of train.max_steps 6."""
     plan, marker = tmp_path / "faults.json", tmp_path / "injected-failure-save:4"
     faults.plan(plan, STAGE0.run.name, "save:4", marker)
     env = os.environ | {HOOK_ENV: faults.HOOK, faults.PLAN_ENV: str(plan), "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "stage0.py"), "--train.max_steps", "4", "--train.eval_every", "2",
+        [sys.executable, str(ROOT / "jobs" / "stage0.py"), "--train.max_steps", "6", "--train.eval_every", "2",
          "--train.checkpoint_every", "2", "--train.log_every", "2", "--needle.val_memories", "8",
          "--needle.base_steps", "3", "--needle.base_until", "0.9", "--needle.base_check_every", "1",
+         "--needle.mixture_steps", "1",
          "--model.checkpoint_root", str(checkpoint_root), "--run.storage_path", str(tmp_path / "ray")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
     )
@@ -68,9 +70,10 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     assert marker.is_file()  # it did fail, at the checkpoint of step 4
     state = json.loads((Path(summary["checkpoint"]) / "trainer_state.json").read_text())
     assert state["index_checksum"] == sum(range(4 * STAGE0.train.memories_per_step))  # no example twice or lost
-    assert state["mixture_from"] == summary["mixture_from"] == 3
+    assert state["mixture_from"] == summary["mixture_from"] == 3 and state["decay"] == [3, 4]
     console = result.stdout.splitlines()
-    assert "the mixture starts at step 3" in console, console
+    assert "the mixture starts at step 3; the run ends at step 4" in console, console
+    assert any(line.startswith("step 2/6  loss ") for line in console), console
     assert any(line.startswith("step 4/4  loss ") for line in console), console
     assert any(line.startswith("eval step 2  needle acc ") for line in console), console
     assert not any("TrainingReport(" in line or "{'loss'" in line for line in console + result.stderr.splitlines())
@@ -82,7 +85,7 @@ def test_stage0_job_end_to_end(tmp_path, checkpoint_root):
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
-    assert run.data.params["train.max_steps"] == "4" and "needle_accuracy" in run.data.metrics
+    assert run.data.params["train.max_steps"] == "6" and "needle_accuracy" in run.data.metrics
     checks = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id,
                                                                                    "base_check_accuracy")
     assert {m.step for m in checks} == {1, 2} and all(m.value < 0.9 for m in checks)

@@ -168,3 +168,33 @@ def test_base_until_starts_the_mixture_at_the_first_check_that_reaches_the_bar(m
     assert decided == {"mixture_from": 1000} and stream.mixture_from == 1000
     off = dataclasses.replace(config, needle=dataclasses.replace(config.needle, base_until=0.0))
     assert STAGE.before_step(engine, off, TrainState(step=100), stream) == {}
+
+
+def test_mixture_steps_end_the_run_that_many_steps_after_the_mixture_starts(monkeypatch):
+    """needle.mixture_steps 500: before the mixture the state's decay span sits at train.max_steps (the rate held at
+    its peak, the run's end still max_steps); once the check at step 200 starts it, [200, 700], and the loop's last
+    step is 700. A resumed state keeps its span; without mixture_steps there is none."""
+    import pipelines.train.recipes.stage as stage
+    from pipelines.train.recipes import TrainState
+
+    monkeypatch.setattr(stage, "base_accuracy", lambda *args: 0.93 if state.step == 200 else 0.5)
+    monkeypatch.setattr(stage.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(stage.dist, "get_world_size", lambda: 1)
+    engine, stream = type("Engine", (), {"module": None})(), type("Stream", (), {"mixture_from": None})()
+    config = dataclasses.replace(STAGE0, needle=dataclasses.replace(STAGE0.needle, base_steps=1000, base_until=0.9,
+                                                                    mixture_steps=500),
+                                 train=dataclasses.replace(STAGE0.train, max_steps=1500))
+    assert config.problems() == []
+    state, spans = TrainState(), {}
+    while state.step < state.last_step(config.train.max_steps):
+        STAGE.before_step(engine, config, state, stream)
+        spans.setdefault(tuple(state.decay), state.step)
+        state.step += 1
+    assert spans == {(1500, 1500): 0, (200, 700): 200} and state.step == 700
+    resumed = TrainState(step=600, mixture_from=200, decay=[200, 700])
+    STAGE.before_step(engine, config, resumed, stream)
+    assert resumed.decay == [200, 700] and resumed.last_step(1500) == 700
+    plain = TrainState(step=300)
+    STAGE.before_step(engine, dataclasses.replace(config, needle=dataclasses.replace(config.needle, mixture_steps=0)),
+                      plain, stream)
+    assert plain.decay is None and plain.last_step(1500) == 1500
