@@ -33,8 +33,8 @@ CONFIG_FILE = "job_config.json"  # the config a run directory was trained with; 
 # survives, and what it prints. Anything else (model, data, optimizer, seed, workers, tracking) would make one run
 # of two different jobs.
 RESUMABLE_CHANGES = frozenset({
-    "train.max_steps", "train.log_every", "train.eval_every", "train.checkpoint_every", "run.max_failures",
-    "run.keep_checkpoints", "run.export_every_checkpoint", "run.verbose", "data.verify_hashes",
+    "train.max_steps", "needle.mixture_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+    "run.max_failures", "run.keep_checkpoints", "run.export_every_checkpoint", "run.verbose", "data.verify_hashes",
     "scaling.gpus_per_node", "scaling.gpu_memory_gib",
     "run.storage_path", "run.name",  # the same directory, however it was spelt
 })
