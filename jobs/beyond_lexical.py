@@ -1,7 +1,7 @@
 """Stage 0 on the questions retrieval cannot match: the stage-0 mixture plus alias, alias_multi_key and two_hop
-(docs/jobs.md, "Questions retrieval cannot match"), about 13 minutes on 2 CPU cores.
+(docs/jobs.md, "Questions retrieval cannot match"), 5,800-7,400 steps: about 12-17 minutes on 2 CPU cores.
 
-    python jobs/beyond_lexical.py                           # embedded default: tiny pair, CPU, 6,000 steps
+    python jobs/beyond_lexical.py                           # embedded default: tiny pair, CPU, 5,000 mixture steps
     python jobs/beyond_lexical.py --train.seed 1            # any config field, as --section.field VALUE
     python jobs/beyond_lexical.py --dry-run                 # validate and print the resolved config, no Ray
 
