@@ -61,8 +61,9 @@ STAGE0 = StageConfig(
 # decaying over them: how long the mixture trained, not the seed, had decided the RULER cells. The two answer formats
 # slowest to learn weigh 5 each and the alias tasks, learned first, 3 between them, so a lookup that forms early
 # still learns multi_query (docs/jobs.md says what a lighter share left). multi_value's answer gives its values
-# sorted by their digits: the blocks read chunks apart, so which of two chunks comes first is not in what they read. ZeRO-0 and evaluations every 1,000 steps: 316k parameters need no partitioning, and ZeRO-2's fixed
-# cost a step is time the model does not use.
+# sorted by their digits: the blocks read chunks apart, so which of two chunks comes first is not in what they read.
+# ZeRO-0 and evaluations every 1,000 steps: 316k parameters need no partitioning, and ZeRO-2's fixed cost a step is
+# time the model does not use.
 BEYOND_LEXICAL = dataclasses.replace(
     STAGE0,
     model=dataclasses.replace(STAGE0.model, reading=dataclasses.replace(
